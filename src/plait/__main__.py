@@ -1,0 +1,3 @@
+from plait.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: collectives (nccl-tests style), fused operators, tensor parallelism, heterogeneity."""

@@ -1,0 +1,238 @@
+"""``plait bench collectives``: plait's counterpart of nccl-tests.
+
+For each collective and message size: the median time of several timed
+iterations after warm-up (each iteration's time is the max over ranks),
+algorithm bandwidth ``algbw = bytes / time`` and bus bandwidth
+``busbw = algbw × factor``, with nccl-tests' definitions
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+
+=================  ==========================  ===========
+collective         ``bytes`` is                bus factor
+=================  ==========================  ===========
+all_reduce         the buffer                  2(n−1)/n
+all_gather         the gathered output         (n−1)/n
+reduce_scatter     the input to be reduced     (n−1)/n
+all_to_all(v)      all a rank sends            (n−1)/n
+=================  ==========================  ===========
+
+Every first iteration's output is checked against the exact expected values
+(as nccl-tests counts ``#wrong``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import rank_context
+from ..runtime.compat import all_gather_into, reduce_scatter_into
+from ..runtime.timing import agreed_max, median, time_once
+
+__all__ = ["COLLECTIVES", "CollectiveBenchConfig", "bench_collectives", "bus_factor",
+           "plot_bandwidth", "run_sweep", "sweep_sizes", "uneven_splits"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveBenchConfig:
+    """What to sweep; each field's help is its CLI flag's help."""
+
+    collectives: tuple[str, ...] = field(default=COLLECTIVES, metadata={
+        "help": "collectives to run: " + ", ".join(COLLECTIVES)})
+    min_bytes: int = field(default=4 * 1024, metadata={
+        "help": "smallest message in bytes (nccl-tests -b)"})
+    max_bytes: int = field(default=16 * 1024 * 1024, metadata={
+        "help": "largest message in bytes (nccl-tests -e)"})
+    step_factor: int = field(default=4, metadata={
+        "help": "multiply the size by this between points (nccl-tests -f)"})
+    warmup: int = field(default=2, metadata={"help": "untimed iterations per point (nccl-tests -w)"})
+    min_iters: int = field(default=3, metadata={"help": "fewest timed iterations per point"})
+    max_iters: int = field(default=20, metadata={
+        "help": "most timed iterations per point (nccl-tests -n); the median is reported"})
+    budget_s: float = field(default=0.4, metadata={
+        "help": "seconds to spend timing one point; sets the iteration count within the bounds"})
+    dtype: str = field(default="float32", metadata={"help": "element type of the buffers"})
+    extra: dict = field(default_factory=dict, metadata={"help": None})  # labels for every record
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.collectives if c not in COLLECTIVES]
+        if unknown:
+            raise ValueError(f"unknown collectives {unknown}; choose from {list(COLLECTIVES)}")
+        if not 0 < self.min_bytes <= self.max_bytes:
+            raise ValueError(f"need 0 < min_bytes ≤ max_bytes, got {self.min_bytes}, {self.max_bytes}")
+        if self.step_factor < 2:
+            raise ValueError(f"step_factor must be at least 2, got {self.step_factor}")
+        if not 1 <= self.min_iters <= self.max_iters:
+            raise ValueError(f"need 1 ≤ min_iters ≤ max_iters, got {self.min_iters}, {self.max_iters}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be non-negative, got {self.warmup}")
+        if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    n = world_size
+    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def sweep_sizes(cfg: CollectiveBenchConfig) -> list[int]:
+    sizes, size = [], cfg.min_bytes
+    while size <= cfg.max_bytes:
+        sizes.append(size)
+        size *= cfg.step_factor
+    return sizes
+
+
+def uneven_splits(world_size: int, count: int) -> list[list[int]]:
+    """``splits[i][j]``: elements rank i sends rank j; each row sums to ``count``, rows differ."""
+    splits = []
+    for i in range(world_size):
+        weights = [1 + (i + 2 * j) % world_size for j in range(world_size)]
+        row = [count * w // sum(weights) for w in weights]
+        row[-1] += count - sum(row)
+        splits.append(row)
+    return splits
+
+
+class _Case:
+    """Buffers and the call for one collective at one size on this rank; ``check`` verifies."""
+
+    def __init__(self, name: str, nbytes: int, dtype: torch.dtype, device: torch.device):
+        self.name, n = name, dist.get_world_size()
+        r = dist.get_rank()
+        elem = torch.empty((), dtype=dtype).element_size()
+        count = max(n, nbytes // elem // n * n)  # divisible by n so every shape is legal
+        self.nbytes = count * elem
+        make = lambda k, fill: torch.full((k,), float(fill), dtype=dtype, device=device)  # noqa: E731
+        self.splits_in = self.splits_out = None
+        if name == "all_reduce":
+            self.inp = self.out = make(count, r + 1)
+        elif name == "all_gather":
+            self.inp, self.out = make(count // n, r + 1), make(count, 0)
+        elif name == "reduce_scatter":
+            self.inp, self.out = make(count, r + 1), make(count // n, 0)
+        elif name == "all_to_all":
+            self.inp, self.out = make(count, r + 1), make(count, 0)
+        else:
+            splits = uneven_splits(n, count)
+            self.splits_in = splits[r]
+            self.splits_out = [splits[j][r] for j in range(n)]
+            self.inp, self.out = make(count, r + 1), make(sum(self.splits_out), 0)
+
+    def __call__(self) -> None:
+        if self.name == "all_reduce":
+            dist.all_reduce(self.out)
+        elif self.name == "all_gather":
+            all_gather_into(self.out, self.inp)
+        elif self.name == "reduce_scatter":
+            reduce_scatter_into(self.out, self.inp)
+        else:
+            dist.all_to_all_single(self.out, self.inp, self.splits_out, self.splits_in)
+
+    def expected(self) -> torch.Tensor:
+        n = dist.get_world_size()
+        if self.name in ("all_reduce", "reduce_scatter"):
+            return torch.full_like(self.out.cpu(), n * (n + 1) / 2)
+        if self.name == "all_gather":
+            return torch.arange(1, n + 1, dtype=self.out.dtype).repeat_interleave(self.out.numel() // n)
+        counts = self.splits_out or [self.out.numel() // n] * n
+        return torch.cat([torch.full((c,), float(j + 1), dtype=self.out.dtype)
+                          for j, c in enumerate(counts)])
+
+    def check(self) -> int:
+        """Run once and count wrong elements (nccl-tests' #wrong)."""
+        self()
+        wrong = int((self.out.cpu() != self.expected()).sum())
+        if self.name == "all_reduce":
+            self.out.fill_(dist.get_rank() + 1)  # later iterations keep small values
+        return wrong
+
+
+def _iterations(cfg: CollectiveBenchConfig, probe_s: float) -> int:
+    iters = int(cfg.budget_s / max(probe_s, 1e-6))
+    return max(cfg.min_iters, min(cfg.max_iters, iters))
+
+
+def run_sweep(cfg: CollectiveBenchConfig) -> list[dict]:
+    """Run on every rank of an initialised group; returns the records (same on every rank)."""
+    ctx = rank_context()
+    n, device = dist.get_world_size(), ctx.topology.device
+    dtype = getattr(torch, cfg.dtype)
+    records = []
+    for name in cfg.collectives:
+        for nbytes in sweep_sizes(cfg):
+            case = _Case(name, nbytes, dtype, device)
+            wrong = agreed_max([case.check()])[0]
+            for _ in range(cfg.warmup):
+                case()
+            probe = agreed_max([time_once(case, device)])[0]
+            times = [time_once(case, device) for _ in range(_iterations(cfg, probe))]
+            times = agreed_max(times)
+            t = median(times)
+            algbw = case.nbytes / t / 1e9
+            records.append({
+                "collective": name, "bytes": case.nbytes, "dtype": cfg.dtype,
+                "time_s": t, "time_min_s": min(times), "time_max_s": max(times),
+                "iters": len(times), "algbw_GBps": algbw,
+                "busbw_GBps": algbw * bus_factor(name, n), "wrong": int(wrong),
+                "world_size": n, "backend": ctx.topology.backend, "link": ctx.link, **cfg.extra,
+            })
+            ctx.report({"collective": name, "bytes": case.nbytes, "time_s": t})
+    return records
+
+
+def bench_collectives(cfg: CollectiveBenchConfig, *, ranks: int, hosts: int = 0,
+                      link: str | None = "1gbit", timeout_s: float | None = None,
+                      on_progress=None) -> tuple[list[dict], str]:
+    """Launch the sweep on ``ranks`` local ranks, on an emulated cluster of ``hosts``
+    hosts (0: loopback). Returns (records, a line saying where it ran)."""
+    from ..runtime import EmulatedCluster, launch, parse_rate
+
+    if ranks < 1:
+        raise ValueError(f"world size must be at least 1, got {ranks}")
+    parse_rate(link)  # refuse a bad rate before anything starts
+    if hosts:
+        if ranks % hosts:
+            raise ValueError(f"{ranks} ranks do not divide over {hosts} hosts")
+        with EmulatedCluster(hosts=hosts, link=link) as cluster:
+            cfg = _labelled(cfg, link=cluster.link_label, hosts=hosts if cluster.emulated else 0)
+            records = launch(run_sweep, ranks, args=(cfg,), cluster=cluster, timeout_s=timeout_s,
+                             on_progress=on_progress)[0]
+            return records, cluster.describe()
+    cfg = _labelled(cfg, link="loopback", hosts=0)
+    records = launch(run_sweep, ranks, args=(cfg,), timeout_s=timeout_s, on_progress=on_progress)[0]
+    return records, "loopback (no emulated cluster asked for)"
+
+
+def _labelled(cfg: CollectiveBenchConfig, **labels) -> CollectiveBenchConfig:
+    from dataclasses import replace
+
+    return replace(cfg, extra={**cfg.extra, **labels})
+
+
+def plot_bandwidth(records: list[dict], path, link_GBps: float | None = None) -> None:
+    """Bus bandwidth against message size, one line per collective, the link rate dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["collective"] for r in records):
+        rows = [r for r in records if r["collective"] == name]
+        ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o", label=name)
+    if link_GBps:
+        ax.axhline(link_GBps, linestyle="--", color="grey", label=f"link {link_GBps:g} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    world = records[0]["world_size"] if records else "?"
+    ax.set_title(f"plait bench collectives: {world} ranks, {records[0]['link'] if records else ''}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

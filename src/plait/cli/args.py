@@ -1,0 +1,51 @@
+"""Typed config dataclasses ⇄ argparse: one source for defaults, types and --help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+__all__ = ["add_dataclass_args", "dataclass_from_args"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field whose metadata has a ``help``; tuples become comma-separated lists."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        help_text = f.metadata.get("help")
+        if f.name in skip or help_text is None:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                                default=None, help=f"{help_text} (default: {default})")
+            continue
+        if typing.get_origin(hint) is tuple:
+            default_text = ",".join(map(str, default))
+            parser.add_argument(_flag(f.name), default=None, metavar="A,B,…",
+                                help=f"{help_text} (default: {default_text})")
+            continue
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument(_flag(f.name), type=base, default=None,
+                            help=f"{help_text} (default: {default})")
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, defaults: dict | None = None):
+    """Build ``cls`` from the flags the user gave; an unset flag takes ``defaults`` (e.g. the
+    ``--quick`` preset), then the dataclass default."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if typing.get_origin(hints[f.name]) is tuple and isinstance(value, str):
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        values[f.name] = value
+    return cls(**{**(defaults or {}), **values})

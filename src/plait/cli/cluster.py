@@ -1,0 +1,101 @@
+"""``plait cluster``: run any torchrun-style script on an emulated cluster, or clean up after one.
+
+``plait cluster run --hosts 2 --link 1gbit -- python train.py`` starts the
+command once per rank, inside its host's namespace, with the variables
+torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
+GLOO_SOCKET_IFNAME, so ``plait.runtime.init_from_env()`` (or plain
+``init_process_group("gloo")``) just works. When one rank fails the others
+are stopped; the namespaces are removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import time
+
+from ..runtime import EmulatedCluster
+from ..runtime.cluster import NETNS_PREFIX, _netns_names, remove_stale_namespaces
+from .common import add_launch_args, resolve_placement
+
+__all__ = ["register", "run_on_cluster"]
+
+
+def register(subparsers) -> None:
+    cluster = subparsers.add_parser("cluster", help="emulated cluster: run a command on it, clean up")
+    which = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    run = which.add_parser("run", help="run COMMAND once per rank, each rank in its host's namespace")
+    add_launch_args(run)
+    run.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS…]")
+    run.set_defaults(func=_run)
+    status = which.add_parser("status", help="list namespaces plait made that still exist")
+    status.set_defaults(func=_status)
+    clean = which.add_parser("clean", help="remove every namespace plait made (after a crash)")
+    clean.set_defaults(func=_clean)
+
+
+def _set_pdeathsig() -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
+def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
+                   port: int = 29500, timeout_s: float | None = None) -> int:
+    """Run ``cmd`` on every rank; returns the first failing exit code, or 0."""
+    if not cmd:
+        raise ValueError("no command given; write: plait cluster run --hosts 2 -- python train.py")
+    with EmulatedCluster(hosts=max(hosts, 1), link=link) as cluster:
+        print(f"plait: {cluster.describe()}")
+        procs = []
+        try:
+            for rank in range(ranks):
+                host = cluster.host_of_rank(rank, ranks)
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks),
+                           LOCAL_RANK=str(rank % (ranks // cluster.n_hosts)),
+                           MASTER_ADDR=cluster.hosts[0].addr, MASTER_PORT=str(port),
+                           GLOO_SOCKET_IFNAME=host.ifname)
+                if timeout_s:
+                    env["PLAIT_TIMEOUT_S"] = str(timeout_s)
+                prefix = ["ip", "netns", "exec", host.netns] if host.netns else []
+                procs.append(subprocess.Popen(prefix + cmd, env=env, preexec_fn=_set_pdeathsig))
+            return _wait_all(procs)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            print(f"plait: rank {rank} exited with {code}; stopping the others")
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def _run(args: argparse.Namespace) -> int:
+    ranks, hosts, link = resolve_placement(args)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return run_on_cluster(cmd, ranks=ranks, hosts=hosts, link=link, port=args.port,
+                          timeout_s=args.timeout)
+
+
+def _status(args: argparse.Namespace) -> int:
+    names = [n for n in _netns_names() if n.startswith(NETNS_PREFIX)]
+    print("\n".join(names) if names else "no plait namespaces")
+    return 0
+
+
+def _clean(args: argparse.Namespace) -> int:
+    removed = remove_stale_namespaces()
+    print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else ""))
+    return 0

@@ -1,0 +1,48 @@
+"""What a launched rank knows about where it runs: one object, set once per process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .cluster import Host
+from .dist import Topology
+from .straggler import Straggler
+
+__all__ = ["RankContext", "rank_context"]
+
+
+@dataclass
+class RankContext:
+    """Owned by the launcher's worker for the lifetime of the rank process."""
+
+    topology: Topology
+    host: Host
+    link: str  # "loopback" or a tc rate such as "1gbit"
+    straggler: Straggler = field(default_factory=lambda: Straggler([], 0))
+    reporter: Callable[[Any], None] | None = None
+
+    def report(self, payload: Any) -> None:
+        """Send ``payload`` to the launcher's ``on_progress`` (a no-op outside ``launch``)."""
+        if self.reporter is not None:
+            self.reporter(payload)
+
+
+_current: RankContext | None = None
+
+
+def rank_context() -> RankContext:
+    """The context of this rank; outside ``launch`` (e.g. under torchrun) a loopback default."""
+    global _current
+    if _current is None:
+        from .dist import topology
+
+        topo = topology()
+        _current = RankContext(topo, Host(0, None, "lo", "127.0.0.1"), "loopback",
+                               Straggler([], topo.rank))
+    return _current
+
+
+def _set_rank_context(ctx: RankContext | None) -> None:
+    global _current
+    _current = ctx

@@ -1,0 +1,250 @@
+"""Run a function on N local ranks and return each rank's result.
+
+``launch(fn, world_size)`` starts one process per rank (forked from a server
+that has already imported torch, so a launch costs ~0.1 s, not an import of
+torch per rank), joins them into a gloo group through a file store, runs
+``fn(*args, **kwargs)`` on each and returns the results in rank order.
+
+Failure handling is the point of this module:
+
+- an exception on any rank is re-raised in the caller as :class:`RankError`
+  naming the rank and carrying its traceback;
+- a rank that dies (SIGKILL, segfault, OOM) is named the moment its process
+  ends, not after a collective timeout;
+- either way the other ranks are stopped at once and no process is left:
+  every rank has PR_SET_PDEATHSIG, so even a SIGKILL of the caller takes them
+  down;
+- every collective carries the group timeout, so a rank never waits forever.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Callable, Sequence
+
+from .cluster import EmulatedCluster, Host
+from .context import RankContext, _set_rank_context
+from .dist import init_explicit, shutdown, _timeout_s
+from .errors import RankError
+from .straggler import SlowSpec, Straggler, validate_slow
+
+__all__ = ["launch"]
+
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+_GRACE_S = 0.5  # after the first failure, how long to listen for the others' reports
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _enter_netns(name: str) -> None:
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if _libc().setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: dict,
+               store_path: str, host: Host, link: str, backend: str, timeout_s: float,
+               threads: int, env: dict, slow: Sequence[SlowSpec], conn) -> None:
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        os.environ.update(env)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          GLOO_SOCKET_IFNAME=host.ifname, MASTER_ADDR=host.addr)
+        if host.netns is not None:
+            _enter_netns(host.netns)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        store = dist.FileStore(store_path, world_size)
+        topo = init_explicit(rank=rank, world_size=world_size, backend=backend, store=store,
+                             timeout_s=timeout_s)
+        _set_rank_context(RankContext(topo, host, link, Straggler(slow, rank), _reporter(conn)))
+        result = fn(*args, **kwargs)
+        shutdown()
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        summary = f"raised {type(exc).__name__}: {exc}"
+        try:
+            payload = pickle.dumps(("err", summary, traceback.format_exc(), exc))
+        except Exception:  # an exception that does not pickle still reports its text
+            payload = pickle.dumps(("err", summary, traceback.format_exc(), None))
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+
+
+def _reporter(conn) -> Callable[[Any], None]:
+    def report(payload: Any) -> None:
+        conn.send_bytes(pickle.dumps(("progress", payload)))
+    return report
+
+
+_CTX: mp.context.BaseContext | None = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "plait.runtime"])
+    return _CTX
+
+
+def _is_secondary(summary: str, tb: str) -> bool:
+    """A failure that is the echo of another rank's (a peer hung up on it)."""
+    text = summary + tb
+    return any(s in text for s in ("DistBackendError", "Connection closed by peer",
+                                   "Connection reset by peer", "Broken pipe", "Timed out"))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"died (killed by {signal.Signals(-code).name}) before returning"
+    return f"died (exit code {code}) before returning"
+
+
+def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
+           cluster: EmulatedCluster | None = None, backend: str = "gloo",
+           timeout_s: float | None = None, threads: int | None = None,
+           slow: Sequence[SlowSpec] = (), env: dict[str, str] | None = None,
+           deadline_s: float | None = None,
+           on_progress: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
+
+    ``cluster``: an :class:`EmulatedCluster` that is up (ranks are placed on
+    its hosts in contiguous blocks); None runs on loopback. ``timeout_s``:
+    every collective's timeout (default PLAIT_TIMEOUT_S or 60 s).
+    ``threads``: torch threads per rank (default: cores ÷ ranks, at least 1).
+    ``slow``: straggler emulation, see :mod:`plait.runtime.straggler`.
+    ``deadline_s``: stop everything if the whole run takes longer.
+    ``on_progress(rank, payload)``: called in the caller for each
+    ``rank_context().report(payload)`` a rank makes (progress bars).
+    ``fn`` and its arguments must be picklable (a module-level function).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be an integer of at least 1, got {world_size!r}")
+    validate_slow(slow, world_size)
+    timeout_s = _timeout_s(timeout_s)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout_s} s")
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    if cluster is not None and not cluster.hosts:
+        cluster.up()
+    hosts = [cluster.host_of_rank(r, world_size) if cluster else Host(0, None, "lo", "127.0.0.1")
+             for r in range(world_size)]
+    link = cluster.link_label if cluster else "loopback"
+    ctx = _context()
+    workdir = tempfile.mkdtemp(prefix="plait-launch-")
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main, name=f"plait-rank{rank}", daemon=True,
+                args=(rank, world_size, fn, args, kwargs or {}, os.path.join(workdir, "store"),
+                      hosts[rank], link, backend, timeout_s, threads, dict(env or {}),
+                      tuple(slow), child_conn))
+            proc.start()
+            child_conn.close()
+            procs.append(proc)
+            conns.append(parent_conn)
+        return _collect(procs, conns, deadline_s, on_progress)
+    finally:
+        _stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(procs: list, conns: list, deadline_s: float | None,
+             on_progress: Callable[[int, Any], None] | None) -> list[Any]:
+    results: dict[int, Any] = {}
+    failures: list[tuple[int, str, str, int | None, BaseException | None]] = []
+    pending = set(range(len(procs)))
+    start = time.monotonic()
+    first_failure_at: float | None = None
+    while pending:
+        now = time.monotonic()
+        if first_failure_at is not None and now - first_failure_at > _GRACE_S:
+            break
+        if deadline_s is not None and now - start > deadline_s:
+            for rank in sorted(pending):
+                failures.append((rank, f"did not finish within the {deadline_s:g} s deadline",
+                                 "", None, None))
+            break
+        handles = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
+        for handle in wait(list(handles), timeout=0.1):
+            rank = handles[handle]
+            if rank not in pending:
+                continue
+            report = _read_report(conns[rank], procs[rank])
+            if report is not None and report[0] == "progress":
+                if on_progress is not None:
+                    on_progress(rank, report[1])
+                continue
+            if report is None:
+                continue  # process still running, the pipe was not yet readable
+            pending.discard(rank)
+            if report[0] == "ok":
+                results[rank] = report[1]
+            else:
+                failures.append((rank, *report[1:]))
+                first_failure_at = first_failure_at or time.monotonic()
+    if failures:
+        _raise_first(failures)
+    return [results[r] for r in range(len(procs))]
+
+
+def _read_report(conn, proc) -> tuple | None:
+    """("ok", result), ("progress", payload) or ("err", summary, traceback, exitcode, exception);
+    None while the rank runs and has said nothing new."""
+    try:
+        if conn.poll():
+            message = pickle.loads(conn.recv_bytes())
+            if message[0] in ("ok", "progress"):
+                return message
+            _, summary, tb, exc = message
+            return ("err", summary, tb, None, exc)
+    except (EOFError, OSError):
+        pass
+    if proc.is_alive():
+        if conn.closed or not conn.poll():
+            return None
+    proc.join(timeout=1.0)
+    return ("err", _describe_exit(proc.exitcode), "", proc.exitcode, None)
+
+
+def _raise_first(failures: list) -> None:
+    # The root cause: a death or a genuine exception beats the peers' "connection closed" echoes.
+    ordered = sorted(enumerate(failures),
+                     key=lambda item: (_is_secondary(item[1][1], item[1][2]), item[0]))
+    rank, summary, tb, code, exc = ordered[0][1]
+    others = [f"rank {r} {s}" for _, (r, s, *_rest) in ordered[1:]]
+    raise RankError(rank, summary, tb, code, others) from exc
+
+
+def _stop(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    end = time.monotonic() + 2.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, end - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)

@@ -1,0 +1,102 @@
+"""Straggler emulation: make one rank FACTOR times slower at compute.
+
+The delay is proportional to the compute the rank actually does: the work
+runs, its duration ``d`` is measured, then the rank waits ``(FACTOR − 1)·d``.
+Giving that rank less work therefore really shortens its delay, as on a slower
+device, which is what the balancer needs to be tested against. The wait is a
+sleep, so the emulated slowness does not steal CPU from other ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+__all__ = ["SlowSpec", "parse_slow", "validate_slow", "Straggler"]
+
+_SLOW_RE = re.compile(r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+)?(?:-(\d+)?)?)?$")
+
+
+@dataclass(frozen=True)
+class SlowSpec:
+    """Rank ``rank`` computes ``factor`` × slower for steps in [from_step, until_step)."""
+
+    rank: int
+    factor: float
+    from_step: int = 0
+    until_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"--slow rank must be non-negative, got {self.rank}")
+        if self.factor < 1.0:
+            raise ValueError(f"--slow factor must be at least 1 (a slower rank), got {self.factor}")
+        if self.until_step is not None and self.until_step <= self.from_step:
+            raise ValueError(f"--slow window [{self.from_step}, {self.until_step}) is empty")
+
+    def active(self, step: int) -> bool:
+        return step >= self.from_step and (self.until_step is None or step < self.until_step)
+
+
+def parse_slow(text: str) -> SlowSpec:
+    """``"1:2"`` (rank 1, 2 × slower throughout), ``"1:3@10-30"`` (steps 10 to 29), ``"2:4@50"`` (from 50)."""
+    match = _SLOW_RE.match(text.strip())
+    if not match:
+        raise ValueError(
+            f"cannot read --slow {text!r}; write RANK:FACTOR[@FROM[-UNTIL]], e.g. 1:2 or 1:3@10-30"
+        )
+    rank, factor, start, until = match.groups()
+    return SlowSpec(rank=int(rank), factor=float(factor), from_step=int(start or 0),
+                    until_step=int(until) if until else None)
+
+
+def validate_slow(specs: Sequence[SlowSpec], world_size: int) -> None:
+    """Refuse a ``--slow`` that names a rank which does not exist, before anything starts."""
+    for spec in specs:
+        if spec.rank >= world_size:
+            raise ValueError(
+                f"--slow names rank {spec.rank}, but there are only {world_size} ranks "
+                f"(0..{world_size - 1})"
+            )
+
+
+class Straggler:
+    """Per-rank owner of the emulated slowdown; ``compute()`` wraps each piece of compute."""
+
+    def __init__(self, specs: Sequence[SlowSpec], rank: int):
+        self.specs = [s for s in specs if s.rank == rank]
+        self.step = 0
+        self.delayed_s = 0.0  # total emulated delay so far, for reporting
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def factor(self, step: int | None = None) -> float:
+        step = self.step if step is None else step
+        factor = 1.0
+        for spec in self.specs:
+            if spec.active(step):
+                factor *= spec.factor
+        return factor
+
+    @contextmanager
+    def compute(self, device: torch.device | None = None) -> Iterator[None]:
+        factor = self.factor()
+        if factor == 1.0:
+            yield
+            return
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)
+        delay = (factor - 1.0) * (time.perf_counter() - start)
+        self.delayed_s += delay
+        time.sleep(delay)
