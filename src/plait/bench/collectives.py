@@ -90,7 +90,7 @@ def uneven_splits(world_size: int, count: int) -> list[list[int]]:
     """``splits[i][j]``: elements rank i sends rank j; each row sums to ``count``, rows differ."""
     splits = []
     for i in range(world_size):
-        weights = [1 + (i + 2 * j) % world_size for j in range(world_size)]
+        weights = [1 + (i + j) % world_size for j in range(world_size)]
         row = [count * w // sum(weights) for w in weights]
         row[-1] += count - sum(row)
         splits.append(row)

@@ -30,6 +30,8 @@ def register(subparsers) -> None:
     run = which.add_parser("run", help="run COMMAND once per rank, each rank in its host's namespace")
     add_launch_args(run)
     run.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0")
+    run.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@FROM[-UNTIL]]",
+                     help="make a rank FACTOR× slower at compute (read by plait's layers)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS…]")
     run.set_defaults(func=_run)
     status = which.add_parser("status", help="list namespaces plait made that still exist")
@@ -43,7 +45,7 @@ def _set_pdeathsig() -> None:
 
 
 def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
-                   port: int = 29500, timeout_s: float | None = None) -> int:
+                   port: int = 29500, timeout_s: float | None = None, slow: str = "") -> int:
     """Run ``cmd`` on every rank; returns the first failing exit code, or 0."""
     if not cmd:
         raise ValueError("no command given; write: plait cluster run --hosts 2 -- python train.py")
@@ -56,7 +58,8 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks),
                            LOCAL_RANK=str(rank % (ranks // cluster.n_hosts)),
                            MASTER_ADDR=cluster.hosts[0].addr, MASTER_PORT=str(port),
-                           GLOO_SOCKET_IFNAME=host.ifname)
+                           GLOO_SOCKET_IFNAME=host.ifname, PLAIT_SLOW=slow,
+                           PLAIT_LINK=cluster.link_label)
                 if timeout_s:
                     env["PLAIT_TIMEOUT_S"] = str(timeout_s)
                 prefix = ["ip", "netns", "exec", host.netns] if host.netns else []
@@ -86,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return run_on_cluster(cmd, ranks=ranks, hosts=hosts, link=link, port=args.port,
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, slow=",".join(args.slow))
 
 
 def _status(args: argparse.Namespace) -> int:

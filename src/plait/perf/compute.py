@@ -59,4 +59,4 @@ def embedding_bag_time(*, lookups: int, dim: int, acc: Accelerator, dtype: str =
     bags = lookups if bags is None else bags
     row = dim * dtype_bytes(dtype)
     flops = float(lookups) * dim  # one add per element
-    return roofline_time(flops, lookups * row + bags * row, acc, "fp32" if dtype == "fp32" else dtype)
+    return roofline_time(flops, (lookups + bags) * row, acc, dtype)

@@ -11,7 +11,7 @@ nccl-tests' bus bandwidth is compared with).  Latencies are seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 

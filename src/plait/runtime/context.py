@@ -32,14 +32,19 @@ _current: RankContext | None = None
 
 
 def rank_context() -> RankContext:
-    """The context of this rank; outside ``launch`` (e.g. under torchrun) a loopback default."""
+    """The context of this rank. Outside ``launch`` (under torchrun or ``plait cluster run``)
+    it is built from the environment: PLAIT_SLOW (``1:2,3:1.5@10-20``) and PLAIT_LINK."""
     global _current
     if _current is None:
+        import os
+
         from .dist import topology
+        from .straggler import parse_slow
 
         topo = topology()
-        _current = RankContext(topo, Host(0, None, "lo", "127.0.0.1"), "loopback",
-                               Straggler([], topo.rank))
+        specs = [parse_slow(s) for s in os.environ.get("PLAIT_SLOW", "").split(",") if s]
+        _current = RankContext(topo, Host(0, None, "lo", "127.0.0.1"),
+                               os.environ.get("PLAIT_LINK", "loopback"), Straggler(specs, topo.rank))
     return _current
 
 

@@ -1,0 +1,34 @@
+"""A pytest helper: run a function on 2 (or 4) ranks and get each rank's result.
+
+    from plait.runtime.testing import run_ranks
+
+    def _sum_ranks():
+        t = torch.tensor([dist.get_rank()])
+        dist.all_reduce(t)
+        return t.item()
+
+    @pytest.mark.parametrize("world", [2, 4])
+    def test_sum(world):
+        assert run_ranks(_sum_ranks, world) == [sum(range(world))] * world
+
+The function must be defined at module level (it is pickled by reference).
+One thread per rank and a short collective timeout, so a broken test fails
+in seconds instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .launch import launch
+
+__all__ = ["run_ranks", "TEST_TIMEOUT_S"]
+
+TEST_TIMEOUT_S = 30.0
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout_s: float = TEST_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """``launch(fn, world_size, args=args, kwargs=kwargs)`` with test-friendly settings."""
+    return launch(fn, world_size, args=args, kwargs=kwargs, timeout_s=timeout_s, threads=1,
+                  deadline_s=10 * timeout_s)

@@ -1,0 +1,90 @@
+"""plait bench collectives: nccl-tests' definitions, correct results, clear errors."""
+
+import json
+
+import pytest
+
+from plait.bench.collectives import (COLLECTIVES, CollectiveBenchConfig, bench_collectives,
+                                     bus_factor, sweep_sizes, uneven_splits)
+from plait.cli.main import main
+
+from conftest import needs_netns
+
+
+def test_bus_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    for name in ("all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven"):
+        assert bus_factor(name, 4) == pytest.approx(0.75)
+
+
+def test_sweep_sizes():
+    cfg = CollectiveBenchConfig(min_bytes=1024, max_bytes=16384, step_factor=2)
+    assert sweep_sizes(cfg) == [1024, 2048, 4096, 8192, 16384]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_uneven_splits_are_consistent(world):
+    splits = uneven_splits(world, 1000)
+    assert all(sum(row) == 1000 for row in splits)
+    assert all(len(set(row)) > 1 for row in splits)  # every rank sends unequal amounts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sweep_records_are_complete_and_correct(world):
+    cfg = CollectiveBenchConfig(min_bytes=4096, max_bytes=65536, step_factor=16, warmup=1,
+                                min_iters=2, max_iters=3, budget_s=0.01)
+    records, where = bench_collectives(cfg, ranks=world, hosts=0)
+    assert "loopback" in where
+    assert len(records) == len(COLLECTIVES) * 2
+    for r in records:
+        assert r["wrong"] == 0
+        assert r["world_size"] == world and r["link"] == "loopback"
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["collective"], world))
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = main(["bench", "collectives", "--ranks", "2", "--collectives", "all_reduce,all_to_all_uneven",
+                 "--min-bytes", "4096", "--max-bytes", "8192", "--max-iters", "3", "--no-progress",
+                 "--json", str(out), "--plot", str(tmp_path / "bw.png")])
+    assert code == 0
+    data = json.loads(out.read_text())
+    keys = {"collective", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "world_size", "link"}
+    assert data["records"] and all(keys <= set(r) for r in data["records"])
+    assert (tmp_path / "bw.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "0"], "at least 1"),
+    (["--hosts", "2", "--link", "1gbps"], "unknown link rate"),
+    (["--hosts", "100000"], "more than this machine can make"),
+    (["--ranks", "3", "--hosts", "2"], "does not divide"),
+    (["--collectives", "all_sum"], "unknown collectives"),
+])
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    assert main(["bench", "collectives", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_run_slow_naming_missing_rank(capsys):
+    assert main(["cluster", "run", "--ranks", "2", "--slow", "5:2", "--", "true"]) == 2
+    assert "rank 5, but there are only 2 ranks" in capsys.readouterr().err
+
+
+@needs_netns
+def test_cluster_run_runs_a_torchrun_style_script(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from plait.runtime import init_from_env, rank_context\n"
+        "topo = init_from_env()\n"
+        "x = torch.ones(1); dist.all_reduce(x)\n"
+        "assert x.item() == topo.world_size\n"
+        "assert rank_context().straggler.factor() == (2.0 if topo.rank == 1 else 1.0)\n"
+        "open(f'{__file__}.{topo.rank}', 'w').write(rank_context().link)\n")
+    import sys
+    code = main(["cluster", "run", "--hosts", "2", "--link", "1gbit", "--slow", "1:2",
+                 "--", sys.executable, str(script)])
+    assert code == 0
+    assert [(tmp_path / f"job.py.{r}").read_text() for r in range(2)] == ["1gbit", "1gbit"]

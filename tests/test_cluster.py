@@ -1,0 +1,105 @@
+"""The emulated cluster: namespaces appear and vanish, links are really rate-limited."""
+
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import plait.runtime.cluster as cluster_mod
+from plait.runtime import EmulatedCluster, launch, max_hosts, parse_rate, rank_context
+from plait.runtime.cluster import format_rate
+
+from conftest import needs_netns
+
+
+def _namespaces(tag):
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if f"plait-{tag}-" in line]
+
+
+@pytest.mark.parametrize("text, bits", [("1gbit", 1e9), ("100mbit", 1e8), ("2.5Gbit", 2.5e9),
+                                        ("500kbit", 5e5), ("loopback", None), (None, None)])
+def test_parse_rate(text, bits):
+    assert parse_rate(text) == bits
+    assert parse_rate(format_rate(bits)) == bits
+
+
+@pytest.mark.parametrize("text", ["1gbps", "fast", "1 gigabit", "-1gbit", "10bit"])
+def test_unknown_rate_is_refused(text):
+    with pytest.raises(ValueError, match="rate"):
+        parse_rate(text)
+
+
+def test_more_hosts_than_the_machine_can_make():
+    with pytest.raises(ValueError, match="more than this machine can make"):
+        EmulatedCluster(hosts=max_hosts() + 1)
+    with pytest.raises(ValueError, match="positive"):
+        EmulatedCluster(hosts=0)
+
+
+def test_falls_back_to_loopback_without_root(monkeypatch, caplog):
+    monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 1000)
+    with EmulatedCluster(hosts=2, link="1gbit") as cluster:
+        assert not cluster.emulated
+        assert [h.addr for h in cluster.hosts] == ["127.0.0.1"] * 2
+        assert "need root" in cluster.describe()
+        assert cluster.link_label == "loopback"
+    assert "falling back to loopback" in caplog.text
+
+
+def _where_am_i():
+    ctx = rank_context()
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return ctx.host.addr, ctx.host.netns, x.item()
+
+
+@needs_netns
+def test_ranks_run_inside_their_hosts_and_teardown_removes_everything():
+    with EmulatedCluster(hosts=2, link="1gbit") as cluster:
+        tag = cluster.tag
+        assert len(_namespaces(tag)) == 3  # two hosts and the switch
+        out = launch(_where_am_i, 4, cluster=cluster, threads=1, timeout_s=20)
+    assert [o[0] for o in out] == ["10.213.0.1", "10.213.0.1", "10.213.0.2", "10.213.0.2"]
+    assert all(o[2] == 4.0 for o in out)
+    assert _namespaces(tag) == []
+
+
+@needs_netns
+def test_teardown_runs_on_error_and_setup_is_idempotent():
+    cluster = EmulatedCluster(hosts=2, link="1gbit", tag="idem01")
+    with pytest.raises(RuntimeError, match="boom"):
+        with cluster:
+            raise RuntimeError("boom")
+    assert _namespaces("idem01") == []
+    # a crashed run's leftovers are cleared by the next up() of the same tag
+    subprocess.run(["ip", "netns", "add", "plait-idem01-h0"], check=True)
+    with EmulatedCluster(hosts=2, link="1gbit", tag="idem01") as again:
+        again.up()  # a second up() is a no-op
+        assert len(_namespaces("idem01")) == 3
+    assert _namespaces("idem01") == []
+
+
+def _timed_all_reduce(nbytes):
+    x = torch.ones(nbytes // 4)
+    dist.all_reduce(x)  # warm-up: connections are made
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
+@needs_netns
+def test_link_rate_limits_all_reduce_bandwidth():
+    link = "200mbit"
+    nbytes = 4 << 20
+    with EmulatedCluster(hosts=2, link=link) as cluster:
+        t = launch(_timed_all_reduce, 2, args=(nbytes,), cluster=cluster, threads=1)[0]
+    busbw = nbytes / t * 2 * (2 - 1) / 2  # nccl-tests: all_reduce bus factor 2(n-1)/n
+    fraction = busbw / (parse_rate(link) / 8)
+    assert 0.5 <= fraction <= 1.05, f"busbw {busbw / 1e6:.1f} MB/s is {fraction:.0%} of {link}"

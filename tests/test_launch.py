@@ -1,0 +1,123 @@
+"""launch(): results in rank order, failures named, nothing left running."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.runtime import RankError, launch, rank_context
+from plait.runtime.testing import run_ranks
+
+
+def _all_reduce_rank_tensor(scale):
+    x = torch.arange(4, dtype=torch.float64) * (dist.get_rank() + 1) * scale
+    dist.all_reduce(x)
+    return x
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_results_match_single_process_reference(world):
+    results = run_ranks(_all_reduce_rank_tensor, world, 0.5)
+    reference = sum(torch.arange(4, dtype=torch.float64) * (r + 1) * 0.5 for r in range(world))
+    assert len(results) == world
+    for got in results:
+        torch.testing.assert_close(got, reference, rtol=0, atol=0)
+
+
+def _rank_and_world():
+    topo = rank_context().topology
+    return topo.rank, topo.world_size, os.environ["RANK"]
+
+
+def test_ranks_know_who_they_are():
+    assert run_ranks(_rank_and_world, 4) == [(r, 4, str(r)) for r in range(4)]
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("shard sizes disagree")
+    dist.barrier()
+
+
+def test_exception_names_rank_and_carries_traceback():
+    with pytest.raises(RankError) as info:
+        run_ranks(_raise_on_rank_one, 2, timeout_s=10)
+    err = info.value
+    assert err.rank == 1
+    assert "ValueError: shard sizes disagree" in str(err)
+    assert "_raise_on_rank_one" in err.remote_traceback
+    assert isinstance(err.__cause__, ValueError)
+
+
+def _record_pid_then_die(pid_dir):
+    with open(os.path.join(pid_dir, str(dist.get_rank())), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # rank 0 is already inside the all_reduce below
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1 << 20))
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sigkilled_rank_is_named_quickly_and_nothing_is_left(tmp_path, world):
+    timeout_s = 20.0
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_record_pid_then_die, world, args=(str(tmp_path),), timeout_s=timeout_s, threads=1)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1
+    assert "SIGKILL" in str(info.value)
+    assert elapsed < timeout_s + 5
+    pids = [int((tmp_path / str(r)).read_text()) for r in range(world)]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _hang_forever_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+
+
+def test_deadline_stops_a_hung_rank():
+    start = time.monotonic()
+    with pytest.raises(RankError, match="deadline"):
+        launch(_hang_forever_on_rank_zero, 2, timeout_s=5, deadline_s=2, threads=1)
+    assert time.monotonic() - start < 8
+
+
+def _lone_collective_times_out():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(30)
+
+
+def test_collective_timeout_raises_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_lone_collective_times_out, 2, timeout_s=3, threads=1)
+    assert info.value.rank == 0
+    assert time.monotonic() - start < 3 + 8
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_world_size_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="world size"):
+        launch(_rank_and_world, bad)
+
+
+def _progress_and_return():
+    rank_context().report({"step": dist.get_rank()})
+    return dist.get_rank()
+
+
+def test_progress_reports_reach_the_caller():
+    seen = []
+    assert launch(_progress_and_return, 2, on_progress=lambda r, p: seen.append((r, p))) == [0, 1]
+    assert sorted(seen) == [(0, {"step": 0}), (1, {"step": 1})]
