@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,8 @@ from rich.table import Table
 
 __all__ = ["console", "print_table", "write_json", "progress_bar", "human_bytes", "machine_meta"]
 
-console = Console(stderr=False)
+# Piped output (CI logs, `| tee`) gets 120 columns instead of rich's 80, so tables stay whole.
+console = Console(width=None if sys.stdout.isatty() else 120)
 
 
 def human_bytes(n: float) -> str:

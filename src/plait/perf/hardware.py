@@ -41,6 +41,12 @@ _GEMM_EFF_NVIDIA = 0.81
 _GEMM_EFF_SOURCE = "Flux README perf table, A800 torch GEMM row: 253.7/312 TFLOP/s"
 # Assumption (no published figure used): streaming kernels reach ~90 % of HBM peak.
 _MEM_EFF = 0.90
+# Attention kernels (FlashAttention-2 class, what SDPA runs): "FlashAttention-3"
+# (Shah et al., 2024) abstract: FA2 reaches "only 35% utilization on the H100";
+# "FlashAttention-2" (Dao, 2023) abstract: "50-73% of the theoretical maximum
+# FLOPs/s on A100" (range; midpoint 0.615 used).
+_ATTN_EFF_HOPPER = 0.35
+_ATTN_EFF_AMPERE = 0.615
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +59,7 @@ class Accelerator:
     mem_bytes: memory capacity, bytes.
     matmul_efficiency: achieved/peak for large GEMMs.
     mem_efficiency: achieved/peak for streaming (memory-bound) kernels.
+    attention_efficiency: achieved/peak of fused attention kernels.
     launch_s: fixed cost of one kernel (launch + tail), seconds.
     source: where the figures come from.
     """
@@ -63,6 +70,7 @@ class Accelerator:
     mem_bytes: float
     matmul_efficiency: float = _GEMM_EFF_NVIDIA
     mem_efficiency: float = _MEM_EFF
+    attention_efficiency: float = _ATTN_EFF_HOPPER
     launch_s: float = 5e-6  # assumption: order of a CUDA kernel launch
     source: str = ""
 
@@ -117,12 +125,23 @@ def _acc(**kw) -> Accelerator:
 
 ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType({
     "A100": _acc(name="A100", peak_flops=_A100, mem_bw_Bps=2039 * G, mem_bytes=80e9,
+                 attention_efficiency=_ATTN_EFF_AMPERE,
                  source=_NV_DS.format("A100 80GB SXM4") + "; GEMM eff: " + _GEMM_EFF_SOURCE),
     "A800": _acc(name="A800", peak_flops=_A100, mem_bw_Bps=2039 * G, mem_bytes=80e9,
+                 attention_efficiency=_ATTN_EFF_AMPERE,
                  source="A100 compute/memory with 8 NVLinks (export part); "
                         "astra-sim-alibabacloud CalbusBw.h A800_NVLINKS=8"),
     "H100": _acc(name="H100", peak_flops=_H100, mem_bw_Bps=3350 * G, mem_bytes=80e9,
                  source=_NV_DS.format("H100 SXM5") + "; GEMM eff: " + _GEMM_EFF_SOURCE),
+    # torchtitan benchmarks (llama3_h100_202412_torchtitan.md, asyncTP_llama3_h100_
+    # 2025-06_torchtitan.md): Grand Teton H100, 96 GB HBM2e at 2.4 TB/s, 500 W limit;
+    # "the actual peak TFLOPs number is between SXM and NVL".  Range: SXM 989.4,
+    # NVL 835.5 dense bf16 (H100 datasheet, NVL = 1,671/2); midpoint used.
+    "H100-500W": _acc(name="H100-500W",
+                      peak_flops={k: v * (989.4 + 835.5) / 2 / 989.4 for k, v in _H100.items()},
+                      mem_bw_Bps=2400 * G, mem_bytes=96e9,
+                      source="torchtitan H100 benchmark hardware notes; peak = midpoint of the "
+                             "SXM..NVL range (H100 datasheet)"),
     "H800": _acc(name="H800", peak_flops=_H100, mem_bw_Bps=3350 * G, mem_bytes=80e9,
                  source="H100 SXM compute/memory with 8 NVLinks (export part); "
                         "astra-sim-alibabacloud CalbusBw.h H800_NVLINKS=8"),
@@ -141,7 +160,7 @@ ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType({
     "CPU": _acc(name="CPU", peak_flops={"fp32": 132.7 * G, "bf16": 366 * G, "fp16": 366 * G,
                                         "fp64": 66 * G},
                 mem_bw_Bps=38.6 * G, mem_bytes=23e9, matmul_efficiency=1.0,
-                mem_efficiency=1.0, launch_s=2e-6,
+                mem_efficiency=1.0, attention_efficiency=1.0, launch_s=2e-6,
                 source="measured on the plait dev VM (2 vCPU AMD EPYC, torch matmul/copy)"),
 })
 

@@ -32,6 +32,7 @@ __all__ = [
     "unfused_time",
     "limit_time",
     "choose_chunks",
+    "best_chunks",
     "DEFAULT_MIN_PIECE_BYTES",
 ]
 
@@ -74,6 +75,15 @@ def unfused_time(t_compute_s: float, t_comm_s: float) -> float:
 def limit_time(t_compute_s: float, t_comm_s: float) -> float:
     """No schedule beats the slower of the two resources."""
     return max(t_compute_s, t_comm_s)
+
+
+def best_chunks(t_compute_s: float, t_comm_s: float, profile_or_overheads=None, *,
+                max_chunks: int = 16, comm_latency_s: float | None = None) -> tuple[int, float]:
+    """(pieces in 1..max_chunks with the lowest predicted time, that time)."""
+    times = [fused_time(t_compute_s, t_comm_s, p, profile_or_overheads, comm_latency_s=comm_latency_s)
+             for p in range(1, max(1, max_chunks) + 1)]
+    best = int(np.argmin(times))
+    return best + 1, float(times[best])
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,7 @@ def _choose(tc, comm_bytes, profile, max_chunks, min_piece_bytes, collective, wo
     if p_max < 2:
         return no(f"pieces would be under {min_piece_bytes} B ({comm_bytes:.0f} B to send)")
     times = {p: fused_time(tc, tm, p, profile, comm_latency_s=lat) for p in range(2, p_max + 1)}
-    best = min(times, key=times.get)
+    best = min(times, key=times.get)  # ties go to fewer pieces
     gain = 1.0 - times[best] / unfused
     if gain < min_gain:
         if tm < 0.05 * tc:

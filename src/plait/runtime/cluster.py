@@ -117,13 +117,13 @@ def remove_stale_namespaces(tag: str | None = None) -> list[str]:
 
 
 def _tbf(netns: str, dev: str, bits_per_s: float) -> None:
-    # burst: 2 ms at line rate, never below 64 KiB (one GSO segment must fit the
+    # burst: 1 ms at line rate, never below 64 KiB (one GSO segment must fit the
     # bucket). Measured here at 1gbit: a 0.2 ms bucket starves on timer wake-ups
-    # (one-way TCP at 70 % of rate), 1-2 ms reaches ~95 %. The cost: a message
-    # under ~2 ms of line rate passes as one burst, faster than the link.
+    # (one-way TCP at 70 % of rate), 1 ms reaches ~90-95 %. The cost: a message
+    # under ~1 ms of line rate passes as one burst, faster than the link.
     # latency (queue depth) 20 ms: deep enough for line rate, shallow enough
     # that the reverse direction's ACKs are not stuck behind 100 ms of data.
-    burst = max(int(bits_per_s / 8 * 0.002), 64 * 1024)
+    burst = max(int(bits_per_s / 8 * 0.001), 64 * 1024)
     _run("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root",
          "tbf", "rate", f"{int(bits_per_s)}bit", "burst", str(burst), "latency", "20ms")
 
