@@ -1,0 +1,140 @@
+"""GEMM/GEMV + AllReduce, and its dual (column-parallel matmul whose backward is one).
+
+``matmul_all_reduce``:  ``y = all_reduce(x @ w)``, ``x`` sharded on K.
+
+=========  ====================  ==========================================
+tensor     shape on rank r       note
+=========  ====================  ==========================================
+x          [..., K_r]            K_r may differ per rank (uneven shards)
+w          [K_r, N]
+y          [..., N]              identical on every rank
+=========  ====================  ==========================================
+
+Backward (the output is replicated, so no collective is needed):
+``dgrad dx = dy @ wᵀ``, ``wgrad dw = xᵀ @ dy``.
+
+Schedule: the M = prod(...) rows are cut into pieces; each piece is computed
+straight into its rows of the output with ``matmul(out=)`` and its all_reduce
+starts at once, while the next piece is computed. For GEMV (M ≤ 8, decoding)
+rows cannot be cut, so pieces are column blocks of N: the output is computed
+transposed (``yᵀ = wᵀ xᵀ``, [N, M]) so each column block is one contiguous
+slice the collective can send, and ``yᵀ.t()`` is returned, a view.
+
+``column_parallel_matmul``: ``y_r = x @ w_r`` (x replicated, w [K, N_r]); its
+backward's dgrad ``dx = Σ_r dy_r @ w_rᵀ`` is exactly a ``matmul_all_reduce``
+and runs fused; wgrad ``dw_r = xᵀ @ dy_r`` is local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .context import Decision, OpsContext, get_context
+from .pieces import DTYPE_CODES, check_float, offsets, split
+
+__all__ = ["matmul_all_reduce", "column_parallel_matmul", "GEMV_ROWS"]
+
+GEMV_ROWS = 8  # at most this many rows: split N instead of M
+
+
+def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -> Decision:
+    check_float(op, x2, w)
+    m, k = x2.shape
+    if w.dim() != 2 or w.shape[0] != k:
+        raise ValueError(f"{op}: x has K={k} columns but w is {tuple(w.shape)}; w must be [K, N]")
+    n = w.shape[1]
+    metas = ctx.gather_meta(op, (DTYPE_CODES[x2.dtype], m, n, k))
+    for r, meta in enumerate(metas):
+        if meta[:3] != metas[0][:3]:
+            raise ValueError(f"{op}: ranks disagree on (dtype, M, N): rank 0 has {metas[0][:3]}, "
+                             f"rank {r} has {meta[:3]}")
+    world = len(metas)
+    k_max = max(meta[3] for meta in metas)
+    wire = 2 * (world - 1) / world * m * n * x2.element_size()
+    rows = n if m <= GEMV_ROWS else m
+    return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire, rows=rows)
+
+
+def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision) -> torch.Tensor:
+    """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce."""
+    m, n = x2.shape[0], w.shape[1]
+    if decision.path == "fallback":
+        out = x2 @ w
+        dist.all_reduce(out, group=group)
+        return out
+    gemv = m <= GEMV_ROWS
+    bounds = offsets(split(n if gemv else m, decision.chunks))
+    out = x2.new_empty((n, m) if gemv else (m, n))  # the collective's buffer is the output
+    works = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        piece = out[lo:hi]  # contiguous rows: of yᵀ for GEMV, of y otherwise
+        if gemv:
+            torch.matmul(w[:, lo:hi].t(), x2.t(), out=piece)
+        else:
+            torch.matmul(x2[lo:hi], w, out=piece)
+        works.append(dist.all_reduce(piece, group=group, async_op=True))
+    for work in works:
+        work.wait()
+    return out.t() if gemv else out
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, group, decision):
+        ctx.save_for_backward(x2, w)
+        return _fused_forward(x2, w, group, decision)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
+        dw = x2.t() @ dy if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
+                      ctx: OpsContext | None = None) -> torch.Tensor:
+    """``all_reduce(x @ w)`` with the all_reduce of each piece overlapping the next piece's compute.
+
+    ``chunks``: "auto" (the calibrated cost model picks, or falls back to the
+    plain path and records why: see ``plait.ops.explain``) or a piece count.
+    """
+    ctx = ctx or get_context(group)
+    x2 = x.reshape(-1, x.shape[-1])
+    decision = _plan("matmul_all_reduce", x2, w, chunks, ctx)
+    out = _MatmulAllReduce.apply(x2, w, group, decision)
+    return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, group, chunks, ops_ctx):
+        ctx.save_for_backward(x2, w)
+        ctx.group, ctx.chunks, ctx.ops_ctx = group, chunks, ops_ctx
+        return x2 @ w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            wt = w.t()
+            decision = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks, ctx.ops_ctx)
+            dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision)
+        if ctx.needs_input_grad[1]:
+            dw = x2.t() @ dy
+        return dx, dw, None, None, None
+
+
+def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
+                           ctx: OpsContext | None = None) -> torch.Tensor:
+    """``x @ w_r`` forward (x replicated); backward's dgrad is a fused ``matmul_all_reduce``."""
+    ctx = ctx or get_context(group)
+    x2 = x.reshape(-1, x.shape[-1])
+    check_float("column_parallel_matmul", x2, w)
+    if w.dim() != 2 or w.shape[0] != x2.shape[1]:
+        raise ValueError(f"column_parallel_matmul: x has K={x2.shape[1]} but w is "
+                         f"{tuple(w.shape)}; w must be [K, N_r]")
+    out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx)
+    return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out

@@ -1,0 +1,54 @@
+"""How an operator's output is cut into pieces, and the checks every operator shares."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["split", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
+
+DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def split(total: int, pieces: int) -> list[int]:
+    """``total`` rows in ``pieces`` near-equal parts (larger ones first), none empty."""
+    pieces = max(1, min(pieces, total)) if total else 1
+    base, extra = divmod(total, pieces)
+    return [base + (1 if i < extra else 0) for i in range(pieces)]
+
+
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Start of each part, and the end: ``offsets([2, 3]) == [0, 2, 5]``."""
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out
+
+
+def even_sizes(total: int, world: int) -> list[int]:
+    return split(total, world) if total >= world else [total // world] * world
+
+
+def check_sizes(op: str, what: str, sizes: Sequence[int], world: int, local: int, rank: int) -> None:
+    """A per-rank size list must have one non-negative entry per rank and match this rank's tensor."""
+    if len(sizes) != world:
+        raise ValueError(f"{op}: {what} {list(sizes)} has {len(sizes)} entries for {world} ranks")
+    if any(int(s) < 0 for s in sizes):
+        raise ValueError(f"{op}: {what} {list(sizes)} has a negative size")
+    if int(sizes[rank]) != local:
+        raise ValueError(f"{op}: {what} {list(sizes)} give rank {rank} {sizes[rank]}, "
+                         f"but its tensor has {local}")
+
+
+def check_float(op: str, *tensors: torch.Tensor) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise TypeError(f"{op}: tensors must share one dtype, got {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop()
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"{op}: dtype {dtype} is not supported; use float32, float64, bfloat16 or float16")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: tensors are on different devices {sorted(map(str, devices))}")
+    return dtype

@@ -1,0 +1,276 @@
+"""AllGather + GEMM and GEMM + ReduceScatter: each is the other's backward.
+
+``all_gather_matmul``: ``y = all_gather(x) @ w`` (sequence-parallel column-parallel linear)
+
+=======  ===================  =========================================
+tensor   shape on rank r      note
+=======  ===================  =========================================
+x        [M_r, K]             rows sharded; M_r may differ (``sizes``)
+w        [K, N_r]             column shard of the weight
+y        [M, N_r]             M = Σ M_r, rows in rank order
+=======  ===================  =========================================
+
+backward: dgrad ``dx = reduce_scatter(dy @ wᵀ)`` = ``matmul_reduce_scatter(dy, wᵀ)`` (fused);
+wgrad ``dw = all_gather(x)ᵀ @ dy`` (the gathered x is kept from the forward).
+
+``matmul_reduce_scatter``: ``y = reduce_scatter(x @ w)`` (sequence-parallel row-parallel linear)
+
+=======  ===================  =========================================
+x        [M, K_r]             reduction dim sharded
+w        [K_r, N]
+y        [M_r, N]             this rank's rows of the sum over ranks
+=======  ===================  =========================================
+
+backward: dgrad ``dx = all_gather(dy) @ wᵀ`` = ``all_gather_matmul(dy, wᵀ)`` (fused);
+wgrad ``dw = xᵀ @ all_gather(dy)`` (the gathered dy comes out of that same call).
+
+Schedule. Every rank's rows are cut into the same number of pieces. Gather:
+all pieces' transfers start at once; this rank's own rows are multiplied
+first (they need no wire), then each piece as it lands, straight into its
+rows of y. Reduce-scatter: piece j's partial products for every destination
+are computed into one send buffer, its all_to_all starts, and piece j−1's
+arrivals are summed into y while piece j+1 is computed. The sum runs in rank
+order, so results are deterministic and the plain path (one piece) gives the
+same numbers up to GEMM blocking. The transfer is an all_to_all rather than
+gloo's reduce_scatter: it moves (n−1)/n of the data, where gloo's moves as much
+as an all_reduce, and it accepts uneven rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .context import Decision, OpsContext, get_context
+from .exchange import start_all_to_all, start_gather
+from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, split
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+
+
+def _row_pieces(sizes: Sequence[int], chunks: int) -> list[list[int]]:
+    """``pieces[j][r]``: rows of rank r in piece j (each rank's rows cut into ``chunks``)."""
+    per_rank = [split(s, chunks) + [0] * (chunks - len(split(s, chunks))) for s in sizes]
+    return [[per_rank[r][j] for r in range(len(sizes))] for j in range(chunks)]
+
+
+def _check_rows(op, sizes, world, local, rank, ctx, tail):
+    metas = ctx.gather_meta(op, (local, *tail))
+    if any(m[1:] != metas[0][1:] for m in metas):
+        raise ValueError(f"{op}: ranks disagree on (dtype, other dims): "
+                         f"{[m[1:] for m in metas]}")
+    found = [m[0] for m in metas]
+    if sizes is not None:
+        check_sizes(op, "sizes", sizes, world, local, rank)
+        if list(map(int, sizes)) != found:
+            raise ValueError(f"{op}: sizes {list(sizes)} do not match the ranks' rows {found}")
+    return found
+
+
+# --- all_gather_matmul ------------------------------------------------------
+
+def _gather_forward(x, w, group, rows, decision):
+    """Returns (y [M, N_r], gathered x [M, K])."""
+    rank = dist.get_rank(group)
+    starts = offsets(rows)
+    pieces = _row_pieces(rows, decision.chunks)
+    y = x.new_empty(starts[-1], w.shape[1])
+    bufs, works, local_at = [], [], 0
+    for piece_rows in pieces:  # start every transfer; none waits for compute
+        buf = x.new_empty(sum(piece_rows), x.shape[1])
+        mine = x[local_at:local_at + piece_rows[rank]]
+        works.append(start_gather(buf, mine, piece_rows, group))
+        bufs.append(buf)
+        local_at += piece_rows[rank]
+    torch.matmul(x, w, out=y[starts[rank]:starts[rank + 1]])  # own rows: no wire needed
+    done = [0] * len(rows)
+    for buf, piece_rows, work in zip(bufs, pieces, works):
+        work.wait()
+        at = 0
+        for src, n in enumerate(piece_rows):
+            if src != rank and n:
+                row = starts[src] + done[src]
+                torch.matmul(buf[at:at + n], w, out=y[row:row + n])
+            at += n
+            done[src] += n
+    gathered = _assemble(bufs, pieces, len(rows))
+    return y, gathered
+
+
+def _assemble(bufs, pieces, world):
+    """The gathered rows in rank order (one copy, kept for wgrad)."""
+    parts = []
+    for src in range(world):
+        for buf, piece_rows in zip(bufs, pieces):
+            at = sum(piece_rows[:src])
+            parts.append(buf[at:at + piece_rows[src]])
+    return torch.cat(parts)
+
+
+def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decision]:
+    check_float(op, x, w)
+    if x.dim() != 2 or w.dim() != 2 or w.shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain; "
+                         "need x [M_r, K] and w [K, N]")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = _check_rows(op, sizes, world, x.shape[0], rank, ctx,
+                       (DTYPE_CODES[x.dtype], x.shape[1]))
+    m, k, n = sum(rows), x.shape[1], w.shape[1]
+    wire = (world - 1) / world * m * k * x.element_size()
+    return rows, ctx.decide(op, chunks, flops=2.0 * m * k * n, comm_bytes=wire, rows=min(rows) or 1)
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, group, rows, decision, chunks, ops_ctx):
+        y, gathered = _gather_forward(x, w, group, rows, decision)
+        ctx.save_for_backward(gathered, w)
+        ctx.group, ctx.rows, ctx.chunks, ctx.ops_ctx = group, rows, chunks, ops_ctx
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gathered, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            wt = w.t()
+            decision = _scatter_plan("all_gather_matmul.dgrad", dy, wt, ctx.group, ctx.rows,
+                                     ctx.chunks, ctx.ops_ctx)
+            dx = _scatter_forward(dy, wt, ctx.group, ctx.rows, decision)
+        if ctx.needs_input_grad[1]:
+            dw = gathered.t() @ dy
+        return dx, dw, None, None, None, None, None
+
+
+def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0, *,
+                      sizes: Sequence[int] | None = None, chunks="auto",
+                      ctx: OpsContext | None = None) -> torch.Tensor:
+    """``all_gather(x, dim) @ w``, multiplying each gathered piece as it arrives.
+
+    ``x`` may have any rank; it is gathered along ``dim`` and multiplied on its
+    last dim. ``sizes``: every rank's length along ``dim`` (default: as found).
+    """
+    ctx = ctx or get_context(group)
+    op = "all_gather_matmul"
+    x2, restore = _rows_view(x, dim)
+    unit = x2.shape[0] // max(x.shape[dim], 1) if x.shape[dim] else 1
+    row_sizes = None if sizes is None else [int(s) * unit for s in sizes]
+    rows, decision = _gather_plan(op, x2, w, group, row_sizes, chunks, ctx)
+    y = _AllGatherMatmul.apply(x2, w, group, rows, decision, chunks, ctx)
+    return restore(y, sum(rows) // unit)
+
+
+# --- matmul_reduce_scatter --------------------------------------------------
+
+def _scatter_forward(x, w, group, rows, decision):
+    """[M, K_r] @ [K_r, N] → this rank's rows [M_r, N] of the sum over ranks."""
+    world, rank = len(rows), dist.get_rank(group)
+    starts = offsets(rows)
+    pieces = _row_pieces(rows, decision.chunks)
+    y = x.new_empty(rows[rank], w.shape[1])
+    done = [0] * world
+    pending = None
+    for piece_rows in pieces:
+        send = x.new_empty(sum(piece_rows), w.shape[1])
+        at = 0
+        for dst, n in enumerate(piece_rows):
+            if n:
+                row = starts[dst] + done[dst]
+                torch.matmul(x[row:row + n], w, out=send[at:at + n])
+            at += n
+            done[dst] += n
+        recv = x.new_empty(world * piece_rows[rank], w.shape[1])
+        work = start_all_to_all(recv, send, [piece_rows[rank]] * world, piece_rows, group)
+        if pending is not None:
+            _reduce_into(y, *pending)  # sums the previous piece while this one is on the wire
+        pending = (work, recv, piece_rows[rank], done[rank] - piece_rows[rank], world)
+    _reduce_into(y, *pending)
+    return y
+
+
+def _reduce_into(y, work, recv, n, row, world):
+    work.wait()
+    if n == 0:
+        return
+    out = y[row:row + n]
+    parts = recv.view(world, n, -1)
+    out.copy_(parts[0])
+    for src in range(1, world):  # rank order: deterministic
+        out.add_(parts[src])
+
+
+def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
+    check_float(op, x, w)
+    if x.dim() != 2 or w.dim() != 2 or w.shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain; "
+                         "need x [M, K_r] and w [K_r, N]")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    m, n = x.shape[0], w.shape[1]
+    if sum(sizes) != m:
+        raise ValueError(f"{op}: sizes {list(sizes)} sum to {sum(sizes)}, but x has {m} rows")
+    metas = ctx.gather_meta(op, (DTYPE_CODES[x.dtype], m, n, x.shape[1], *sizes))
+    if any(meta[:3] != metas[0][:3] or meta[4:] != metas[0][4:] for meta in metas):
+        raise ValueError(f"{op}: ranks disagree on (dtype, M, N, sizes): "
+                         f"{[meta[:3] + meta[4:] for meta in metas]}")
+    k_max = max(meta[3] for meta in metas)
+    wire = (world - 1) / world * m * n * x.element_size()
+    return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire,
+                      rows=max(min(sizes), 1))
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, group, rows, decision, chunks, ops_ctx):
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.rows, ctx.chunks, ctx.ops_ctx = group, rows, chunks, ops_ctx
+        return _scatter_forward(x, w, group, rows, decision)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        wt = w.t()
+        rows, decision = _gather_plan("matmul_reduce_scatter.dgrad", dy.contiguous(), wt,
+                                      ctx.group, ctx.rows, ctx.chunks, ctx.ops_ctx)
+        dx, gathered_dy = _gather_forward(dy.contiguous(), wt, ctx.group, rows, decision)
+        dw = x.t() @ gathered_dy if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None, None
+
+
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0, *,
+                          sizes: Sequence[int] | None = None, chunks="auto",
+                          ctx: OpsContext | None = None) -> torch.Tensor:
+    """``reduce_scatter(x @ w, dim)``, each piece's partial sums on the wire as soon as computed.
+
+    ``sizes``: every rank's share of ``dim`` of the output (default: even).
+    """
+    ctx = ctx or get_context(group)
+    world = dist.get_world_size(group)
+    x2, restore = _rows_view(x, dim)
+    length = x.shape[dim]
+    unit = x2.shape[0] // max(length, 1) if length else 1
+    sizes = even_sizes(length, world) if sizes is None else [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes):
+        raise ValueError(f"matmul_reduce_scatter: sizes {sizes} must give each of {world} ranks "
+                         "a non-negative share")
+    rows = [s * unit for s in sizes]
+    decision = _scatter_plan("matmul_reduce_scatter", x2, w, group, rows, chunks, ctx)
+    y = _MatmulReduceScatter.apply(x2, w, group, rows, decision, chunks, ctx)
+    return restore(y, sizes[dist.get_rank(group)])
+
+
+def _rows_view(x: torch.Tensor, dim: int):
+    """x as [rows, K] with ``dim`` leading (a view when dim == 0), and how to undo it for y."""
+    dim = dim % x.dim()
+    if x.dim() == 1 or dim == x.dim() - 1:
+        raise ValueError(f"dim {dim} of a {x.dim()}-d tensor is its feature dim; pick a row dim")
+    moved = x.movedim(dim, 0)
+    middle = moved.shape[1:-1]
+    x2 = moved.reshape(-1, x.shape[-1])
+
+    def restore(y: torch.Tensor, length: int) -> torch.Tensor:
+        out = y.view(length, *middle, y.shape[-1])
+        return out.movedim(0, dim) if dim else out
+    return x2, restore
