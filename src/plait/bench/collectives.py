@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import rank_context
+from .placement import run_placed
 from ..runtime.compat import all_gather_into, reduce_scatter_into
 from ..runtime.timing import agreed_max, median, time_once
 
@@ -187,30 +188,10 @@ def run_sweep(cfg: CollectiveBenchConfig) -> list[dict]:
 def bench_collectives(cfg: CollectiveBenchConfig, *, ranks: int, hosts: int = 0,
                       link: str | None = "1gbit", timeout_s: float | None = None,
                       on_progress=None) -> tuple[list[dict], str]:
-    """Launch the sweep on ``ranks`` local ranks, on an emulated cluster of ``hosts``
-    hosts (0: loopback). Returns (records, a line saying where it ran)."""
-    from ..runtime import EmulatedCluster, launch, parse_rate
-
-    if ranks < 1:
-        raise ValueError(f"world size must be at least 1, got {ranks}")
-    parse_rate(link)  # refuse a bad rate before anything starts
-    if hosts:
-        if ranks % hosts:
-            raise ValueError(f"{ranks} ranks do not divide over {hosts} hosts")
-        with EmulatedCluster(hosts=hosts, link=link) as cluster:
-            cfg = _labelled(cfg, link=cluster.link_label, hosts=hosts if cluster.emulated else 0)
-            records = launch(run_sweep, ranks, args=(cfg,), cluster=cluster, timeout_s=timeout_s,
-                             on_progress=on_progress)[0]
-            return records, cluster.describe()
-    cfg = _labelled(cfg, link="loopback", hosts=0)
-    records = launch(run_sweep, ranks, args=(cfg,), timeout_s=timeout_s, on_progress=on_progress)[0]
-    return records, "loopback (no emulated cluster asked for)"
-
-
-def _labelled(cfg: CollectiveBenchConfig, **labels) -> CollectiveBenchConfig:
-    from dataclasses import replace
-
-    return replace(cfg, extra={**cfg.extra, **labels})
+    """The sweep on ``ranks`` local ranks, on ``hosts`` emulated hosts (0: loopback).
+    Returns (records, a line saying where it ran)."""
+    return run_placed(run_sweep, cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=timeout_s,
+                      on_progress=on_progress)
 
 
 def plot_bandwidth(records: list[dict], path, link_GBps: float | None = None) -> None:

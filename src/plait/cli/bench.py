@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench.collectives import CollectiveBenchConfig, bench_collectives, plot_bandwidth
+from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
 from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
 from ..runtime import parse_rate
 from .args import add_dataclass_args, dataclass_from_args
@@ -28,6 +29,13 @@ def register(subparsers) -> None:
     add_output_args(coll)
     add_dataclass_args(coll, CollectiveBenchConfig)
     coll.set_defaults(func=run_collectives)
+    ops = which.add_parser("ops", help="fused operators against compute-then-collective",
+                           description="Compute alone, communication alone, unfused, fused and "
+                                       "the physical limit max(compute, comm) per operator and shape.")
+    add_launch_args(ops)
+    add_output_args(ops)
+    add_dataclass_args(ops, OpsBenchConfig)
+    ops.set_defaults(func=run_ops)
 
 
 def run_collectives(args: argparse.Namespace) -> int:
@@ -63,3 +71,41 @@ def run_collectives(args: argparse.Namespace) -> int:
     if wrong:
         console.print(f"[red]{wrong} wrong elements: the collectives returned wrong results[/red]")
     return 1 if wrong else 0
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.1f}"
+
+
+def run_ops(args: argparse.Namespace) -> int:
+    ranks, hosts, link = resolve_placement(args)
+    cfg = dataclass_from_args(OpsBenchConfig, args, defaults={"quick": args.quick})
+    shapes = cfg.shapes()
+    with progress_bar("bench ops", len(shapes), enabled=not args.no_progress) as advance:
+        records, where = bench_ops(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
+                                   on_progress=lambda rank, p: rank == 0 and advance(note=p["op"]))
+    if not where.startswith("loopback (no emulated cluster:"):
+        console.print(f"[dim]{where}[/dim]")
+    rows = [[r["op"], "×".join(str(v) for v in r["shape"].values()), _ms(r["t_compute_s"]),
+             _ms(r["t_comm_s"]), _ms(r["t_unfused_s"]), _ms(r["t_fused_s"]), _ms(r["t_limit_s"]),
+             f"{r['path']}/{r['chunks']}", f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}",
+             f"{r['best_fixed_chunks']}: {_ms(r['t_best_fixed_s'])}" if r["best_fixed_chunks"] else "–",
+             "yes" if r["correct"] else "[red]NO[/red]"] for r in records]
+    print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}), ms",
+                ["op", "shape", "compute", "comm", "unfused", "fused", "limit", "path/pieces",
+                 "speedup", "effic.", "best fixed", "correct"], rows,
+                caption="median over interleaved iterations, slowest rank; "
+                        "speedup = unfused/fused, efficiency = limit/fused")
+    summary = summarize(records)
+    for key, value in summary.items():
+        console.print(f"  {key}: {value:.3f}" if isinstance(value, float) else f"  {key}: {value}")
+    for r in records:
+        if r["path"] == "fallback":
+            console.print(f"[dim]  {r['op']} {r['shape']}: fallback: {r['reason']}[/dim]")
+    if args.json:
+        write_json(args.json, records, {"command": "bench ops", "where": where, "summary": summary})
+        console.print(f"wrote {args.json}")
+    if args.plot and records:
+        plot_ops(records, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0 if summary["all_correct"] else 1

@@ -112,34 +112,54 @@ class OpsContext:
 
 
 def measure_profile(group=None) -> MachineProfile:
-    """Calibrate on the running group: a matmul for the compute rate, two all_reduces for α and β."""
-    a = torch.randn(256, 256)
-    for _ in range(2):
-        a @ a
-    start = time.perf_counter()
-    for _ in range(5):
-        a @ a
-    compute_flops = 5 * 2 * 256 ** 3 / (time.perf_counter() - start)
-    small, big = torch.zeros(8), torch.zeros(256 * 1024)  # 32 B and 1 MiB
+    """Calibrate on the running group, once (≈ 0.5 s on a 1 Gbit/s link).
+
+    compute rate: a 512×1024×1024 matmul; α: the fastest of ten 32-byte
+    all_reduces; bandwidth: a 2 MiB all_reduce; per-piece overhead: a real
+    4-piece matmul + all_reduce pipeline against the model's prediction for it
+    with no overhead, so CPU contention between compute and communication
+    threads is charged to each extra piece, where it belongs.
+    """
+    from ..perf.pipeline import fused_time
+
     n = dist.get_world_size(group)
+    x, w = torch.randn(512, 1024), torch.randn(1024, 1024)
+    out = torch.empty(512, 1024)  # 2 MiB
+    compute_s = _fastest(lambda: torch.matmul(x, w, out=out), group, 3)
+    compute_flops = 2 * 512 * 1024 * 1024 / compute_s
+    alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8), group=group), group, 10)
+    wire = 2 * (n - 1) / n * out.numel() * out.element_size()
+    comm_s = _fastest(lambda: dist.all_reduce(out, group=group), group, 3)
+    bandwidth = wire / max(comm_s - alpha, 1e-6)
 
-    def median_time(t: torch.Tensor) -> float:
-        times = []
-        for _ in range(5):
-            dist.barrier(group=group)
-            begin = time.perf_counter()
-            dist.all_reduce(t, group=group)
-            times.append(time.perf_counter() - begin)
-        return sorted(times)[2]
+    def pipeline() -> None:
+        works = []
+        for lo in range(0, 512, 128):
+            torch.matmul(x[lo:lo + 128], w, out=out[lo:lo + 128])
+            works.append(dist.all_reduce(out[lo:lo + 128], group=group, async_op=True))
+        for work in works:
+            work.wait()
 
-    median_time(big)  # warm-up: connections made
-    alpha, t_big = median_time(small), median_time(big)
-    wire = 2 * (n - 1) / n * big.numel() * 4
-    bandwidth = wire / max(t_big - alpha, 1e-6)
-    return MachineProfile(latency_s=alpha / max(2 * (n - 1), 1), bandwidth_Bps=bandwidth,
-                          compute_flops=compute_flops, per_piece_overhead_s=alpha,
-                          base_latency_s=0.0, world_size=n,
+    fused_s = _fastest(pipeline, group, 3)
+    ideal = fused_time(compute_s, comm_s, 4, None, comm_latency_s=alpha)
+    overhead = max(0.0, (fused_s - ideal) / 3)
+    return MachineProfile(latency_s=alpha, bandwidth_Bps=bandwidth, compute_flops=compute_flops,
+                          per_piece_overhead_s=overhead, world_size=n,
                           source="measured on the running group (plait.ops.context.measure_profile)")
+
+
+def _fastest(fn, group, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (after one warm-up), slowest rank's."""
+    fn()
+    best = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - start)
+    t = torch.tensor([min(best)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
 
 
 def _agree(profile: MachineProfile, group) -> MachineProfile:

@@ -30,7 +30,7 @@ def start_gather(out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int], gr
     if len(set(rows)) == 1:
         return all_gather_into(out, piece.contiguous(), group=group, async_op=True)
     world = len(rows)
-    send = piece.unsqueeze(0).expand(world, *piece.shape).reshape(-1, *piece.shape[1:])
+    send = piece.unsqueeze(0).expand(world, *piece.shape).reshape(-1, *piece.shape[1:]).contiguous()
     return start_all_to_all(out, send, list(rows), [piece.shape[0]] * world, group)
 
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["split", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
+__all__ = ["split", "tapered", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -16,6 +16,21 @@ def split(total: int, pieces: int) -> list[int]:
     pieces = max(1, min(pieces, total)) if total else 1
     base, extra = divmod(total, pieces)
     return [base + (1 if i < extra else 0) for i in range(pieces)]
+
+
+def tapered(total: int, pieces: int) -> list[int]:
+    """``total`` rows in ``pieces`` parts whose first and last are half the others.
+
+    A pipeline of pieces exposes the first piece's compute (nothing to send
+    yet) and the last piece's transfer (nothing left to compute): halving those
+    two shortens both exposed ends. ``tapered(8, 3) == [2, 4, 2]``.
+    """
+    if pieces <= 2 or total < 2 * pieces:
+        return split(total, pieces)
+    weights = [1] + [2] * (pieces - 2) + [1]
+    sizes = [total * w // sum(weights) for w in weights]
+    sizes[len(sizes) // 2] += total - sum(sizes)
+    return sizes
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:

@@ -45,14 +45,14 @@ import torch.distributed as dist
 
 from .context import Decision, OpsContext, get_context
 from .exchange import start_all_to_all, start_gather
-from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, split
+from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, tapered
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 
 def _row_pieces(sizes: Sequence[int], chunks: int) -> list[list[int]]:
     """``pieces[j][r]``: rows of rank r in piece j (each rank's rows cut into ``chunks``)."""
-    per_rank = [split(s, chunks) + [0] * (chunks - len(split(s, chunks))) for s in sizes]
+    per_rank = [tapered(s, chunks) + [0] * (chunks - len(tapered(s, chunks))) for s in sizes]
     return [[per_rank[r][j] for r in range(len(sizes))] for j in range(chunks)]
 
 
@@ -72,7 +72,7 @@ def _check_rows(op, sizes, world, local, rank, ctx, tail):
 # --- all_gather_matmul ------------------------------------------------------
 
 def _gather_forward(x, w, group, rows, decision):
-    """Returns (y [M, N_r], gathered x [M, K])."""
+    """Returns (y [M, N_r], the gathered x [M, K] as the pieces it arrived in)."""
     rank = dist.get_rank(group)
     starts = offsets(rows)
     pieces = _row_pieces(rows, decision.chunks)
@@ -95,18 +95,45 @@ def _gather_forward(x, w, group, rows, decision):
                 torch.matmul(buf[at:at + n], w, out=y[row:row + n])
             at += n
             done[src] += n
-    gathered = _assemble(bufs, pieces, len(rows))
-    return y, gathered
+    return y, _Gathered(bufs, pieces, starts)
 
 
-def _assemble(bufs, pieces, world):
-    """The gathered rows in rank order (one copy, kept for wgrad)."""
-    parts = []
-    for src in range(world):
-        for buf, piece_rows in zip(bufs, pieces):
-            at = sum(piece_rows[:src])
-            parts.append(buf[at:at + piece_rows[src]])
-    return torch.cat(parts)
+class _Gathered:
+    """The gathered rows as the pieces they arrived in: no rank-order copy is ever made.
+
+    ``gathered = cat over ranks s of cat over pieces j of bufs[j][rows of s]``.
+    """
+
+    def __init__(self, bufs, pieces, starts):
+        self.bufs, self.pieces, self.starts = bufs, pieces, starts
+
+    def segments(self):
+        """(rows of the gathered tensor, that segment), in a fixed order."""
+        done = [0] * len(self.starts[:-1])
+        for buf, piece_rows in zip(self.bufs, self.pieces):
+            at = 0
+            for src, n in enumerate(piece_rows):
+                if n:
+                    row = self.starts[src] + done[src]
+                    yield slice(row, row + n), buf[at:at + n]
+                at += n
+                done[src] += n
+
+    def t_matmul(self, other):
+        """``gatheredᵀ @ other`` as a sum over segments (fixed order)."""
+        out = None
+        for rows, seg in self.segments():
+            part = seg.t() @ other[rows]
+            out = part if out is None else out.add_(part)
+        return out
+
+    def left_t_matmul(self, other):
+        """``otherᵀ @ gathered`` as a sum over segments (fixed order)."""
+        out = None
+        for rows, seg in self.segments():
+            part = other[rows].t() @ seg
+            out = part if out is None else out.add_(part)
+        return out
 
 
 def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decision]:
@@ -126,13 +153,15 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, group, rows, decision, chunks, ops_ctx):
         y, gathered = _gather_forward(x, w, group, rows, decision)
-        ctx.save_for_backward(gathered, w)
+        ctx.save_for_backward(w)
+        ctx.gathered = gathered  # buffers made here, not inputs: safe to keep as an attribute
         ctx.group, ctx.rows, ctx.chunks, ctx.ops_ctx = group, rows, chunks, ops_ctx
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        gathered, w = ctx.saved_tensors
+        (w,) = ctx.saved_tensors
+        gathered = ctx.gathered
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -141,7 +170,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                                      ctx.chunks, ctx.ops_ctx)
             dx = _scatter_forward(dy, wt, ctx.group, ctx.rows, decision)
         if ctx.needs_input_grad[1]:
-            dw = gathered.t() @ dy
+            dw = gathered.t_matmul(dy)
         return dx, dw, None, None, None, None, None
 
 
@@ -235,7 +264,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         rows, decision = _gather_plan("matmul_reduce_scatter.dgrad", dy.contiguous(), wt,
                                       ctx.group, ctx.rows, ctx.chunks, ctx.ops_ctx)
         dx, gathered_dy = _gather_forward(dy.contiguous(), wt, ctx.group, rows, decision)
-        dw = x.t() @ gathered_dy if ctx.needs_input_grad[1] else None
+        dw = gathered_dy.left_t_matmul(x) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None, None
 
 

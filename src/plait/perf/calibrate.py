@@ -9,8 +9,9 @@ list of records.  The fitted ``MachineProfile`` is what ``chunks="auto"`` loads.
   (collectives.latency_steps / wire_factor), each row weighted by 1/time so that
   small and large messages count alike; constants are kept non-negative.
 * compute rate: ``t_compute = c0 + flops / F`` over op records that carry flops.
-* per-piece overhead: the ``o`` of pipeline.fused_time that best explains the
-  measured fused times, given each record's measured compute and comm times.
+* per-piece overhead and overlap slowdown: the ``o`` and ``k`` of
+  pipeline.fused_time that best explain the measured fused times, given each
+  record's measured compute and comm times (grid over k, least squares in o).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .collectives import COLLECTIVES, collective_time, latency_steps, wire_factor
-from .pipeline import fused_time
+from .collectives import COLLECTIVES, latency_steps, piece_latency, wire_factor
+from .pipeline import PipelineOverheads, fused_time
 
 __all__ = [
     "MachineProfile",
@@ -38,9 +39,13 @@ __all__ = [
     "load_profile",
     "load_records",
     "split_records",
+    "reliable",
+    "spread",
     "fit_alpha_beta",
+    "fit_per_collective",
     "fit_compute_rate",
     "fit_per_piece_overhead",
+    "fit_pipeline",
     "fit_profile",
 ]
 
@@ -62,29 +67,51 @@ class MachineProfile:
     bandwidth_Bps: effective per-rank bandwidth (bus-bandwidth asymptote, bytes/s).
     compute_flops: achieved FLOP/s of the operators' compute (0 = not measured).
     per_piece_overhead_s: extra seconds each additional piece of a fused op costs.
+    overlap_slowdown: compute runs 1 + this slower while a collective overlaps it.
     base_latency_s: fixed cost of one collective call.
     link: the benchmark's link label ("1gbit", "loopback", ...).
     world_size: world size(s) of the records it was fitted on (largest).
     source: where it came from (files, record counts, date, or "uncalibrated default").
     fit_rel_error: median relative residual of the latency/bandwidth fit.
+    collectives: per-collective constants (name, base_latency_s, latency_s,
+        bandwidth_Bps) where the backend implements collectives differently
+        (gloo's reduce_scatter is not a ring); collective_time uses them.
     """
 
     latency_s: float
     bandwidth_Bps: float
     compute_flops: float = 0.0
     per_piece_overhead_s: float = 0.0
+    overlap_slowdown: float = 0.0
     base_latency_s: float = 0.0
     link: str = ""
     world_size: int = 0
     source: str = ""
     fit_rel_error: float = 0.0
+    collectives: tuple[tuple[str, float, float, float], ...] = ()
 
     def __post_init__(self):
-        for name in ("latency_s", "compute_flops", "per_piece_overhead_s", "base_latency_s"):
+        object.__setattr__(self, "collectives", tuple(tuple(c) for c in self.collectives))
+        for name in ("latency_s", "compute_flops", "per_piece_overhead_s", "base_latency_s",
+                     "overlap_slowdown"):
             if getattr(self, name) < 0:
                 raise ValueError(f"MachineProfile.{name} must be >= 0, got {getattr(self, name)}")
         if not self.bandwidth_Bps > 0:
             raise ValueError(f"MachineProfile.bandwidth_Bps must be > 0, got {self.bandwidth_Bps}")
+
+    def compute_time_s(self, flops: float) -> float:
+        """Predicted seconds of ``flops`` of operator compute on this machine."""
+        if self.compute_flops <= 0:
+            raise ValueError(f"profile has no compute rate (source: {self.source or 'unknown'})")
+        return flops / self.compute_flops
+
+    def for_collective(self, name: str) -> "MachineProfile":
+        """This profile with ``name``'s own constants, if it has them."""
+        for cname, base, alpha, bw in self.collectives:
+            if cname == name:
+                return dataclasses.replace(self, base_latency_s=base, latency_s=alpha,
+                                           bandwidth_Bps=bw, collectives=())
+        return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -130,7 +157,10 @@ def load_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
     """Records of every file; each gets ``_file`` naming where it came from."""
     out = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid benchmark JSON ({e})") from None
         records = data.get("records", []) if isinstance(data, dict) else data
         if not isinstance(records, list):
             raise ValueError(f"{path}: 'records' must be a list, got {type(records).__name__}")
@@ -142,8 +172,30 @@ def split_records(records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
     """(collective records, op records) with the fields each fit needs."""
     coll = [r for r in records if r.get("collective") in COLLECTIVES
             and r.get("time_s", 0) > 0 and r.get("world_size", 0) > 1 and r.get("bytes", 0) > 0]
-    ops = [r for r in records if r.get("op") in OP_COLLECTIVE and r.get("world_size", 0) > 1]
+    ops = [r for r in records if r.get("op") in OP_COLLECTIVE and r.get("world_size", 0) > 1
+           and r.get("correct", True) is not False]
     return coll, ops
+
+
+NOISE_LIMIT = 1.0  # (max - min) / median of a record's timed iterations
+
+
+def spread(record: dict) -> float | None:
+    """(max - min) / median of a record's timed iterations, if it reports them."""
+    if record.get("time_max_s") is None or record.get("time_min_s") is None:
+        return None
+    return (float(record["time_max_s"]) - float(record["time_min_s"])) / float(record["time_s"])
+
+
+def reliable(records: Sequence[dict], limit: float = NOISE_LIMIT) -> list[dict]:
+    """Records whose iterations agree to within ``limit`` of their median.
+
+    On a shared or emulated machine small messages are scheduling noise (spreads
+    of several times the median); a fit should not chase them.  Falls back to
+    all records when fewer than two distinct sizes would remain.
+    """
+    keep = [r for r in records if (spread(r) or 0.0) <= limit]
+    return keep if len({r["bytes"] for r in keep}) >= 2 else list(records)
 
 
 def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -178,6 +230,17 @@ def fit_alpha_beta(records: Sequence[dict]) -> tuple[float, float, float, float]
     return float(x[0]), float(x[1]), float(1.0 / x[2]), float(np.median(rel))
 
 
+def fit_per_collective(records: Sequence[dict]) -> tuple[tuple[str, float, float, float], ...]:
+    """(name, base, latency, bandwidth) for every collective with >= 2 records."""
+    out = []
+    for name in sorted({r["collective"] for r in records}):
+        recs = reliable([r for r in records if r["collective"] == name])
+        if len({r["bytes"] for r in recs}) >= 2:
+            base, alpha, bw, _ = fit_alpha_beta(recs)
+            out.append((name, base, alpha, bw))
+    return tuple(out)
+
+
 def fit_compute_rate(op_records: Sequence[dict]) -> float:
     """Achieved FLOP/s from op records carrying ``flops``; 0.0 if none do."""
     pts = [(float(r["flops"]), float(r["t_compute_s"])) for r in op_records
@@ -193,23 +256,52 @@ def fit_compute_rate(op_records: Sequence[dict]) -> float:
 
 
 def op_comm_latency(record: dict, profile_like) -> float:
-    """Latency part of the record's collective under an alpha-beta profile."""
-    return collective_time(OP_COLLECTIVE[record["op"]], 0.0, int(record["world_size"]), profile_like)
+    """Latency each piece of the record's collective repeats, under an alpha-beta profile."""
+    return piece_latency(OP_COLLECTIVE[record["op"]], int(record["world_size"]), profile_like)
 
 
-def fit_per_piece_overhead(op_records: Sequence[dict], profile_like) -> float:
-    """Per-piece overhead (s) explaining fused times of multi-piece fused records."""
-    num = den = 0.0
+def _fused_points(op_records: Sequence[dict], profile_like):
+    pts = []
     for r in op_records:
         p = int(r.get("chunks", 1))
         if r.get("path") != "fused" or p < 2 or not r.get("t_fused_s", 0) > 0:
             continue
-        t = float(r["t_fused_s"])
-        base = fused_time(r["t_compute_s"], r["t_comm_s"], p, 0.0,
-                          comm_latency_s=op_comm_latency(r, profile_like))
-        num += (p - 1) * (t - base) / t ** 2
-        den += (p - 1) ** 2 / t ** 2
-    return max(0.0, num / den) if den > 0 else 0.0
+        pts.append((p, float(r["t_compute_s"]), float(r["t_comm_s"]), float(r["t_fused_s"]),
+                    op_comm_latency(r, profile_like)))
+    return pts
+
+
+def fit_pipeline(op_records: Sequence[dict], profile_like) -> tuple[float, float]:
+    """(per-piece overhead s, overlap slowdown) explaining multi-piece fused records.
+
+    For each slowdown k on a grid, the overhead has a closed form (least squares
+    on relative residuals, kept >= 0); the pair with the smallest residual wins.
+    (0, 0) when no record has a fused multi-piece time.
+    """
+    pts = _fused_points(op_records, profile_like)
+    if not pts:
+        return 0.0, 0.0
+    p, tc, tm, t, lat = (np.asarray(x, dtype=float) for x in zip(*pts))
+    best = (np.inf, 0.0, 0.0)
+    for k in np.arange(0.0, 2.0001, 0.05):
+        base = fused_time(tc, tm, p, PipelineOverheads(0.0, float(k)), comm_latency_s=lat)
+        w = (p - 1) / t
+        o = max(0.0, float(np.sum(w * (t - base) / t) / np.sum(w * w)))
+        res = float(np.sum(((base + (p - 1) * o - t) / t) ** 2))
+        if res < best[0] - 1e-12:
+            best = (res, o, float(k))
+    return best[1], best[2]
+
+
+def fit_per_piece_overhead(op_records: Sequence[dict], profile_like) -> float:
+    """Per-piece overhead (s) alone, with no overlap slowdown."""
+    pts = _fused_points(op_records, profile_like)
+    if not pts:
+        return 0.0
+    p, tc, tm, t, lat = (np.asarray(x, dtype=float) for x in zip(*pts))
+    base = fused_time(tc, tm, p, 0.0, comm_latency_s=lat)
+    w = (p - 1) / t
+    return max(0.0, float(np.sum(w * (t - base) / t) / np.sum(w * w)))
 
 
 def _pick_link(records: Sequence[dict], link: str | None) -> str | None:
@@ -230,14 +322,15 @@ def fit_profile(records: Sequence[dict], *, link: str | None = None,
     link = _pick_link(coll, link)
     coll = [r for r in coll if str(r.get("link", "")) == link]
     ops = [r for r in ops if str(r.get("link", link)) == link] or ops
-    base, alpha, bw, err = fit_alpha_beta(coll)
-    partial = MachineProfile(latency_s=alpha, bandwidth_Bps=bw, base_latency_s=base)
+    base, alpha, bw, err = fit_alpha_beta(reliable(coll))
+    partial = MachineProfile(latency_s=alpha, bandwidth_Bps=bw, base_latency_s=base,
+                             collectives=fit_per_collective(coll))
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     files = sorted({Path(r.get("_file", "?")).name for r in coll + ops})
     return dataclasses.replace(
         partial,
         compute_flops=fit_compute_rate(ops),
-        per_piece_overhead_s=fit_per_piece_overhead(ops, partial),
+        **dict(zip(("per_piece_overhead_s", "overlap_slowdown"), fit_pipeline(ops, partial))),
         link=link or "",
         world_size=max(int(r["world_size"]) for r in coll),
         source=source or f"fit {stamp} on {len(coll)} collective + {len(ops)} op records "

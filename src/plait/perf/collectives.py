@@ -29,6 +29,7 @@ __all__ = [
     "collective_time",
     "hierarchical_time",
     "bus_bandwidth",
+    "piece_latency",
 ]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven")
@@ -45,6 +46,8 @@ class AlphaBeta:
     base_s: fixed cost of one call.
     ll_latency_s: per-step latency of the low-latency protocol; None = no LL.
     ll_bandwidth_factor: LL's fraction of bandwidth (NCCL: 0.5).
+    peer_s: cost of posting one peer's message in an all_to_all, whose n-1
+        sends go out concurrently (NCCL tuning.cc getNetOverhead: 1 us on x86).
     """
 
     latency_s: float
@@ -52,6 +55,7 @@ class AlphaBeta:
     base_s: float = 0.0
     ll_latency_s: float | None = None
     ll_bandwidth_factor: float = 0.5
+    peer_s: float = 0.0
 
     @classmethod
     def of(cls, link) -> "AlphaBeta":
@@ -60,7 +64,7 @@ class AlphaBeta:
             return link
         if hasattr(link, "effective_bw_Bps"):  # hardware.Link
             return cls(latency_s=link.latency_s, bandwidth_Bps=link.effective_bw_Bps,
-                       base_s=link.base_s, ll_latency_s=link.ll_latency_s)
+                       base_s=link.base_s, ll_latency_s=link.ll_latency_s, peer_s=1e-6)
         return cls(latency_s=link.latency_s, bandwidth_Bps=link.bandwidth_Bps,
                    base_s=getattr(link, "base_latency_s", 0.0))
 
@@ -88,7 +92,7 @@ def wire_factor(collective: str, n: int, algo: str = "ring") -> float:
 
 
 def latency_steps(collective: str, n: int, algo: str = "ring") -> int:
-    """Sequential latency steps of one call."""
+    """Sequential latency steps of one call (all_to_all: one round of concurrent sends)."""
     collective = _check(collective, n)
     if n == 1:
         return 0
@@ -98,6 +102,8 @@ def latency_steps(collective: str, n: int, algo: str = "ring") -> int:
         if algo == "tree":
             return 2 * math.ceil(math.log2(n))
         return 2 if algo == "two_shot" else 2 * (n - 1)
+    if collective == "all_to_all":
+        return 1
     return 1 if algo == "two_shot" else n - 1
 
 
@@ -108,6 +114,8 @@ def collective_time(collective: str, nbytes: float, n: int, link, *, algo: str =
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if hasattr(link, "for_collective"):  # a calibrated profile with per-collective constants
+        link = link.for_collective(collective)
     collective = _check(collective, n)
     if n == 1:
         return 0.0
@@ -121,6 +129,8 @@ def collective_time(collective: str, nbytes: float, n: int, link, *, algo: str =
     if ab.ll_latency_s is not None:
         t_ll = ab.base_s + steps * ab.ll_latency_s + volume / (ab.bandwidth_Bps * ab.ll_bandwidth_factor)
         t = min(t, t_ll)
+    if collective == "all_to_all":
+        t += (n - 1) * ab.peer_s
     return t
 
 
@@ -134,13 +144,16 @@ def hierarchical_time(collective: str, nbytes: float, *, local: int, nodes: int,
     all_to_all = the intra and inter shares of the traffic move concurrently.
     """
     collective = _check(collective, local * nodes)
+    if hasattr(intra, "for_group"):
+        intra = intra.for_group(local)
     if nodes == 1:
         return collective_time(collective, nbytes, local, intra)
     if local == 1:
-        return collective_time(collective, nbytes, nodes, inter)
+        algo = "best" if collective == "all_reduce" else "ring"
+        return collective_time(collective, nbytes, nodes, inter, algo=algo)
     if collective == "all_reduce":
         return (collective_time("reduce_scatter", nbytes, local, intra)
-                + collective_time("all_reduce", nbytes / local, nodes, inter)
+                + collective_time("all_reduce", nbytes / local, nodes, inter, algo="best")
                 + collective_time("all_gather", nbytes, local, intra))
     if collective in ("all_gather", "reduce_scatter"):
         return (collective_time(collective, nbytes / local, nodes, inter)
@@ -150,10 +163,30 @@ def hierarchical_time(collective: str, nbytes: float, *, local: int, nodes: int,
     inter_share = nbytes * (nodes - 1) * local / n
     ab_i, ab_e = AlphaBeta.of(intra), AlphaBeta.of(inter)
     t_intra = collective_time("all_to_all", intra_share * local / (local - 1), local, ab_i)
-    t_inter = ab_e.base_s + (nodes - 1) * ab_e.latency_s + inter_share / ab_e.bandwidth_Bps
+    t_inter = (ab_e.base_s + ab_e.latency_s + (n - local) * ab_e.peer_s
+               + inter_share / ab_e.bandwidth_Bps)
     return max(t_intra, t_inter)
 
 
 def bus_bandwidth(collective: str, nbytes: float, n: int, time_s: float) -> float:
     """nccl-tests bus bandwidth in bytes/s."""
     return nbytes / time_s * bus_factor(collective, n)
+
+
+def piece_latency(collective: str, n: int, link, *, nodes: int = 1) -> float:
+    """Latency each piece of a fused operator pays again.
+
+    A piece of a reduction or gather is a whole (smaller) collective, so it pays
+    the full latency.  An all_to_all is cut by destination: a piece posts its own
+    peers' messages, so it repeats only the call and hop latency, not the
+    per-peer posting cost (that is split among the pieces like bandwidth).
+    """
+    if hasattr(link, "for_collective"):
+        link = link.for_collective(collective)
+    collective = _check(collective, n)
+    if n == 1:
+        return 0.0
+    t = collective_time(collective, 0.0, n, link)
+    if collective == "all_to_all":
+        t -= (n - 1) * AlphaBeta.of(link).peer_s
+    return t

@@ -41,7 +41,9 @@ def _fraction(value, name: str, lo: float = 0.0, hi: float = 1.0) -> None:
 class SpeedConfig:
     """Per-rank speed distribution.
 
-    mixed: other GPU types and the fraction of nodes that carry them, e.g. {"A100": 0.25}.
+    mixed: other GPU types and the fraction of nodes (or GPUs) that are of them, e.g. {"A100": 0.25}.
+    mixed_per: "node" (whole nodes of one generation) or "gpu" (generations mixed inside
+               nodes, so inside tensor-parallel groups).
     transient_prob: chance, per rank and step, that a transient slowdown starts.
     transient_slowdown: speed multiplier while slowed (0.5 = half speed).
     transient_steps: steps a slowdown lasts.
@@ -49,6 +51,7 @@ class SpeedConfig:
     """
 
     mixed: Mapping[str, float] = field(default_factory=dict)
+    mixed_per: str = "node"
     transient_prob: float = 0.0
     transient_slowdown: float = 0.5
     transient_steps: int = 2
@@ -62,7 +65,9 @@ class SpeedConfig:
             get_accelerator(gpu, field_name=f"{p}.mixed")
             _fraction(frac, f"{p}.mixed[{gpu!r}]")
         if sum(self.mixed.values()) > 1.0 + 1e-9:
-            raise ValueError(f"{p}.mixed: node fractions sum to {sum(self.mixed.values())} > 1")
+            raise ValueError(f"{p}.mixed: fractions sum to {sum(self.mixed.values())} > 1")
+        if self.mixed_per not in ("node", "gpu"):
+            raise ValueError(f"{p}.mixed_per: must be 'node' or 'gpu', got {self.mixed_per!r}")
         _fraction(self.transient_prob, f"{p}.transient_prob")
         _fraction(self.transient_slowdown, f"{p}.transient_slowdown", 1e-3, 1.0)
         _positive(self, "transient_steps", prefix=p)
@@ -192,6 +197,8 @@ class SimConfig:
     chunks: fixed piece count for every fused pair (a system with a fixed decomposition,
             e.g. async TP's one piece per TP rank); None = chunks="auto".
     per_piece_overhead_s: fused-operator per-piece overhead; None = the GPU's launch cost x2.
+    react_layers: forward layers before the balancer sees a step's slowdowns and
+                  resizes (resize, semi); shards move only between steps.
     """
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -203,9 +210,12 @@ class SimConfig:
     max_chunks: int = 16
     chunks: int | None = None
     per_piece_overhead_s: float | None = None
+    react_layers: int = 1
 
     def __post_init__(self):
         _positive(self, "steps", "max_chunks", prefix="sim")
+        if not isinstance(self.react_layers, int) or self.react_layers < 0:
+            raise ValueError(f"sim.react_layers: must be an integer >= 0, got {self.react_layers!r}")
         if self.chunks is not None:
             _positive(self, "chunks", prefix="sim")
         if self.per_piece_overhead_s is not None and self.per_piece_overhead_s < 0:

@@ -11,6 +11,7 @@ nccl-tests' bus bandwidth is compared with).  Latencies are seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -94,6 +95,8 @@ class Link:
     latency_s: per-step latency of the bandwidth ("Simple") protocol.
     ll_latency_s: per-step latency of the low-latency protocol (half bandwidth).
     base_s: fixed cost of one collective call.
+    mesh_links: 0 for a switched fabric; else the point-to-point links of a full
+        mesh over which bw_Bps is spread (a group of k GPUs uses k-1 of them).
     source: where the figures come from.
     """
 
@@ -103,11 +106,18 @@ class Link:
     latency_s: float
     ll_latency_s: float
     base_s: float = 8.4e-6
+    mesh_links: int = 0
     source: str = ""
 
     @property
     def effective_bw_Bps(self) -> float:
         return self.bw_Bps * self.efficiency
+
+    def for_group(self, k: int) -> "Link":
+        """This link as seen by a group of ``k`` GPUs (a mesh only lends k-1 links)."""
+        if not self.mesh_links or k - 1 >= self.mesh_links:
+            return self
+        return dataclasses.replace(self, bw_Bps=self.bw_Bps * max(k - 1, 1) / self.mesh_links)
 
 
 _NV_DS = "NVIDIA {} datasheet (dense figures = sparse/2)"
@@ -190,8 +200,8 @@ LINKS: Mapping[str, Link] = MappingProxyType({
                           _TOPO.format(90, 20.6) + "H800: 8 links, 400 GB/s bidirectional"),
     "infinity-fabric": _link(
         "infinity-fabric", 7 * 64 * G, 0.80, _NVL_LAT,
-        "AMD MI300X datasheet: 7 Infinity Fabric links, 128 GB/s bidirectional each; "
-        "efficiency and latency assumed equal to NVLink's"),
+        "AMD MI300X datasheet: 7 Infinity Fabric links, 128 GB/s bidirectional each, full "
+        "mesh of 8; efficiency and latency assumed equal to NVLink's", mesh_links=7),
     "pcie4": _link("pcie4", 31.5 * G, 0.80, _PCI_LAT,
                    "PCIe 4.0 x16: 16 GT/s x16, 128b/130b = 31.5 GB/s per direction; "
                    "efficiency 0.8 as astra-sim-alibabacloud CalbusBw.h (A100_PCIE_BW 32*0.8)"),

@@ -36,6 +36,7 @@ __all__ = [
     "ideal_time",
     "plan_policy",
     "step_policy",
+    "react",
     "policy_step_time",
 ]
 
@@ -139,6 +140,18 @@ def step_policy(policy: str, state: BalanceState | None, *, nominal: np.ndarray,
     shares = np.where(go[..., None], want.shares, state.shares)
     moved_s = np.where(go, moved * move_s_per_share, 0.0)
     return Plan(shares, want.keep), BalanceState(shares, new_ema), moved_s
+
+
+def react(policy: str, plan: Plan, state: BalanceState, speeds_now: np.ndarray,
+          max_skip: float = 0.25) -> Plan:
+    """Within-step reaction: resizing needs no data movement, so resize and semi
+    can re-decide the kept fractions as soon as a slowdown is seen; shards
+    (static, migrate, semi's persistent part) stay until the next step."""
+    if policy == "resize":
+        return Plan(plan.shares, _resize_keep(speeds_now, max_skip))
+    if policy == "semi":
+        return Plan(plan.shares, _resize_keep(speeds_now / state.ema, max_skip))
+    return plan
 
 
 def policy_step_time(policy: str, work_s: float, speeds, *, nominal=None, measured=None,

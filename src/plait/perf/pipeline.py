@@ -9,12 +9,15 @@ received while piece i is computed: the same pipeline mirrored).  With
 
 the operator takes
 
-    T(p) = c + m + (p - 1) * max(c, m) + (p - 1) * o
+    T(p) = c + m + (p - 1) * max(c * (1 + k), m) + (p - 1) * o
 
 the first piece's compute, the overlapped middle, the last piece's collective,
-and a per-piece overhead ``o`` (launch, stream/event sync, smaller and less
-efficient kernels).  T(1) = t_compute + t_comm exactly: one piece is the
-unfused operator.  The physical limit is max(t_compute, t_comm).
+a per-piece overhead ``o`` (launch, stream/event sync, smaller and less
+efficient kernels), and an overlap slowdown ``k``: compute that shares the
+machine with a running collective goes 1 + k times slower (CPU cycles spent on
+the transport; on GPUs, SMs and memory bandwidth taken by the collective).
+T(1) = t_compute + t_comm exactly: one piece is the unfused operator.  The
+physical limit is max(t_compute, t_comm).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .collectives import collective_time
+from .collectives import collective_time, piece_latency
 
 __all__ = [
+    "PipelineOverheads",
     "ChunkChoice",
     "fused_time",
     "unfused_time",
@@ -39,6 +43,15 @@ __all__ = [
 DEFAULT_MIN_PIECE_BYTES = 64 * 1024  # below this a piece is latency-bound on every link
 
 
+@dataclass(frozen=True)
+class PipelineOverheads:
+    """per_piece_overhead_s: o; overlap_slowdown: k; latency_s: default piece latency."""
+
+    per_piece_overhead_s: float = 0.0
+    overlap_slowdown: float = 0.0
+    latency_s: float = 0.0
+
+
 def _overhead(profile_or_overheads) -> float:
     if profile_or_overheads is None:
         return 0.0
@@ -47,13 +60,18 @@ def _overhead(profile_or_overheads) -> float:
     return float(profile_or_overheads.per_piece_overhead_s)
 
 
+def _slowdown(profile_or_overheads) -> float:
+    return float(getattr(profile_or_overheads, "overlap_slowdown", 0.0) or 0.0)
+
+
 def fused_time(t_compute_s, t_comm_s, chunks, profile_or_overheads=None, *,
                comm_latency_s=None):
     """Predicted seconds of the fused operator with ``chunks`` pieces.
 
-    profile_or_overheads: a MachineProfile (uses per_piece_overhead_s and, unless
-    ``comm_latency_s`` is given, latency_s as each piece's collective latency),
-    a float per-piece overhead, or None (no overhead).  Works on numpy arrays.
+    profile_or_overheads: a MachineProfile or PipelineOverheads (per_piece_overhead_s,
+    overlap_slowdown and, unless ``comm_latency_s`` is given, latency_s as each
+    piece's collective latency), a float per-piece overhead, or None (no
+    overheads).  Works on numpy arrays.
     """
     p = np.maximum(np.asarray(chunks, dtype=float), 1.0)
     tc = np.asarray(t_compute_s, dtype=float)
@@ -63,7 +81,8 @@ def fused_time(t_compute_s, t_comm_s, chunks, profile_or_overheads=None, *,
     lat = np.minimum(np.asarray(comm_latency_s, dtype=float), tm)
     c = tc / p
     m = (tm - lat) / p + lat
-    t = c + m + (p - 1.0) * np.maximum(c, m) + (p - 1.0) * _overhead(profile_or_overheads)
+    k = _slowdown(profile_or_overheads)
+    t = c + m + (p - 1.0) * np.maximum(c * (1.0 + k), m) + (p - 1.0) * _overhead(profile_or_overheads)
     return float(t) if t.ndim == 0 else t
 
 
@@ -78,11 +97,15 @@ def limit_time(t_compute_s: float, t_comm_s: float) -> float:
 
 
 def best_chunks(t_compute_s: float, t_comm_s: float, profile_or_overheads=None, *,
-                max_chunks: int = 16, comm_latency_s: float | None = None) -> tuple[int, float]:
-    """(pieces in 1..max_chunks with the lowest predicted time, that time)."""
+                max_chunks: int = 16, comm_latency_s: float | None = None,
+                tolerance: float = 0.01) -> tuple[int, float]:
+    """(pieces in 1..max_chunks, predicted time): the fewest pieces within
+    ``tolerance`` of the best prediction (a flat optimum is not worth extra
+    pieces, each of which risks its overhead)."""
     times = [fused_time(t_compute_s, t_comm_s, p, profile_or_overheads, comm_latency_s=comm_latency_s)
              for p in range(1, max(1, max_chunks) + 1)]
-    best = int(np.argmin(times))
+    limit = min(times) * (1.0 + tolerance)
+    best = next(i for i, t in enumerate(times) if t <= limit)
     return best + 1, float(times[best])
 
 
@@ -107,14 +130,14 @@ class ChunkChoice:
 
 
 def _comm_time(comm_bytes: float, profile, collective: str | None, world_size: int | None):
-    """(collective time, its latency part)."""
+    """(collective time, the latency each piece repeats)."""
     if collective is None:
         lat = getattr(profile, "base_latency_s", 0.0) + profile.latency_s
         return lat + comm_bytes / profile.bandwidth_Bps, lat
     if world_size is None:
         raise ValueError("choose_chunks: world_size is required when collective is given")
     return (collective_time(collective, comm_bytes, world_size, profile),
-            collective_time(collective, 0.0, world_size, profile))
+            piece_latency(collective, world_size, profile))
 
 
 def choose_chunks(*, t_compute_s: float, comm_bytes: float, profile, max_chunks: int = 16,
@@ -122,6 +145,8 @@ def choose_chunks(*, t_compute_s: float, comm_bytes: float, profile, max_chunks:
                   world_size: int | None = None, min_gain: float = 0.02) -> ChunkChoice:
     """Best number of pieces for a fused operator, or the reason not to fuse.
 
+    t_compute_s: predicted compute seconds of the whole operator on this rank
+    (e.g. ``profile.compute_time_s(flops)``, or a measured time).
     comm_bytes: with ``collective`` None, the bytes this rank puts on the wire
     (one latency per call); with ``collective`` and ``world_size``, the
     nccl-tests size of that collective (all_reduce = buffer, all_gather = output...).
@@ -152,7 +177,8 @@ def _choose(tc, comm_bytes, profile, max_chunks, min_piece_bytes, collective, wo
     if p_max < 2:
         return no(f"pieces would be under {min_piece_bytes} B ({comm_bytes:.0f} B to send)")
     times = {p: fused_time(tc, tm, p, profile, comm_latency_s=lat) for p in range(2, p_max + 1)}
-    best = min(times, key=times.get)  # ties go to fewer pieces
+    floor = min(times.values()) * 1.01  # a flat optimum: take the fewest pieces
+    best = min(p for p, t in times.items() if t <= floor)
     gain = 1.0 - times[best] / unfused
     if gain < min_gain:
         if tm < 0.05 * tc:

@@ -31,6 +31,8 @@ CLUSTERS = MappingProxyType({
                         inter_link="roce-400"),
     # one node in four is an older generation; shared machines with transient stalls
     "mixed-a100-h100": dict(_H100, nodes=16, speeds=dict(mixed={"A100": 0.25})),
+    # generations mixed inside servers (repairs, pooled spares): inside TP groups
+    "mixed-in-node": dict(_H100, nodes=16, speeds=dict(mixed={"A100": 0.125}, mixed_per="gpu")),
     "h100-flaky": dict(_H100, nodes=16, speeds=dict(transient_prob=0.02, transient_slowdown=0.5,
                                                     transient_steps=3, jitter=0.03)),
     # plait's emulated cluster on one CPU machine: 4 ranks over a 1 Gbit/s bridge

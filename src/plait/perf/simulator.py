@@ -23,7 +23,7 @@ import numpy as np
 
 from .config import SimConfig
 from .hardware import get_accelerator
-from .hetero import BalanceState, step_policy
+from .hetero import react, step_policy
 from .pipeline import fused_time
 from .workload import AXES, Pair, Workload, build_workload
 
@@ -35,7 +35,7 @@ class Engine:
 
     def __init__(self, shape: tuple[int, int, int]):
         z = np.zeros(shape)
-        self.t, self.net = z.copy(), z.copy()
+        self.t, self.net, self.net_own = z.copy(), z.copy(), z.copy()
         self.busy, self.wait, self.exposed = z.copy(), z.copy(), z.copy()
 
     @staticmethod
@@ -70,9 +70,9 @@ class Engine:
         Returns (end, own_end): when it ends, and when it would have ended had no
         peer arrived later than this rank (the difference is waiting, not comm).
         """
-        ready = np.maximum(self.net, self.t)
-        self.net = self.gmax(ready, axis) + dur
-        return self.net, ready + dur
+        self.net = self.gmax(np.maximum(self.net, self.t), axis) + dur
+        self.net_own = np.maximum(self.net_own, self.t) + dur  # as if no peer were ever late
+        return self.net, self.net_own
 
     def wait_for(self, ends: tuple[np.ndarray, np.ndarray]) -> None:
         end, own_end = ends
@@ -84,12 +84,12 @@ class Engine:
 
     def end_step(self, compute_s: float) -> float:
         """Wait for the network, run the once-per-step compute, global barrier."""
-        self.wait_for((self.net, self.net))
+        self.wait_for((self.net, self.net_own))
         self.compute(compute_s)
         end = float(np.max(self.t))
         self.wait += end - self.t
         self.t = np.full_like(self.t, end)
-        self.net = self.t.copy()
+        self.net, self.net_own = self.t.copy(), self.t.copy()
         return end
 
 
@@ -106,13 +106,20 @@ def _run_ops(eng: Engine, ops, mult, dense_mult, fused: bool, overhead: float) -
             eng.compute(op[1] * (dense_mult if op[0] == "dense" else mult))
 
 
-def _step(eng: Engine, w: Workload, mult, dense_mult, fused: bool, overhead: float) -> None:
+def _step(eng: Engine, w: Workload, mults, dense_mult, fused: bool, overhead: float,
+          react_layers: int) -> None:
+    """One step; ``mults`` = (before, after) the balancer has seen this step's speeds,
+    switching after ``react_layers`` forward layers."""
     ahead = eng.issue("dp", w.fsdp_gather_s) if w.fsdp_gather_s else None
-    for _ in range(w.layers):  # forward; prefetch next layer's parameters
+    mult = mults[0]
+    for layer in range(w.layers):  # forward; prefetch next layer's parameters
+        if layer == react_layers:
+            mult = mults[1]
         if ahead is not None:
             eng.wait_for(ahead)
             ahead = eng.issue("dp", w.fsdp_gather_s)
         _run_ops(eng, w.fwd, mult, dense_mult, fused, overhead)
+    mult = mults[1]
     for _ in range(w.layers):  # backward
         if ahead is not None:
             eng.wait_for(ahead)
@@ -127,14 +134,18 @@ def rank_speeds(sim: SimConfig, rng: np.random.Generator) -> tuple[np.ndarray, n
     par, cl = sim.parallel, sim.cluster
     ref = get_accelerator(cl.gpu)
     rate = (lambda a: a.mem_bw_Bps) if sim.model.kind == "dlrm" else (lambda a: a.flops(sim.model.dtype))
-    node_speed = np.ones(cl.nodes)
-    order = rng.permutation(cl.nodes)
+    per_gpu = sim.cluster.speeds.mixed_per == "gpu"
+    units = cl.num_gpus if per_gpu else cl.nodes
+    unit_speed = np.ones(units)
+    order = rng.permutation(units)
     start = 0
     for gpu, frac in sim.cluster.speeds.mixed.items():
-        k = int(round(frac * cl.nodes))
-        node_speed[order[start:start + k]] = rate(get_accelerator(gpu)) / rate(ref)
+        k = int(round(frac * units))
+        unit_speed[order[start:start + k]] = rate(get_accelerator(gpu)) / rate(ref)
         start += k
-    nominal = np.repeat(node_speed, cl.gpus_per_node).reshape(par.dp, par.ep, par.tp)
+    if not per_gpu:
+        unit_speed = np.repeat(unit_speed, cl.gpus_per_node)
+    nominal = unit_speed.reshape(par.dp, par.ep, par.tp)
     jitter = sim.cluster.speeds.jitter
     persistent = nominal * (np.exp(rng.normal(0.0, jitter, nominal.shape)) if jitter else 1.0)
     return nominal, persistent
@@ -169,37 +180,41 @@ class SimResult:
         raise KeyError(f"no variant fused={fused} policy={policy!r}")
 
 
+def _plans(policy: str, state, w: Workload, nominal, measured, speed, axis: int | None):
+    """(multipliers before/after reacting, next state, skipped fraction, migration seconds)."""
+    if axis is None:
+        return (1.0 / speed, 1.0 / speed), state, 0.0, 0.0
+
+    def last(x):
+        return None if x is None else np.moveaxis(x, axis, -1)
+
+    plan, state, moved = step_policy(policy, state, nominal=last(nominal), measured=last(measured),
+                                     work_s=1.0, move_s_per_share=w.move_s_per_share)
+    seen = react(policy, plan, state, last(speed))
+    n = speed.shape[axis]
+    mults = tuple(np.moveaxis(n * p.shares * p.keep, -1, axis) / speed for p in (plan, seen))
+    return mults, state, float(np.mean(seen.skipped)), float(np.max(moved))
+
+
 def simulate_variant(sim: SimConfig, w: Workload, *, fused: bool, policy: str) -> VariantResult:
     """Simulate ``sim.steps`` steps of one variant (same seed: same speeds for all variants)."""
     rng = np.random.default_rng(sim.seed)
     nominal, persistent = rank_speeds(sim, rng)
-    shape = nominal.shape
-    sp = sim.cluster.speeds
-    overhead = sim.per_piece_overhead_s if sim.per_piece_overhead_s is not None \
-        else 2 * get_accelerator(sim.cluster.gpu).launch_s
+    sp, acc = sim.cluster.speeds, get_accelerator(sim.cluster.gpu)
+    overhead = sim.per_piece_overhead_s if sim.per_piece_overhead_s is not None else 2 * acc.launch_s
     axis = AXES.get(w.balance_axis) if w.balance_axis else None
-    state, measured, remaining = None, None, np.zeros(shape, dtype=int)
-    eng, t0 = Engine(shape), 0.0
-    totals = np.zeros(6)
+    state, measured, remaining = None, None, np.zeros(nominal.shape, dtype=int)
+    eng, t0, totals = Engine(nominal.shape), 0.0, np.zeros(6)
     for step in range(sim.steps):
-        starts = (remaining == 0) & (rng.random(shape) < sp.transient_prob)
+        starts = (remaining == 0) & (rng.random(nominal.shape) < sp.transient_prob)
         remaining = np.where(starts, sp.transient_steps, remaining)
         speed = persistent * np.where(remaining > 0, sp.transient_slowdown, 1.0)
         remaining = np.maximum(remaining - 1, 0)
-        skipped = migrate_s = 0.0
-        if axis is None:
-            mult = 1.0 / speed
-        else:
-            mv = lambda x: None if x is None else np.moveaxis(x, axis, -1)
-            plan, state, moved = step_policy(policy, state, nominal=mv(nominal), measured=mv(measured),
-                                             work_s=1.0, move_s_per_share=w.move_s_per_share)
-            n = shape[axis]
-            mult = np.moveaxis(n * plan.shares * plan.keep, -1, axis) / speed
-            skipped, migrate_s = float(np.mean(plan.skipped)), float(np.max(moved))
-            eng.t = eng.t + migrate_s  # shards move over the group's link before the step
-            eng.exposed += migrate_s
+        mults, state, skipped, migrate_s = _plans(policy, state, w, nominal, measured, speed, axis)
         busy0, wait0, exp0 = eng.busy.copy(), eng.wait.copy(), eng.exposed.copy()
-        _step(eng, w, mult, 1.0 / speed, fused, overhead)
+        eng.t = eng.t + migrate_s  # shards move over the group's link before the step
+        eng.exposed += migrate_s
+        _step(eng, w, mults, 1.0 / speed, fused, overhead, sim.react_layers)
         end = eng.end_step(w.step_compute_s)
         dt, t0 = end - t0, end
         measured = speed  # the monitor sees this step's speeds when planning the next
@@ -207,13 +222,11 @@ def simulate_variant(sim: SimConfig, w: Workload, *, fused: bool, policy: str) -
             continue  # warm-up: balancers have not measured anything yet
         totals += [dt, np.mean(eng.busy - busy0) / dt, np.mean(eng.wait - wait0) / dt,
                    np.mean(eng.exposed - exp0) / dt, skipped, migrate_s]
-    k = sim.steps - 1 if sim.steps > 1 else 1
-    step_s, comp, wait, exp, skipped, mig = totals / k
-    peak = get_accelerator(sim.cluster.gpu).flops(sim.model.dtype)
+    step_s, comp, wait, exp, skipped, mig = (float(x) for x in totals / max(sim.steps - 1, 1))
     return VariantResult(fused=fused, policy=policy, step_s=step_s,
                          throughput=w.samples_per_step / step_s, exposed_comm_share=exp,
                          wait_share=wait, compute_share=comp, skipped=skipped, migrate_s=mig,
-                         mfu=w.flops_per_step / (step_s * peak))
+                         mfu=w.flops_per_step / (step_s * acc.flops(sim.model.dtype)))
 
 
 def simulate(sim: SimConfig, *, fusion: tuple[bool, ...] = (False, True),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .collectives import hierarchical_time
+from .collectives import hierarchical_time, piece_latency
 from .compute import embedding_bag_time, gemm_flops, gemm_time, roofline_time
 from .config import SimConfig
 from .hardware import Accelerator, dtype_bytes, get_accelerator, get_link
@@ -95,7 +95,12 @@ class _Costs:
                                  intra=self.intra, inter=self.inter)
 
     def pair(self, name: str, tc: float, collective: str, nbytes: float, axis: str) -> Pair:
-        tm, lat = self.comm(collective, nbytes, axis), self.comm(collective, 0.0, axis)
+        tm = self.comm(collective, nbytes, axis)
+        local, nodes = group_layout(axis, self.sim)
+        if collective == "all_to_all":
+            lat = piece_latency(collective, local * nodes, self.inter if nodes > 1 else self.intra)
+        else:
+            lat = self.comm(collective, 0.0, axis)
         if self.sim.chunks is not None:  # a system with a fixed decomposition
             return Pair(name, tc, tm, lat, axis, self.sim.chunks)
         max_p = min(self.sim.max_chunks, max(1, int(nbytes // DEFAULT_MIN_PIECE_BYTES)))
@@ -105,59 +110,83 @@ class _Costs:
         return Pair(name, tc, tm, lat, axis, p)
 
 
+@dataclass
+class _Block:
+    """One sub-layer: forward and backward ops, per-rank parameters and forward FLOPs."""
+
+    fwd: list
+    bwd: list
+    params: float
+    flops: float
+
+
+def _attention(c: _Costs, T: int, act: float) -> _Block:
+    m, tp, h, d = c.sim.model, c.sim.parallel.tp, c.sim.model.hidden, c.dsize
+    kv = h // m.heads * m.kv_heads
+    core_flops = 4 * T * m.seq_len * h / tp * 0.5  # QK^T and PV, causal
+    core = roofline_time(core_flops, 4 * T * h / tp * d, c.acc, c.dtype,
+                         flops_rate=c.acc.flops(c.dtype) * c.acc.attention_efficiency)
+    elem = roofline_time(0.0, 16 * act / tp, c.acc, c.dtype, launches=6)  # norms, rope, residual
+    qkv, out = c.gemm(T, h, (h + 2 * kv) // tp), c.gemm(T, h // tp, h)
+    fwd = [c.pair("ag_qkv", qkv, "all_gather", act, "tp"), ("compute", core + elem),
+           c.pair("out_rs", out, "reduce_scatter", act, "tp")]
+    bwd = [("compute", qkv + out + 2.5 * core + elem),  # wgrad GEMMs + attention backward
+           c.pair("ag_out_dgrad", out, "all_gather", act, "tp"),
+           c.pair("qkv_dgrad_rs", qkv, "reduce_scatter", act, "tp")]
+    flops = gemm_flops(T, h, (h + 2 * kv) / tp) + gemm_flops(T, h / tp, h) + core_flops
+    return _Block(fwd, bwd, (h * (h + 2 * kv) + h * h) / tp, flops)
+
+
+def _dense_mlp(c: _Costs, T: int, act: float) -> _Block:
+    m, tp, h = c.sim.model, c.sim.parallel.tp, c.sim.model.hidden
+    g = 2 if m.swiglu else 1
+    up, down = c.gemm(T, h, g * m.ffn // tp), c.gemm(T, m.ffn // tp, h)
+    elem = roofline_time(0.0, 8 * act / tp, c.acc, c.dtype, launches=3)
+    fwd = [c.pair("ag_up", up, "all_gather", act, "tp"), ("compute", elem),
+           c.pair("down_rs", down, "reduce_scatter", act, "tp")]
+    bwd = [("compute", up + down + 2 * elem),  # wgrad GEMMs: not overlapped in either path
+           c.pair("ag_down_dgrad", down, "all_gather", act, "tp"),
+           c.pair("up_dgrad_rs", up, "reduce_scatter", act, "tp")]
+    return _Block(fwd, bwd, (g + 1) * h * m.ffn / tp, (g + 1) * gemm_flops(T, h, m.ffn / tp))
+
+
+def _moe_mlp(c: _Costs, T: int) -> _Block:
+    m, par, h = c.sim.model, c.sim.parallel, c.sim.model.hidden
+    g = 2 if m.swiglu else 1
+    rows = T // par.tp * m.top_k  # token copies each rank's experts see, balanced routing
+    up, down = c.gemm(rows, h, g * m.ffn), c.gemm(rows, m.ffn, h)
+    a2a = rows * h * c.dsize
+    router = c.gemm(T // par.tp, h, m.experts)
+    fwd = [("compute", router), c.pair("a2a_up", up, "all_to_all", a2a, "ep"),
+           c.pair("down_a2a", down, "all_to_all", a2a, "ep")]
+    bwd = [("compute", up + down + 2 * router),
+           c.pair("a2a_down_dgrad", down, "all_to_all", a2a, "ep"),
+           c.pair("up_dgrad_a2a", up, "all_to_all", a2a, "ep")]
+    params = m.experts // par.ep * (g + 1) * h * m.ffn  # experts are whole on their rank
+    return _Block(fwd, bwd, params, (g + 1) * gemm_flops(rows, h, m.ffn))
+
+
 def _transformer(c: _Costs, w: Workload) -> None:
     m, par = c.sim.model, c.sim.parallel
-    tp, h, T, d = par.tp, m.hidden, m.local_batch * m.seq_len, c.dsize
-    kv = h // m.heads * m.kv_heads
-    act = T * h * d  # [T, h] activation, all-gather output / reduce-scatter input
-    attn_flops = 4 * T * m.seq_len * h / tp * 0.5
-    attn = roofline_time(attn_flops, 4 * T * h / tp * d, c.acc, c.dtype,
-                         flops_rate=c.acc.flops(c.dtype) * c.acc.attention_efficiency)
-    elem = roofline_time(0.0, 16 * act / tp, c.acc, c.dtype, launches=6)
-    qkv, out = c.gemm(T, h, (h + 2 * kv) // tp), c.gemm(T, h // tp, h)
-    fwd = [c.pair("ag_qkv", qkv, "all_gather", act, "tp"), ("compute", attn + elem),
-           c.pair("out_rs", out, "reduce_scatter", act, "tp")]
-    bwd_mlp: list = []
-    params = h * (h + 2 * kv) + h * h
-    flops = 2 * (gemm_flops(T, h, (h + 2 * kv) / tp) + gemm_flops(T, h / tp, h)) + attn_flops
-    if m.kind == "moe":
-        ep_tokens = T // tp * m.top_k  # rows each rank's experts see, balanced routing
-        g = 2 if m.swiglu else 1
-        up, down = c.gemm(ep_tokens, h, g * m.ffn), c.gemm(ep_tokens, m.ffn, h)
-        a2a = ep_tokens * h * d
-        router = c.gemm(T // tp, h, m.experts)
-        fwd += [("compute", router), c.pair("a2a_up", up, "all_to_all", a2a, "ep"),
-                c.pair("down_a2a", down, "all_to_all", a2a, "ep")]
-        bwd_mlp = [("compute", up + down + 2 * router),
-                   c.pair("a2a_down_dgrad", down, "all_to_all", a2a, "ep"),
-                   c.pair("up_dgrad_a2a", up, "all_to_all", a2a, "ep")]
-        params += m.experts // par.ep * (g + 1) * h * m.ffn * tp  # divided by tp below
-        flops += 2 * (g + 1) * ep_tokens * h * m.ffn
-    else:
-        g = 2 if m.swiglu else 1
-        up, down = c.gemm(T, h, g * m.ffn // tp), c.gemm(T, m.ffn // tp, h)
-        fwd += [c.pair("ag_up", up, "all_gather", act, "tp"), ("compute", elem / 2),
-                c.pair("down_rs", down, "reduce_scatter", act, "tp")]
-        bwd_mlp = [("compute", up + down + elem),  # wgrad GEMMs: not overlapped in either path
-                   c.pair("ag_down_dgrad", down, "all_gather", act, "tp"),
-                   c.pair("up_dgrad_rs", up, "reduce_scatter", act, "tp")]
-        params += (g + 1) * h * m.ffn
-        flops += 2 * (g + 1) * T * h * m.ffn / tp
+    T = m.local_batch * m.seq_len
+    act = T * m.hidden * c.dsize  # [T, h]: all-gather output / reduce-scatter input
+    attn = _attention(c, T, act)
+    mlp = _moe_mlp(c, T) if m.kind == "moe" else _dense_mlp(c, T, act)
+    fwd = attn.fwd + mlp.fwd
     recompute = [_recomputed(x, m.recompute) for x in fwd] if m.recompute > 0 else []
-    bwd_attn = [("compute", qkv + out + 2.5 * attn + elem),
-                c.pair("ag_out_dgrad", out, "all_gather", act, "tp"),
-                c.pair("qkv_dgrad_rs", qkv, "reduce_scatter", act, "tp")]
-    w.fwd, w.bwd = fwd, recompute + bwd_mlp + bwd_attn
-    shard = params / tp
+    w.fwd, w.bwd = fwd, recompute + mlp.bwd + attn.bwd
+    shard = attn.params + mlp.params  # per rank, per layer
     _data_parallel(c, w, shard)
-    head = 3 * c.gemm(T, h, m.vocab // tp)
+    head = 3 * c.gemm(T, m.hidden, m.vocab // par.tp)
     w.step_compute_s = head + _optimizer(c, shard * m.layers)
     w.samples_per_step = T * par.dp
-    w.flops_per_step = (3 + m.recompute) * flops * m.layers + 3 * gemm_flops(T, h, m.vocab / tp)
-    w.balance_axis = "tp" if tp > 1 else ("ep" if par.ep > 1 else None)
-    link = c.intra if tp <= c.sim.cluster.gpus_per_node else c.inter
-    w.move_s_per_share = shard * m.layers * _TRAIN_BYTES_PER_PARAM * tp / link.effective_bw_Bps \
-        / (par.dp if par.fsdp else 1)
+    w.flops_per_step = ((3 + m.recompute) * (attn.flops + mlp.flops) * m.layers
+                        + 3 * gemm_flops(T, m.hidden, m.vocab / par.tp))
+    w.balance_axis = "tp" if par.tp > 1 else ("ep" if par.ep > 1 else None)
+    link = c.intra if par.tp <= c.sim.cluster.gpus_per_node else c.inter
+    # exact migration moves parameters with their gradients and optimizer state
+    w.move_s_per_share = (shard * par.tp * m.layers * _TRAIN_BYTES_PER_PARAM / link.effective_bw_Bps
+                          / (par.dp if par.fsdp else 1))
 
 
 def _recomputed(op, frac: float):

@@ -1,0 +1,265 @@
+"""``plait bench ops``: each fused operator against compute-then-collective.
+
+For every operator and shape, timed on every rank (each iteration's time is
+the slowest rank's; the median over iterations is reported):
+
+- ``t_compute``: the operator's compute alone (its GEMMs on the local shard);
+- ``t_comm``: its collective alone, on ready buffers (what the plain path sends);
+- ``t_unfused``: the plain path (``chunks=1``): compute, then the collective;
+- ``t_fused``: ``chunks="auto"``, and each fixed piece count of the sweep;
+- ``t_limit = max(t_compute, t_comm)``: no schedule can beat it.
+
+``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every
+fused result is compared with the plain path's (``correct``). The timings of
+all variants are interleaved iteration by iteration, so drift of a shared
+machine hits them alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..ops import all_gather_matmul, get_context, matmul_all_reduce, matmul_reduce_scatter
+from ..ops.pieces import even_sizes
+from ..runtime import rank_context
+from ..runtime.compat import all_gather_into
+from ..runtime.timing import agreed_max, median, time_once
+
+__all__ = ["OpsBenchConfig", "run_ops_sweep", "QUICK_SHAPES", "FULL_SHAPES", "CASES"]
+
+
+class Case:
+    """One operator at one shape on this rank: ``compute``, ``comm``, ``run(chunks)``."""
+
+    op = ""
+
+    def __init__(self, shape: dict, dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.gen = torch.Generator().manual_seed(1234 + self.rank)
+
+    def randn(self, *size):
+        return torch.randn(*size, generator=self.gen, dtype=self.dtype)
+
+    def tolerance(self) -> float:
+        return 1e-4
+
+
+class MatmulAllReduceCase(Case):
+    op = "matmul_all_reduce"
+
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        m, k, n = shape["m"], shape["k"], shape["n"]
+        k_r = even_sizes(k, self.world)[self.rank]
+        self.x, self.w = self.randn(m, k_r), self.randn(k_r, n)
+        self.buf = self.x @ self.w
+        self.flops, self.comm_bytes = 2 * m * k_r * n, 2 * (self.world - 1) / self.world * m * n * 4
+
+    def compute(self):
+        torch.matmul(self.x, self.w, out=self.buf)
+
+    def comm(self):
+        dist.all_reduce(self.buf)
+
+    def run(self, chunks):
+        return matmul_all_reduce(self.x, self.w, chunks=chunks)
+
+
+class AllGatherMatmulCase(Case):
+    op = "all_gather_matmul"
+
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        m, k, n = shape["m"], shape["k"], shape["n"]
+        n_r = even_sizes(n, self.world)[self.rank]
+        self.x, self.w = self.randn(m // self.world, k), self.randn(k, n_r)
+        self.gathered = self.x.new_empty(m // self.world * self.world, k)
+        self.y = self.gathered @ self.w
+        self.flops, self.comm_bytes = 2 * m * k * n_r, (self.world - 1) / self.world * m * k * 4
+
+    def compute(self):
+        torch.matmul(self.gathered, self.w, out=self.y)
+
+    def comm(self):
+        all_gather_into(self.gathered, self.x)
+
+    def run(self, chunks):
+        return all_gather_matmul(self.x, self.w, chunks=chunks)
+
+
+class MatmulReduceScatterCase(Case):
+    op = "matmul_reduce_scatter"
+
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        m, k, n = shape["m"], shape["k"], shape["n"]
+        k_r = even_sizes(k, self.world)[self.rank]
+        self.x, self.w = self.randn(m, k_r), self.randn(k_r, n)
+        self.partial = self.x @ self.w
+        self.recv = torch.empty_like(self.partial)
+        self.flops, self.comm_bytes = 2 * m * k_r * n, (self.world - 1) / self.world * m * n * 4
+
+    def compute(self):
+        torch.matmul(self.x, self.w, out=self.partial)
+
+    def comm(self):  # the plain path's transfer: one all_to_all of the partial sums
+        dist.all_to_all_single(self.recv, self.partial)
+
+    def run(self, chunks):
+        return matmul_reduce_scatter(self.x, self.w, chunks=chunks)
+
+
+CASES = {c.op: c for c in (MatmulAllReduceCase, AllGatherMatmulCase, MatmulReduceScatterCase)}
+
+# Quick: K (or N) swept so that communication runs from about half to about twice the
+# compute on the emulated 1 Gbit/s link with one thread per rank on this machine.
+QUICK_SHAPES = {
+    "matmul_all_reduce": [dict(m=1024, k=k, n=1024) for k in (1024, 2048, 4096)]
+    + [dict(m=8, k=512, n=65536)],
+    "all_gather_matmul": [dict(m=2048, k=1024, n=n) for n in (1024, 2048, 4096)],
+    "matmul_reduce_scatter": [dict(m=2048, k=k, n=1024) for k in (1024, 2048, 4096)],
+}
+FULL_SHAPES = {
+    "matmul_all_reduce": [dict(m=1024, k=k, n=1024) for k in (256, 512, 1024, 2048, 4096, 8192)]
+    + [dict(m=m, k=8192, n=16384) for m in (1, 4, 8)],
+    "all_gather_matmul": [dict(m=2048, k=1024, n=n) for n in (256, 512, 1024, 2048, 4096, 8192)],
+    "matmul_reduce_scatter": [dict(m=2048, k=k, n=1024) for k in (256, 512, 1024, 2048, 4096, 8192)],
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpsBenchConfig:
+    """What to sweep; each field's help is its CLI flag's help."""
+
+    ops: tuple[str, ...] = field(default=tuple(QUICK_SHAPES), metadata={
+        "help": "operators to run: " + ", ".join(CASES)})
+    iters: int = field(default=5, metadata={"help": "timed iterations per variant (median reported)"})
+    warmup: int = field(default=1, metadata={"help": "untimed iterations per variant"})
+    fixed_chunks: tuple[int, ...] = field(default=(2, 4, 8), metadata={
+        "help": "fixed piece counts timed beside auto"})
+    quick: bool = field(default=True, metadata={"help": None})
+    extra: dict = field(default_factory=dict, metadata={"help": None})
+
+    def __post_init__(self) -> None:
+        unknown = [op for op in self.ops if op not in CASES]
+        if unknown:
+            raise ValueError(f"unknown operators {unknown}; choose from {list(CASES)}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"need iters ≥ 1 and warmup ≥ 0, got {self.iters}, {self.warmup}")
+        if any(int(c) < 1 for c in self.fixed_chunks):
+            raise ValueError(f"fixed chunks must be positive, got {self.fixed_chunks}")
+
+    def shapes(self) -> list[tuple[str, dict]]:
+        table = QUICK_SHAPES if self.quick else FULL_SHAPES
+        return [(op, shape) for op in self.ops for shape in table.get(op, [])]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
+    device = rank_context().topology.device
+    variants = {"compute": case.compute, "comm": case.comm, "unfused": lambda: case.run(1),
+                "auto": lambda: case.run("auto")}
+    for c in cfg.fixed_chunks:
+        variants[f"chunks={c}"] = lambda c=int(c): case.run(c)
+    for fn in variants.values():
+        for _ in range(cfg.warmup):
+            fn()
+    own = {name: [] for name in variants}
+    for _ in range(cfg.iters):  # interleaved: drift hits every variant alike
+        for name, fn in variants.items():
+            own[name].append(time_once(fn, device))
+    times = {name: median(agreed_max(ts)) for name, ts in own.items()}
+    reference = case.run(1)
+    fused = case.run("auto")
+    decision = get_context().decisions[case.op]
+    diff = _max_diff(fused, reference)
+    scale = float(reference.abs().max()) if reference.numel() else 1.0
+    correct = agreed_max([0.0 if diff <= case.tolerance() * max(scale, 1.0) else 1.0])[0] == 0.0
+    fixed = {name: t for name, t in times.items() if name.startswith("chunks=")}
+    best_name = min(fixed, key=fixed.get) if fixed else "auto"
+    t_limit = max(times["compute"], times["comm"])
+    ctx = rank_context()
+    return {
+        "op": case.op, "shape": case.shape, "world_size": case.world, "dtype": str(case.dtype)[6:],
+        "t_compute_s": times["compute"], "t_comm_s": times["comm"], "t_unfused_s": times["unfused"],
+        "t_fused_s": times["auto"], "t_limit_s": t_limit,
+        "t_fixed_s": {name[7:]: t for name, t in fixed.items()},
+        "best_fixed_chunks": int(best_name[7:]) if fixed else None,
+        "t_best_fixed_s": fixed.get(best_name),
+        "chunks": decision.chunks, "path": decision.path, "reason": decision.reason,
+        "speedup": times["unfused"] / times["auto"], "efficiency": t_limit / times["auto"],
+        "comm_ratio": times["comm"] / max(times["compute"], 1e-12),
+        "correct": bool(correct), "max_abs_diff": diff,
+        "flops": case.flops, "comm_bytes": case.comm_bytes,
+        "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra,
+    }
+
+
+def run_ops_sweep(cfg: OpsBenchConfig) -> list[dict]:
+    """Run on every rank of an initialised group; returns the records (same on every rank)."""
+    ctx = rank_context()
+    get_context().machine_profile()  # calibrate once, before anything is timed
+    records = []
+    for op, shape in cfg.shapes():
+        case = CASES[op](shape, torch.float32)
+        records.append(_bench_case(case, cfg))
+        ctx.report({"op": op, "shape": shape})
+    return records
+
+
+def bench_ops(cfg: OpsBenchConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gbit",
+              timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
+    """The sweep on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback)."""
+    from .placement import run_placed
+
+    return run_placed(run_ops_sweep, cfg, ranks=ranks, hosts=hosts, link=link,
+                      timeout_s=timeout_s, on_progress=on_progress)
+
+
+def summarize(records: list[dict]) -> dict:
+    """The figures the issue asks for: over shapes whose communication is between half and
+    twice the compute, the median speedup and efficiency; over all, auto's worst slowdown."""
+    balanced = [r for r in records if 0.5 <= r["comm_ratio"] <= 2.0]
+    slow = [r for r in records if r["t_fused_s"] > 1.05 * r["t_unfused_s"]]
+    vs_best = [r["t_fused_s"] / r["t_best_fixed_s"] for r in records if r.get("t_best_fixed_s")]
+    return {
+        "balanced_shapes": len(balanced),
+        "median_speedup_balanced": median([r["speedup"] for r in balanced]) if balanced else None,
+        "median_efficiency_balanced": median([r["efficiency"] for r in balanced]) if balanced else None,
+        "auto_slower_than_unfused_by_5pct": [f"{r['op']} {r['shape']}" for r in slow],
+        "worst_auto_over_unfused": max((r["t_fused_s"] / r["t_unfused_s"] for r in records), default=None),
+        "median_auto_over_best_fixed": median(vs_best) if vs_best else None,
+        "all_correct": all(r["correct"] for r in records),
+    }
+
+
+def plot_ops(records: list[dict], path) -> None:
+    """Grouped bars per shape: unfused, fused (auto) and the physical limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = [f"{r['op'].replace('_', ' ')}\n" + "×".join(str(v) for v in r["shape"].values())
+              for r in records]
+    x = np.arange(len(records))
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(records)), 4.8))
+    for i, (key, name) in enumerate((("t_unfused_s", "unfused"), ("t_fused_s", "fused (auto)"),
+                                     ("t_limit_s", "limit max(compute, comm)"))):
+        ax.bar(x + (i - 1) * 0.27, [1e3 * r[key] for r in records], 0.27, label=name)
+    ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("time (ms, median)")
+    ax.set_title(f"plait bench ops: {records[0]['world_size']} ranks, {records[0]['link']}")
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

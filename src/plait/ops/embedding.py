@@ -1,0 +1,487 @@
+"""Pooled embedding lookups + All-to-All: the model-parallel embeddings of DLRM.
+
+``embedding_all_to_all``: ``out_r[b, t] = embedding_bag(table_t, bag B₀ᵣ + b)`` for every
+table t of every rank, i.e. ``all_to_all(stack_t embedding_bag(table_t, whole batch))``.
+
+Each rank owns whole tables and pools them for the whole global batch; the
+exchange leaves every rank its batch slice of every table.
+
+=========  ==========================  ===============================================
+tensor     shape on rank r             note
+=========  ==========================  ===============================================
+tables     T_r × [N_t, D]              T_r ≥ 1 and N_t may differ per rank; D shared
+indices    T_r × [nnz_t]               whole global batch; int64 or int32
+offsets    T_r × [B]                   bag starts (EmbeddingBag, include_last_offset=False)
+out        [B_r, T, D]                 T = Σ_s T_s, tables by owner rank, then local
+                                       order; B_r = batch_sizes[r] (default even)
+=========  ==========================  ===============================================
+
+Backward: no dgrad (indices); wgrad ``dW_t[i] += g[b, t]`` for every index i of bag b
+(``/ |bag b|`` for mode="mean"). Fused too: each rank's gradient slice goes back to
+the table owners piece by piece, and each arriving piece's ``index_add_`` runs as
+soon as it lands, in a fixed order (own rows, then pieces in order, sources in
+rank order), so repeated runs agree bit for bit. (On CUDA ``index_add_`` uses
+atomics; set ``torch.use_deterministic_algorithms(True)`` for the same promise.)
+
+Schedule. The output is laid out ``[T, B_r, D]`` (each source's tables
+contiguous) and returned as its ``[B_r, T, D]`` view. Every destination's rows
+are cut into the same number of pieces; piece j's pooled rows for every
+destination are computed into one send buffer laid out (destination, table,
+row) and its all_to_all starts at once, while piece j+1 is computed. This
+rank's own rows need no wire: they are pooled straight into the output after
+the last piece has started. Arrivals are copied into their strided place in the
+output. One piece (the fallback) is the plain path: pool everything, then one
+all_to_all whose receive buffer is the output. A bag's pooled value does not
+depend on which other bags one ``embedding_bag`` call holds, so every path is
+bit-identical to pooling the whole batch and then exchanging.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .context import OpsContext, get_context
+from .exchange import start_all_to_all
+from ..runtime.compat import all_gather_into
+from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, split
+
+__all__ = ["embedding_all_to_all"]
+
+_MODES = {"sum": 0, "mean": 1}
+_INDEX_DTYPES = {torch.int64: 0, torch.int32: 1}
+
+
+# --- checks every rank agrees on (shared with plait.ops.moe) ----------------
+#
+# A rank that rejects its input must not simply raise: its peers would go on
+# into a data collective it never joins. So the shape signature (which does not
+# depend on whether the checks pass) goes through the cached ``gather_meta``,
+# and each call's verdict through one tiny collective that every rank makes.
+
+def chunks_code(chunks) -> int:
+    """``chunks`` as one integer for the signature: 0 for "auto", -1 if invalid."""
+    if chunks == "auto":
+        return 0
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        return -1
+    return chunks
+
+
+def check_chunks(op: str, chunks) -> None:
+    if chunks_code(chunks) < 0:
+        raise ValueError(f"{op}: chunks must be 'auto' or a positive integer, got {chunks!r}")
+
+
+def attempt(check):
+    """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``."""
+    try:
+        return check(), None
+    except (TypeError, ValueError) as err:
+        return None, err
+
+
+def every_rank(ctx: OpsContext, op: str, ints: Sequence[int], group) -> list[tuple]:
+    """Every rank's ``ints``: ``ctx.gather_meta`` (cached per signature); when the context
+    validates nothing, one uncached all_gather, since the layout still needs them."""
+    ints = tuple(int(i) for i in ints)
+    if ctx.validate != "never":
+        return ctx.gather_meta(op, ints)
+    return [tuple(row) for row in gather_ints(group, ints)]
+
+
+def meta_device(group) -> torch.device:
+    """Where the small check tensors live: NCCL only moves CUDA tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_ints(group, ints: Sequence[int]) -> list[list[int]]:
+    """One all_gather of a small integer vector (same length on every rank)."""
+    mine = torch.tensor(list(ints), dtype=torch.int64, device=meta_device(group))
+    everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
+    all_gather_into(everyone, mine, group=group)
+    return everyone.view(-1, mine.numel()).tolist()
+
+
+def agree(op: str, group, problem: Exception | None, extra: Sequence[int] = ()) -> list[int]:
+    """One all_reduce(MAX) of ``[rejected, *extra]``: if any rank rejected its input, every
+    rank raises (see ``raise_together``); else returns the largest of each ``extra``."""
+    flags = torch.tensor([int(problem is not None), *extra], dtype=torch.int64,
+                         device=meta_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    values = flags.tolist()
+    raise_together(op, group, bool(values[0]), problem)
+    return values[1:]
+
+
+def raise_together(op: str, group, failed: bool, problem: Exception | None) -> None:
+    """Every rank raises when any rank's check failed (``failed`` is the same everywhere).
+
+    The failing ranks raise their own error; the others one of the same type that
+    names them and carries their messages (one ``all_gather_object``, on this path only).
+    """
+    if not failed:
+        return
+    reports = [None] * dist.get_world_size(group)
+    mine = None if problem is None else (isinstance(problem, TypeError), str(problem))
+    dist.all_gather_object(reports, mine, group=group)
+    if problem is not None:
+        raise problem
+    bad = [(r, report) for r, report in enumerate(reports) if report is not None]
+    kind = TypeError if bad[0][1][0] else ValueError
+    raise kind(f"{op}: input rejected on " + "; ".join(f"rank {r}: {text}" for r, (_, text) in bad))
+
+
+# --- the plan ----------------------------------------------------------------
+
+@dataclass
+class _Lookup:
+    """What every rank agreed on, and this rank's bags."""
+
+    rank: int
+    world: int
+    tables_per_rank: list[int]      # T_s
+    batch_sizes: list[int]          # B_d
+    dim: int                        # D
+    mode: str
+    indices: list[torch.Tensor]     # per local table, int64 (for index_add_) or as given
+    bounds: list[torch.Tensor]      # per local table: offsets + [nnz], length B + 1
+    estimate: tuple[float, float, int]  # (flops, comm_bytes, rows) for ctx.decide
+
+    @property
+    def batch(self) -> int:
+        return sum(self.batch_sizes)
+
+    def positions(self, t: int, bags: Sequence[int]) -> dict[int, int]:
+        """Index position where each bag in ``bags`` starts (one small host copy)."""
+        bags = sorted(set(bags))
+        where = self.bounds[t][torch.tensor(bags, dtype=torch.long, device=self.bounds[t].device)]
+        return dict(zip(bags, where.tolist()))
+
+
+def _parts(total: int, pieces: int) -> list[int]:
+    """``total`` rows in exactly ``pieces`` parts (trailing ones empty when total < pieces)."""
+    sizes = split(total, pieces)
+    return sizes + [0] * (pieces - len(sizes))
+
+
+def _piece_bags(plan: _Lookup, chunks: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``parts[d][j]``: rows of destination d in piece j; ``first[d][j]``: its first global bag."""
+    starts = offsets(plan.batch_sizes)
+    parts = [_parts(b, chunks) for b in plan.batch_sizes]
+    first = [[starts[d] + a for a in offsets(parts[d])] for d in range(plan.world)]
+    return parts, first
+
+
+def _check_local(op, tables, indices, offsets_, batch_sizes, mode, chunks, world):
+    if not isinstance(tables, (list, tuple)) or not tables:
+        raise ValueError(f"{op}: tables must be a non-empty list of [N_t, D] weights, got "
+                         f"{type(tables).__name__}{'' if not isinstance(tables, (list, tuple)) else ' of 0'}")
+    if not isinstance(indices, (list, tuple)) or not isinstance(offsets_, (list, tuple)) \
+            or len(indices) != len(tables) or len(offsets_) != len(tables):
+        raise ValueError(f"{op}: need one indices and one offsets tensor per table: {len(tables)} "
+                         f"tables, {_count(indices)} indices, {_count(offsets_)} offsets")
+    if not all(isinstance(t, torch.Tensor) for t in tables):
+        raise TypeError(f"{op}: tables must be tensors, got {[type(t).__name__ for t in tables]}")
+    dtype = check_float(op, *tables)
+    if any(t.dim() != 2 for t in tables) or len({t.shape[1] for t in tables}) != 1:
+        raise ValueError(f"{op}: tables must be [N_t, D] with one D; got shapes "
+                         f"{[tuple(t.shape) for t in tables]}")
+    if mode not in _MODES:
+        raise ValueError(f"{op}: mode must be 'sum' or 'mean', got {mode!r}")
+    batch = _check_bags(op, tables, indices, offsets_)
+    sizes = even_sizes(batch, world) if batch_sizes is None else [int(b) for b in batch_sizes]
+    if len(sizes) != world or any(b < 0 for b in sizes) or sum(sizes) != batch:
+        raise ValueError(f"{op}: batch_sizes {sizes} must give each of {world} ranks a "
+                         f"non-negative slice and sum to the batch of {batch} bags")
+    check_chunks(op, chunks)
+    return dtype, batch, sizes
+
+
+def _count(seq) -> str:
+    return str(len(seq)) if isinstance(seq, (list, tuple)) else type(seq).__name__
+
+
+def _check_bags(op, tables, indices, offsets_) -> int:
+    """Index dtypes, one batch size B for every table, and (values) bags inside their table."""
+    device = tables[0].device
+    for t, (table, idx, off) in enumerate(zip(tables, indices, offsets_)):
+        if not isinstance(idx, torch.Tensor) or not isinstance(off, torch.Tensor):
+            raise TypeError(f"{op}: indices[{t}] and offsets[{t}] must be tensors")
+        if idx.dtype not in _INDEX_DTYPES or off.dtype != idx.dtype:
+            raise TypeError(f"{op}: table {t}: indices ({idx.dtype}) and offsets ({off.dtype}) "
+                            "must both be int64 or both int32")
+        if idx.dim() != 1 or off.dim() != 1:
+            raise ValueError(f"{op}: table {t}: indices {tuple(idx.shape)} and offsets "
+                             f"{tuple(off.shape)} must be 1-D")
+        if idx.device != device or off.device != device:
+            raise ValueError(f"{op}: table {t}: indices/offsets on {idx.device}/{off.device}, "
+                             f"tables on {device}")
+    batches = [len(off) for off in offsets_]
+    if len(set(batches)) != 1:
+        raise ValueError(f"{op}: every table needs the same batch of bags; offsets lengths {batches}")
+    for t, (table, idx, off) in enumerate(zip(tables, indices, offsets_)):
+        if len(off) and (int(off[0]) != 0 or bool((off[1:] < off[:-1]).any())
+                         or int(off[-1]) > len(idx)):
+            raise ValueError(f"{op}: table {t}: offsets must start at 0, not decrease and stay "
+                             f"within the {len(idx)} indices")
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= table.shape[0]):
+            raise ValueError(f"{op}: table {t}: indices span [{int(idx.min())}, {int(idx.max())}] "
+                             f"but the table has {table.shape[0]} rows")
+    return batches[0]
+
+
+def _signature(tables, offsets_, batch_sizes, mode, chunks, world, needs_grad) -> list[int]:
+    """The cross-rank part of the input, read without checking it (-1 where unreadable), so
+    a rank whose checks fail still sends ``gather_meta`` the key its peers expect."""
+    first = tables[0] if isinstance(tables, (list, tuple)) and tables else None
+    is_tensor = isinstance(first, torch.Tensor)
+    off0 = offsets_[0] if isinstance(offsets_, (list, tuple)) and offsets_ else None
+    batch = len(off0) if isinstance(off0, torch.Tensor) and off0.dim() == 1 else -1
+    if batch_sizes is None or not isinstance(batch_sizes, (Sequence, torch.Tensor)):
+        sizes = even_sizes(batch, world) if batch >= 0 else [-1] * world
+    else:
+        sizes = [_index(b) for b in list(batch_sizes)[:world]]
+        sizes += [-1] * (world - len(sizes))
+    return [DTYPE_CODES.get(first.dtype, -1) if is_tensor else -1,
+            first.shape[-1] if is_tensor and first.dim() else -1, batch,
+            _MODES.get(mode, -1) if isinstance(mode, str) else -1, chunks_code(chunks),
+            int(needs_grad), len(tables) if isinstance(tables, (list, tuple)) else -1, *sizes]
+
+
+def _index(value) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return -1
+
+
+def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    needs_grad = torch.is_grad_enabled() and isinstance(tables, (list, tuple)) and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tables)
+    metas = every_rank(ctx, op, _signature(tables, offsets_, batch_sizes, mode, chunks, world,
+                                           needs_grad), group)
+    checked, problem = attempt(lambda: _check_local(op, tables, indices, offsets_, batch_sizes,
+                                                    mode, chunks, world))
+    nnz = 0 if problem else sum(len(i) for i in indices)
+    if ctx.validate != "never" or chunks == "auto":  # one tiny all_reduce per call
+        (max_nnz,) = agree(op, group, problem, [nnz])
+    elif problem is not None:
+        raise problem
+    else:
+        max_nnz = nnz
+    _, batch, sizes = checked
+    shared = [m[:6] + m[7:] for m in metas]  # all but T_r
+    if any(s != shared[0] for s in shared):
+        raise ValueError(f"{op}: ranks disagree on (dtype, D, batch, mode, chunks, needs_grad, "
+                         f"*batch_sizes): {[tuple(s) for s in shared]}")
+    tables_per_rank, dim = [m[6] for m in metas], metas[0][1]
+    wire = max(t * (batch - b) for t, b in zip(tables_per_rank, sizes)) * dim * tables[0].element_size()
+    bounds = [torch.cat([off, off.new_tensor([len(idx)])]) for idx, off in zip(indices, offsets_)]
+    return _Lookup(rank, world, tables_per_rank, sizes, dim, mode, list(indices), bounds,
+                   (float(dim * max_nnz), wire, max(sizes)))
+
+
+# --- forward -------------------------------------------------------------------
+
+def _pool(plan: _Lookup, t: int, weight: torch.Tensor, g0: int, g1: int, pos) -> torch.Tensor:
+    """Pooled rows of bags [g0, g1) of local table t: [g1 - g0, D]."""
+    lo, hi = pos[g0], pos[g1]
+    return F.embedding_bag(plan.indices[t][lo:hi], weight, plan.bounds[t][g0:g1] - lo,
+                           mode=plan.mode)
+
+
+def _lookup_plain(weights, plan: _Lookup, group) -> torch.Tensor:
+    """Pool every bag, then one all_to_all straight into the output ([T, B_r, D])."""
+    w0, starts = weights[0], offsets(plan.batch_sizes)
+    t_r, rank = len(weights), plan.rank
+    send = w0.new_empty(t_r * plan.batch, plan.dim)  # (destination, table, row)
+    for t, weight in enumerate(weights):
+        pooled = _pool(plan, t, weight, 0, plan.batch, plan.positions(t, [0, plan.batch]))
+        for d, b in enumerate(plan.batch_sizes):
+            at = t_r * starts[d] + t * b
+            send[at:at + b].copy_(pooled[starts[d]:starts[d + 1]])
+    if plan.world == 1:
+        return send.view(t_r, plan.batch, plan.dim)
+    b_r, total = plan.batch_sizes[rank], sum(plan.tables_per_rank)
+    out = w0.new_empty(total, b_r, plan.dim)
+    dist.all_to_all_single(out.view(total * b_r, plan.dim), send,
+                           [t * b_r for t in plan.tables_per_rank],
+                           [t_r * b for b in plan.batch_sizes], group=group)
+    return out
+
+
+def _lookup_fused(weights, plan: _Lookup, group, chunks: int) -> torch.Tensor:
+    rank, world, dim = plan.rank, plan.world, plan.dim
+    t_r, t_s = len(weights), plan.tables_per_rank
+    tstart, bstart = offsets(t_s), offsets(plan.batch_sizes)
+    parts, first = _piece_bags(plan, chunks)
+    pos = [plan.positions(t, [g for row in first for g in row]) for t in range(t_r)]
+    out = weights[0].new_empty(tstart[-1], plan.batch_sizes[rank], dim)  # [T, B_r, D]
+    pending = []
+    for j in range(chunks):
+        send = out.new_empty(sum(t_r * parts[d][j] for d in range(world) if d != rank), dim)
+        at = 0
+        for d in range(world):
+            n = parts[d][j]
+            if d == rank or n == 0:
+                continue
+            for t, weight in enumerate(weights):
+                send[at:at + n].copy_(_pool(plan, t, weight, first[d][j], first[d][j] + n, pos[t]))
+                at += n
+        m = parts[rank][j]
+        recv = out.new_empty(sum(t_s[s] * m for s in range(world) if s != rank), dim)
+        work = start_all_to_all(recv, send, [0 if s == rank else t_s[s] * m for s in range(world)],
+                                [0 if d == rank else t_r * parts[d][j] for d in range(world)], group)
+        pending.append((work, recv, first[rank][j] - bstart[rank], m))
+    lo, hi = bstart[rank], bstart[rank + 1]
+    for t, weight in enumerate(weights):  # own rows: no wire; overlaps the last transfers
+        if hi > lo:
+            out[tstart[rank] + t].copy_(_pool(plan, t, weight, lo, hi, plan.positions(t, [lo, hi])))
+    for work, recv, a, m in pending:
+        work.wait()
+        at = 0
+        for s in range(world):
+            if s != rank and m:
+                block = recv[at:at + t_s[s] * m].view(t_s[s], m, dim)
+                out[tstart[s]:tstart[s + 1], a:a + m].copy_(block)
+                at += t_s[s] * m
+    return out
+
+
+# --- backward ------------------------------------------------------------------
+
+class _Grads:
+    """Dense weight gradients of the local tables, filled by ``index_add_`` in call order."""
+
+    def __init__(self, weights, plan: _Lookup, chunks: int):
+        self.plan = plan
+        self.grads = [torch.zeros_like(w) for w in weights]
+        self.rows = [i.long() for i in plan.indices]
+        sizes = [(b[1:] - b[:-1]).long() for b in plan.bounds]
+        self.sizes = sizes
+        self.bag_of = [torch.repeat_interleave(torch.arange(len(s), device=s.device), s,
+                                               output_size=len(i))
+                       for s, i in zip(sizes, plan.indices)]
+        parts, first = _piece_bags(plan, chunks)
+        bags = [g for row in first for g in row] + offsets(plan.batch_sizes)
+        self.pos = [plan.positions(t, bags) for t in range(len(weights))]
+
+    def add(self, t: int, g0: int, g: torch.Tensor) -> None:
+        """Bags [g0, g0 + len(g)) of table t had gradient ``g`` ([n, D])."""
+        lo, hi = self.pos[t][g0], self.pos[t][g0 + g.shape[0]]
+        if hi == lo:
+            return
+        bag = self.bag_of[t][lo:hi]
+        rows = g.index_select(0, bag - g0)  # [nnz, D]: each looked-up row's share
+        if self.plan.mode == "mean":
+            rows = rows / self.sizes[t].index_select(0, bag).unsqueeze(1).to(rows.dtype)
+        self.grads[t].index_add_(0, self.rows[t][lo:hi], rows)
+
+
+def _wgrad_plain(grad_out, grads: _Grads, group) -> None:
+    plan = grads.plan
+    t_r, starts = len(grads.grads), offsets(plan.batch_sizes)
+    b_r = plan.batch_sizes[plan.rank]
+    send = grad_out.contiguous().view(sum(plan.tables_per_rank) * b_r, plan.dim)  # owners contiguous
+    if plan.world == 1:
+        recv = send
+    else:
+        recv = send.new_empty(t_r * plan.batch, plan.dim)  # (source, table, row)
+        dist.all_to_all_single(recv, send, [t_r * b for b in plan.batch_sizes],
+                               [t * b_r for t in plan.tables_per_rank], group=group)
+    for d, b in enumerate(plan.batch_sizes):  # sources in rank order
+        block = recv[t_r * starts[d]:t_r * starts[d + 1]].view(t_r, b, plan.dim)
+        for t in range(t_r):
+            grads.add(t, starts[d], block[t])
+
+
+def _wgrad_fused(grad_out, grads: _Grads, group, chunks: int) -> None:
+    plan = grads.plan
+    rank, world, dim = plan.rank, plan.world, plan.dim
+    t_r, t_s = len(grads.grads), plan.tables_per_rank
+    tstart, bstart = offsets(t_s), offsets(plan.batch_sizes)
+    parts, first = _piece_bags(plan, chunks)
+    pending = []
+    for j in range(chunks):  # no compute before the wire: every piece starts at once
+        m, a = parts[rank][j], first[rank][j] - bstart[rank]
+        send = grad_out.new_empty(sum(t_s[s] * m for s in range(world) if s != rank), dim)
+        at = 0
+        for s in range(world):
+            if s != rank and m:
+                send[at:at + t_s[s] * m].view(t_s[s], m, dim).copy_(
+                    grad_out[tstart[s]:tstart[s + 1], a:a + m])
+                at += t_s[s] * m
+        recv = grad_out.new_empty(sum(t_r * parts[d][j] for d in range(world) if d != rank), dim)
+        work = start_all_to_all(recv, send, [0 if d == rank else t_r * parts[d][j] for d in range(world)],
+                                [0 if s == rank else t_s[s] * m for s in range(world)], group)
+        pending.append((work, recv, j))
+    for t in range(t_r):  # own rows first: they need no wire
+        grads.add(t, bstart[rank], grad_out[tstart[rank] + t])
+    for work, recv, j in pending:
+        work.wait()
+        at = 0
+        for d in range(world):
+            n = parts[d][j]
+            if d == rank or n == 0:
+                continue
+            block = recv[at:at + t_r * n].view(t_r, n, dim)
+            for t in range(t_r):
+                grads.add(t, first[d][j], block[t])
+            at += t_r * n
+
+
+class _EmbeddingAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, decision, chunks, group, ops_ctx, *weights):
+        if decision.path == "fallback":
+            out = _lookup_plain(weights, plan, group)
+        else:
+            out = _lookup_fused(weights, plan, group, decision.chunks)
+        ctx.plan, ctx.chunks, ctx.group, ctx.ops_ctx = plan, chunks, group, ops_ctx
+        ctx.save_for_backward(*weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan, weights = ctx.plan, ctx.saved_tensors
+        flops, wire, rows = plan.estimate
+        decision = ctx.ops_ctx.decide("embedding_all_to_all.wgrad", ctx.chunks, flops=flops,
+                                      comm_bytes=wire, rows=rows)
+        grads = _Grads(weights, plan, decision.chunks)
+        if decision.path == "fallback":
+            _wgrad_plain(grad_out, grads, ctx.group)
+        else:
+            _wgrad_fused(grad_out, grads, ctx.group, decision.chunks)
+        return (None, None, None, None, None, *grads.grads)
+
+
+def embedding_all_to_all(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
+                         offsets: Sequence[torch.Tensor], group=None, *,
+                         batch_sizes: Sequence[int] | None = None, mode: str = "sum",
+                         chunks="auto", ctx: OpsContext | None = None) -> torch.Tensor:
+    """Pool this rank's tables over the whole batch and all_to_all the result: ``[B_r, T, D]``.
+
+    ``tables``: this rank's weights ``[N_t, D]``; ``indices[t]``, ``offsets[t]``: table
+    t's bags for the whole global batch (EmbeddingBag's 1-D convention). Output
+    column t is global table t (tables by owner rank, then local order).
+    ``batch_sizes``: every rank's slice of the batch (default: even). ``mode``:
+    "sum" or "mean". ``chunks``: "auto" (the cost model picks, or falls back and
+    records why: ``plait.ops.explain``) or a piece count; 1 is the plain path.
+    Every rank must call it, with tables that all require grad or none.
+    """
+    ctx = ctx or get_context(group)
+    op = "embedding_all_to_all"
+    plan = _plan(op, tables, indices, offsets, group, batch_sizes, mode, chunks, ctx)
+    flops, wire, rows = plan.estimate
+    decision = ctx.decide(op, chunks, flops=flops, comm_bytes=wire, rows=rows)
+    out = _EmbeddingAllToAll.apply(plan, decision, chunks, group, ctx, *tables)
+    return out.transpose(0, 1)

@@ -1,0 +1,425 @@
+"""All-to-All + GEMM and GEMM + All-to-All: expert-parallel mixture of experts.
+
+``all_to_all_matmul`` (dispatch): ``y[(s, e)] = all_to_all(x)[(s, e)] @ w[e]``
+``matmul_all_to_all`` (combine):  ``out = all_to_all(y[(s, e)] @ w[e])`` back to the senders
+
+=============  ======================  ==============================================
+tensor         shape on rank r         note
+=============  ======================  ==============================================
+send_counts    [W][E_d]                tokens this rank sends rank d's expert e
+recv_counts    [W][E_r]                tokens rank s sends this rank's expert e;
+                                       send_counts[d] on r == recv_counts[r] on d
+x              [T_send, H]             dispatch input, rows by (destination, expert)
+w (dispatch)   [E_r, H, F]             this rank's experts; E_r may differ per rank
+y              [T_recv, F]             rows by (source, expert); T_recv = Σ recv_counts
+w (combine)    [E_r, F, H]
+out            [T_send, H]             combine output, in x's row order
+=============  ======================  ==============================================
+
+Counts are uneven and change every call (any may be 0).
+
+Backward. dispatch: dgrad ``dx = combine(dy, wᵀ)`` (fused: ``matmul_all_to_all`` with
+``w.transpose(1, 2)``); wgrad ``dw[e] = Σ_s x_(s,e)ᵀ dy_(s,e)`` over the tokens kept
+from the forward, computed while dx's pieces are on the wire. combine: dgrad
+``dy = dispatch(dout, wᵀ)`` (fused: ``all_to_all_matmul``); wgrad
+``dw[e] = Σ_s y_(s,e)ᵀ dout_(s,e)``, each term added as its gradient block
+arrives. Every sum runs in a fixed order, so repeated runs agree bit for bit.
+
+Schedule. Every peer's block is cut into the same number of row pieces, so even
+two ranks pipeline; piece j is one ``all_to_all_single`` carrying piece j of
+every peer's block (zero rows where a peer has none: deadlock-free on NCCL,
+unlike isend/irecv). Dispatch: every piece starts at once (nothing to compute
+first); the own block is multiplied straight from x, then each piece as it
+lands, straight into its rows of y. Combine: piece j's remote rows are
+multiplied straight into its send buffer and start at once while piece j+1 is
+computed; the own block is multiplied into the output last, and arrivals are
+copied into their rows of the output. One piece (the fallback) is the plain
+path, whose collective reads x (dispatch) or writes the output (combine)
+directly. Data that is only moved is bit-identical to the plain path; the GEMMs
+run on row pieces, and MKL/cuBLAS may round a piece's rows differently from the
+whole block's (relative difference ~1e-16 in float64).
+
+Checks. One cached ``gather_meta`` of dtypes, dims and expert counts, then, per
+call (counts change every call, so they cannot sit in that cache), one small
+all_gather of every rank's counts: each rank verifies every pair, so a mismatch
+raises the same error everywhere before any token moves. ``ctx.validate ==
+"never"`` skips it unless ``chunks="auto"`` needs the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .context import OpsContext, get_context
+from .embedding import agree, attempt, check_chunks, chunks_code, every_rank, gather_ints, raise_together
+from .exchange import start_all_to_all
+from .pieces import DTYPE_CODES, check_float, offsets, split
+
+__all__ = ["all_to_all_matmul", "matmul_all_to_all"]
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """Who sends whom how many tokens for which expert (dispatch direction)."""
+
+    rank: int
+    world: int
+    send: tuple[tuple[int, ...], ...]   # send[d][e]: rows of x for rank d's expert e
+    recv: tuple[tuple[int, ...], ...]   # recv[s][e]: rows of y from rank s for my expert e
+    traffic: tuple[tuple[int, ...], ...] | None  # every rank's rows to every rank, if gathered
+
+    @property
+    def send_rows(self) -> list[int]:
+        return [sum(c) for c in self.send]
+
+    @property
+    def recv_rows(self) -> list[int]:
+        return [sum(c) for c in self.recv]
+
+    def estimate(self, k: int, n: int, element: int, combine: bool) -> tuple[float, float, int]:
+        """(flops, busiest rank's wire bytes, largest remote block) for ``ctx.decide``."""
+        if self.traffic is None:
+            return 0.0, 0.0, 1 << 30  # counts not gathered: the asked-for chunks, uncapped
+        s, world = self.traffic, self.world
+        received = [sum(s[a][b] for a in range(world)) for b in range(world)]
+        moved = [sum(s[b][a] if combine else s[a][b] for b in range(world) if b != a)
+                 for a in range(world)]
+        width = n if combine else k
+        block = max([s[a][b] for a in range(world) for b in range(world) if a != b] or [0])
+        return 2.0 * k * n * max(received), float(max(moved) * width * element), max(block, 1)
+
+
+def _parts(total: int, pieces: int) -> list[int]:
+    sizes = split(total, pieces)
+    return sizes + [0] * (pieces - len(sizes))
+
+
+def _multiply(src, counts, a, dst, dst_at, w, on_block=None):
+    """Rows [a, a + len(src)) of a block ordered by expert (``counts``): ``src_e @ w[e]``
+    into ``dst[dst_at + lo : dst_at + hi]`` for block rows [lo, hi) of expert e."""
+    at = 0
+    for e, c in enumerate(counts):
+        lo, hi = max(at, a), min(at + c, a + src.shape[0])
+        at += c
+        if hi <= lo:
+            continue
+        rows = src[lo - a:hi - a]
+        if w is not None:
+            torch.matmul(rows, w[e], out=dst[dst_at + lo:dst_at + hi])
+        if on_block is not None:
+            on_block(rows, e, dst_at + lo, dst_at + hi)
+
+
+# --- the two exchanges (each is the other's backward) --------------------------
+
+def _dispatch(x, w, routes: _Routes, chunks: int, group, on_block=None):
+    """x rows (d, e) → [T_recv, N] rows (s, e), each block ``x_block @ w[e]`` as it lands.
+
+    ``w`` None: only move the tokens (``on_block`` still sees each block).
+    ``on_block(rows, e, lo, hi)``: received tokens ``rows`` are output rows [lo, hi) of expert e.
+    """
+    rank, world = routes.rank, routes.world
+    send_rows, recv_rows = routes.send_rows, routes.recv_rows
+    xs, ys = offsets(send_rows), offsets(recv_rows)
+    width = x.shape[1] if w is None else w.shape[2]
+    y = x.new_empty(ys[-1], width)
+    if chunks == 1:
+        recv = x
+        if world > 1:
+            recv = x.new_empty(ys[-1], x.shape[1])
+            dist.all_to_all_single(recv, x, recv_rows, send_rows, group=group)
+        for s in range(world):
+            _multiply(recv[ys[s]:ys[s + 1]], routes.recv[s], 0, y, ys[s], w, on_block)
+        return y
+    out_parts = [_parts(n, chunks) for n in send_rows]
+    in_parts = [_parts(n, chunks) for n in recv_rows]
+    out_at, in_at = [offsets(p) for p in out_parts], [offsets(p) for p in in_parts]
+    pending = []
+    for j in range(chunks):  # nothing to compute before sending: every piece starts now
+        blocks = [x[xs[d] + out_at[d][j]:xs[d] + out_at[d][j] + out_parts[d][j]]
+                  for d in range(world) if d != rank]
+        send = torch.cat(blocks)  # the only copy: piece j of every peer's rows, adjacent
+        recv = x.new_empty(sum(in_parts[s][j] for s in range(world) if s != rank), x.shape[1])
+        work = start_all_to_all(recv, send, [0 if s == rank else in_parts[s][j] for s in range(world)],
+                                [0 if d == rank else out_parts[d][j] for d in range(world)], group)
+        pending.append((work, recv, j))
+    # own block first: it needs no wire
+    _multiply(x[xs[rank]:xs[rank + 1]], routes.recv[rank], 0, y, ys[rank], w, on_block)
+    for work, recv, j in pending:
+        work.wait()
+        at = 0
+        for s in range(world):
+            n = in_parts[s][j]
+            if s == rank or n == 0:
+                continue
+            a = in_at[s][j]
+            _multiply(recv[at:at + n], routes.recv[s], a, y, ys[s], w, on_block)
+            at += n
+    return y
+
+
+def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None] | None = None):
+    """y rows (s, e) → [T_send, N] rows (d, e): each block ``y_block @ w[e]`` back to its sender.
+
+    ``idle()`` runs once every piece is on the wire (the caller's wgrad overlaps them).
+    """
+    rank, world = routes.rank, routes.world
+    send_rows, recv_rows = routes.send_rows, routes.recv_rows
+    xs, ys = offsets(send_rows), offsets(recv_rows)
+    width = w.shape[2]
+    if chunks == 1:
+        send = y.new_empty(ys[-1], width)
+        for s in range(world):
+            _multiply(y[ys[s]:ys[s + 1]], routes.recv[s], 0, send, ys[s], w)
+        out = send
+        if world > 1:
+            out = y.new_empty(xs[-1], width)  # the receive buffer is the output
+            dist.all_to_all_single(out, send, send_rows, recv_rows, group=group)
+        if idle is not None:
+            idle()
+        return out
+    out = y.new_empty(xs[-1], width)
+    back_parts = [_parts(n, chunks) for n in recv_rows]   # to each source s
+    home_parts = [_parts(n, chunks) for n in send_rows]   # from each expert owner d
+    back_at, home_at = [offsets(p) for p in back_parts], [offsets(p) for p in home_parts]
+    pending = []
+    for j in range(chunks):
+        send = y.new_empty(sum(back_parts[s][j] for s in range(world) if s != rank), width)
+        at = 0
+        for s in range(world):
+            n = back_parts[s][j]
+            if s == rank or n == 0:
+                continue
+            a = back_at[s][j]
+            _multiply(y[ys[s] + a:ys[s] + a + n], routes.recv[s], a, send, at - a, w)
+            at += n
+        recv = y.new_empty(sum(home_parts[d][j] for d in range(world) if d != rank), width)
+        work = start_all_to_all(recv, send, [0 if d == rank else home_parts[d][j] for d in range(world)],
+                                [0 if s == rank else back_parts[s][j] for s in range(world)], group)
+        pending.append((work, recv, j))
+    # own block last: it needs no wire, and overlaps the last pieces' transfers
+    _multiply(y[ys[rank]:ys[rank + 1]], routes.recv[rank], 0, out, xs[rank], w)
+    if idle is not None:
+        idle()
+    for work, recv, j in pending:
+        work.wait()
+        at = 0
+        for d in range(world):
+            n = home_parts[d][j]
+            if d != rank and n:
+                row = xs[d] + home_at[d][j]
+                out[row:row + n].copy_(recv[at:at + n])
+                at += n
+    return out
+
+
+# --- checks and plan -----------------------------------------------------------
+
+def _count_table(op: str, name: str, counts) -> list[list[int]]:
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 2 or counts.dtype.is_floating_point or counts.dtype == torch.bool:
+            raise TypeError(f"{op}: {name} must be a 2-D integer tensor, got "
+                            f"{counts.dtype} of shape {tuple(counts.shape)}")
+        counts = counts.tolist()
+    try:
+        table = [list(row) for row in counts]
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be [world][experts] integers, got {counts!r}") from None
+    for row in table:
+        for c in row:
+            if not isinstance(c, int) or isinstance(c, bool):
+                raise TypeError(f"{op}: {name} must hold integers, got {c!r} in {table}")
+            if c < 0:
+                raise ValueError(f"{op}: {name} {table} has a negative count")
+    return table
+
+
+def _signature(inp, w, chunks, flags) -> list[int]:
+    """The cross-rank part of the input, read without checking it (-1 where unreadable)."""
+    x_ok = isinstance(inp, torch.Tensor) and inp.dim() == 2
+    w_ok = isinstance(w, torch.Tensor) and w.dim() == 3
+    return [DTYPE_CODES.get(inp.dtype, -1) if x_ok else -1, inp.shape[1] if x_ok else -1,
+            w.shape[2] if w_ok else -1, w.shape[0] if w_ok else -1, chunks_code(chunks), *flags]
+
+
+def _check_local(op, inp, w, send_counts, recv_counts, experts, chunks, combine):
+    world = len(experts)
+    name, want = ("y", "[T_recv, F] and w [E, F, H]") if combine else ("x", "[T_send, H] and w [E, H, F]")
+    if not isinstance(inp, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError(f"{op}: {name} and w must be tensors, got {type(inp).__name__} and "
+                        f"{type(w).__name__}")
+    check_float(op, inp, w)
+    if inp.dim() != 2 or w.dim() != 3 or w.shape[1] != inp.shape[1]:
+        raise ValueError(f"{op}: {name} {tuple(inp.shape)} and w {tuple(w.shape)} do not chain; "
+                         f"need {name} {want}")
+    check_chunks(op, chunks)
+    send = _count_table(op, "send_counts", send_counts)
+    recv = _count_table(op, "recv_counts", recv_counts)
+    if len(send) != world:
+        raise ValueError(f"{op}: send_counts has {len(send)} rows for {world} ranks")
+    for d, row in enumerate(send):
+        if len(row) != experts[d] and experts[d] >= 0:
+            raise ValueError(f"{op}: send_counts row {d} has {len(row)} entries, but rank {d} "
+                             f"has {experts[d]} experts")
+    if len(recv) != world or any(len(row) != w.shape[0] for row in recv):
+        raise ValueError(f"{op}: recv_counts must be [{world}][{w.shape[0]}] (a row per source "
+                         f"rank, a column per expert of w), got rows of {[len(r) for r in recv]}")
+    counted, which = (recv, "recv_counts") if combine else (send, "send_counts")
+    total = sum(map(sum, counted))
+    if total != inp.shape[0]:
+        raise ValueError(f"{op}: {which} sum to {total}, but {name} has {inp.shape[0]} rows")
+    return send, recv
+
+
+def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, combine: bool):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    grads = torch.is_grad_enabled() and isinstance(inp, torch.Tensor) and isinstance(w, torch.Tensor)
+    flags = (int(grads and inp.requires_grad), int(grads and w.requires_grad))
+    metas = every_rank(ctx, op, _signature(inp, w, chunks, flags), group)
+    experts = [m[3] for m in metas]
+    counts, problem = attempt(lambda: _check_local(op, inp, w, send_counts, recv_counts, experts,
+                                                   chunks, combine))
+    traffic = None
+    if ctx.validate != "never" or chunks == "auto":  # per call: the counts change every call
+        if min(experts) < 0:  # some rank's w is unreadable (so it raises): no count layout
+            agree(op, group, problem)
+        else:
+            traffic = _gather_counts(op, group, counts, experts, problem)
+    elif problem is not None:
+        raise problem
+    shared = [m[:3] + m[4:] for m in metas]  # all but the expert count
+    if any(s != shared[0] for s in shared):
+        raise ValueError(f"{op}: ranks disagree on (dtype, K, N, chunks, input needs grad, "
+                         f"w needs grad): {[tuple(s) for s in shared]}")
+    send, recv = counts
+    return _Routes(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)),
+                   _pairs(op, *traffic) if traffic else None)
+
+
+def _gather_counts(op, group, counts, experts, problem):
+    """Every rank's counts (one small all_gather); every rank raises if any rank rejected its input."""
+    world, e_max = len(experts), max(experts)
+    width = 1 + sum(experts) + world * e_max
+    mine = [1] + [0] * (width - 1)
+    if problem is None:
+        send, recv = counts
+        mine = [0, *(c for row in send for c in row),
+                *(c for row in recv for c in row + [0] * (e_max - len(row)))]
+    table = gather_ints(group, mine)
+    raise_together(op, group, any(row[0] for row in table), problem)
+    starts = offsets(experts)
+    sends = [[row[1 + starts[d]:1 + starts[d + 1]] for d in range(world)] for row in table]
+    base = 1 + starts[-1]
+    recvs = [[row[base + s * e_max:base + s * e_max + experts[me]] for s in range(world)]
+             for me, row in enumerate(table)]
+    return sends, recvs
+
+
+def _pairs(op, sends, recvs):
+    """Rows each rank sends each rank, once every pair agrees (the same verdict everywhere)."""
+    world = len(sends)
+    for a in range(world):
+        for b in range(world):
+            if sends[a][b] != recvs[b][a]:
+                raise ValueError(f"{op}: rank {a} sends rank {b} {sends[a][b]} tokens per expert "
+                                 f"(send_counts[{b}]), but rank {b} expects {recvs[b][a]} "
+                                 f"(recv_counts[{a}])")
+    return tuple(tuple(sum(sends[a][b]) for b in range(world)) for a in range(world))
+
+
+def _decide(ctx: OpsContext, op, chunks, routes: _Routes, k, n, element, combine):
+    flops, wire, rows = routes.estimate(k, n, element, combine)
+    return ctx.decide(op, chunks, flops=flops, comm_bytes=wire, rows=rows)
+
+
+# --- autograd ------------------------------------------------------------------
+
+class _AllToAllMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, routes, decision, chunks, group, ops_ctx):
+        kept = []
+        keep = kept.append if ctx.needs_input_grad[1] else None
+        y = _dispatch(x, w, routes, decision.chunks, group,
+                      None if keep is None else lambda rows, e, lo, hi: keep((rows, e, lo, hi)))
+        ctx.save_for_backward(w)
+        ctx.kept, ctx.routes, ctx.chunks, ctx.group, ctx.ops_ctx = kept, routes, chunks, group, ops_ctx
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        dw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+
+        def wgrad():  # fixed order: as the forward computed the blocks
+            for rows, e, lo, hi in ctx.kept:
+                dw[e].addmm_(rows.t(), dy[lo:hi])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            wt = w.transpose(1, 2)
+            decision = _decide(ctx.ops_ctx, "all_to_all_matmul.dgrad", ctx.chunks, ctx.routes,
+                               w.shape[2], w.shape[1], dy.element_size(), combine=True)
+            dx = _combine(dy, wt, ctx.routes, decision.chunks, ctx.group,
+                          idle=wgrad if dw is not None else None)
+        elif dw is not None:
+            wgrad()
+        return dx, dw, None, None, None, None, None
+
+
+class _MatmulAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, routes, decision, chunks, group, ops_ctx):
+        ctx.save_for_backward(y, w)
+        ctx.routes, ctx.chunks, ctx.group, ctx.ops_ctx = routes, chunks, group, ops_ctx
+        return _combine(y, w, routes, decision.chunks, group)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, w = ctx.saved_tensors
+        dout = dout.contiguous()
+        dw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+
+        def wgrad(rows, e, lo, hi):  # each arriving gradient block, in arrival order
+            dw[e].addmm_(y[lo:hi].t(), rows)
+        wt = w.transpose(1, 2) if ctx.needs_input_grad[0] else None
+        decision = _decide(ctx.ops_ctx, "matmul_all_to_all.dgrad", ctx.chunks, ctx.routes,
+                           w.shape[2], w.shape[1], dout.element_size(), combine=False)
+        dy = _dispatch(dout, wt, ctx.routes, decision.chunks, ctx.group,
+                       wgrad if dw is not None else None)
+        return (dy if ctx.needs_input_grad[0] else None), dw, None, None, None, None, None
+
+
+def all_to_all_matmul(x: torch.Tensor, w: torch.Tensor, send_counts, recv_counts, group=None, *,
+                      chunks="auto", ctx: OpsContext | None = None) -> torch.Tensor:
+    """MoE dispatch: send token rows to their experts' ranks and multiply each block as it lands.
+
+    ``x`` [T_send, H], rows by (destination rank, its local expert); ``send_counts[d][e]``
+    rows go to rank d's expert e; ``recv_counts[s][e]`` rows arrive from rank s for
+    local expert e of ``w`` [E, H, F]. Returns [T_recv, F], rows by (source, expert).
+    ``chunks``: "auto" (cost model, see ``plait.ops.explain``) or a piece count; 1 is
+    the plain path (all_to_all, then the GEMMs).
+    """
+    ctx = ctx or get_context(group)
+    op = "all_to_all_matmul"
+    routes = _plan(op, x, w, send_counts, recv_counts, group, chunks, ctx, combine=False)
+    decision = _decide(ctx, op, chunks, routes, w.shape[1], w.shape[2], x.element_size(), False)
+    return _AllToAllMatmul.apply(x, w, routes, decision, chunks, group, ctx)
+
+
+def matmul_all_to_all(y: torch.Tensor, w: torch.Tensor, send_counts, recv_counts, group=None, *,
+                      chunks="auto", ctx: OpsContext | None = None) -> torch.Tensor:
+    """MoE combine: multiply each source's expert blocks and send each back as soon as computed.
+
+    ``y`` [T_recv, F], rows by (source, expert) as ``all_to_all_matmul`` returns them;
+    ``w`` [E, F, H]; the counts are the dispatch's (same meaning). Returns
+    [T_send, H] in the dispatch input's row order.
+    """
+    ctx = ctx or get_context(group)
+    op = "matmul_all_to_all"
+    routes = _plan(op, y, w, send_counts, recv_counts, group, chunks, ctx, combine=True)
+    decision = _decide(ctx, op, chunks, routes, w.shape[1], w.shape[2], y.element_size(), True)
+    return _MatmulAllToAll.apply(y, w, routes, decision, chunks, group, ctx)

@@ -1,0 +1,105 @@
+"""Calibration: recover known constants from synthetic benchmark records; profile round-trip."""
+
+import json
+
+import numpy as np
+import pytest
+
+from plait.perf.calibrate import (DEFAULT_PROFILE, MachineProfile, default_profile_path, fit_alpha_beta,
+                                  fit_pipeline, fit_profile, load_profile, load_records)
+from plait.perf.collectives import bus_factor, collective_time
+from plait.perf.pipeline import PipelineOverheads, fused_time
+
+TRUE = MachineProfile(latency_s=80e-6, bandwidth_Bps=0.11e9, base_latency_s=300e-6)
+O_TRUE, K_TRUE = 1.5e-3, 0.2
+
+
+def _coll_records(rng, noise=0.02, world=4):
+    out = []
+    for coll in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for nbytes in [2 ** k for k in range(10, 26, 2)]:
+            t = collective_time(coll, nbytes, world, TRUE) * (1 + rng.normal(0, noise))
+            out.append({"collective": coll, "bytes": nbytes, "time_s": t, "world_size": world,
+                        "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * bus_factor(coll, world),
+                        "link": "1gbit", "hosts": world, "time_min_s": t * 0.95, "time_max_s": t * 1.05})
+    return out
+
+
+def _op_records(rng, noise=0.01, world=4):
+    out = []
+    for m in (512, 1024, 2048):
+        flops = 2.0 * m * 1024 * 1024
+        tc = 1e-3 + flops / 30e9
+        nbytes = m * 1024 * 4
+        tm = collective_time("all_reduce", nbytes, world, TRUE)
+        lat = collective_time("all_reduce", 0, world, TRUE)
+        for p in (1, 2, 4, 8):
+            tf = fused_time(tc, tm, p, PipelineOverheads(O_TRUE, K_TRUE), comm_latency_s=lat)
+            out.append({"op": "matmul_all_reduce", "shape": {"m": m, "k": 1024, "n": 1024},
+                        "world_size": world, "t_compute_s": tc, "t_comm_s": tm, "t_unfused_s": tc + tm,
+                        "t_fused_s": tf * (1 + rng.normal(0, noise)), "t_limit_s": max(tc, tm),
+                        "chunks": p, "path": "fused" if p > 1 else "fallback", "correct": True,
+                        "link": "1gbit", "flops": flops, "comm_bytes": nbytes})
+    return out
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    recs = _coll_records(np.random.default_rng(1))
+    base, alpha, bw, err = fit_alpha_beta(recs)
+    assert bw == pytest.approx(TRUE.bandwidth_Bps, rel=0.03)
+    # base and per-step latency trade off across collectives; their sum per call is what matters
+    for n_steps in (3, 6):
+        assert base + n_steps * alpha == pytest.approx(TRUE.base_latency_s + n_steps * TRUE.latency_s,
+                                                       rel=0.10)
+    assert err < 0.05
+
+
+def test_fit_profile_recovers_pipeline_constants_and_compute_rate():
+    rng = np.random.default_rng(2)
+    prof = fit_profile(_coll_records(rng) + _op_records(rng))
+    assert prof.bandwidth_Bps == pytest.approx(TRUE.bandwidth_Bps, rel=0.03)
+    assert prof.compute_flops == pytest.approx(30e9, rel=0.03)
+    assert prof.per_piece_overhead_s == pytest.approx(O_TRUE, rel=0.15, abs=2e-4)
+    assert prof.overlap_slowdown == pytest.approx(K_TRUE, abs=0.06)
+    assert prof.link == "1gbit" and prof.world_size == 4 and "collective" in prof.source
+    assert prof.compute_time_s(30e9) == pytest.approx(1.0, rel=0.03)
+    with pytest.raises(ValueError, match="no compute rate"):
+        TRUE.compute_time_s(1.0)
+    o, k = fit_pipeline(_op_records(rng, noise=0.0), TRUE)
+    assert o == pytest.approx(O_TRUE, rel=0.02) and k == pytest.approx(K_TRUE, abs=1e-6)
+
+
+def test_profile_round_trip_and_default_location(tmp_path, monkeypatch):
+    prof = fit_profile(_coll_records(np.random.default_rng(3)))
+    path = prof.save(tmp_path / "sub" / "profile.json")
+    again = MachineProfile.load(path)
+    assert again == prof and hash(again) == hash(prof)
+    monkeypatch.setenv("PLAIT_PROFILE", str(path))
+    assert default_profile_path() == path
+    assert load_profile() == prof
+    assert load_profile(tmp_path / "missing.json") is DEFAULT_PROFILE
+    monkeypatch.delenv("PLAIT_PROFILE")
+    assert default_profile_path().parts[-3:] == (".cache", "plait", "profile.json")
+
+
+def test_records_as_object_or_list_and_bad_profiles(tmp_path):
+    recs = _coll_records(np.random.default_rng(4))[:3]
+    (tmp_path / "a.json").write_text(json.dumps({"meta": {}, "records": recs}))
+    (tmp_path / "b.json").write_text(json.dumps(recs))
+    loaded = load_records([tmp_path / "a.json", tmp_path / "b.json"])
+    assert len(loaded) == 6 and loaded[0]["_file"].endswith("a.json")
+    with pytest.raises(ValueError, match="bandwidth_Bps"):
+        MachineProfile(latency_s=1e-6, bandwidth_Bps=0.0)
+    with pytest.raises(ValueError, match="unknown fields"):
+        MachineProfile.from_dict({"latency_s": 1.0, "bandwidth_Bps": 1.0, "colour": "red"})
+    with pytest.raises(ValueError, match=">= 2 collective records"):
+        fit_alpha_beta(recs[:1])
+
+
+def test_per_collective_constants_are_used_by_collective_time():
+    prof = MachineProfile(latency_s=1e-3, bandwidth_Bps=1e8,
+                          collectives=(("reduce_scatter", 0.0, 1e-3, 0.5e8),))
+    t_rs = collective_time("reduce_scatter", 1e8, 2, prof)
+    t_ag = collective_time("all_gather", 1e8, 2, prof)
+    assert t_rs == pytest.approx(1e-3 + 0.5 * 1e8 / 0.5e8)
+    assert t_ag == pytest.approx(1e-3 + 0.5 * 1e8 / 1e8)
