@@ -7,7 +7,8 @@ the slowest rank's; the median over iterations is reported):
 - ``t_comm``: its collective alone, on ready buffers (what the plain path sends);
 - ``t_unfused``: the plain path (``chunks=1``): compute, then the collective;
 - ``t_fused``: ``chunks="auto"``, and each fixed piece count of the sweep;
-- ``t_limit = max(t_compute, t_comm)``: no schedule can beat it.
+- ``t_limit = max(t_compute, t_comm)``: no schedule can beat it;
+- ``peak_bytes_*``: the most tensor memory each path holds at once (outputs included).
 
 ``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every
 fused result is compared with the plain path's (``correct``). The timings of
@@ -27,6 +28,7 @@ from ..ops.pieces import even_sizes
 from ..runtime import rank_context
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max, median, time_once
+from .memory import peak_bytes
 
 __all__ = ["OpsBenchConfig", "run_ops_sweep", "QUICK_SHAPES", "FULL_SHAPES", "CASES"]
 
@@ -178,6 +180,8 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     times = {name: median(agreed_max(ts)) for name, ts in own.items()}
     reference = case.run(1)
     fused = case.run("auto")
+    peak_unfused = peak_bytes(lambda: case.run(1))
+    peak_fused = peak_bytes(lambda: case.run("auto"))
     decision = get_context().decisions[case.op]
     diff = _max_diff(fused, reference)
     scale = float(reference.abs().max()) if reference.numel() else 1.0
@@ -197,6 +201,7 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
         "speedup": times["unfused"] / times["auto"], "efficiency": t_limit / times["auto"],
         "comm_ratio": times["comm"] / max(times["compute"], 1e-12),
         "correct": bool(correct), "max_abs_diff": diff,
+        "peak_bytes_unfused": peak_unfused, "peak_bytes_fused": peak_fused,
         "flops": case.flops, "comm_bytes": case.comm_bytes,
         "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra,
     }
@@ -237,6 +242,8 @@ def summarize(records: list[dict]) -> dict:
         "worst_auto_over_unfused": max((r["t_fused_s"] / r["t_unfused_s"] for r in records), default=None),
         "median_auto_over_best_fixed": median(vs_best) if vs_best else None,
         "all_correct": all(r["correct"] for r in records),
+        "fused_never_uses_more_memory": all(r["peak_bytes_fused"] <= r["peak_bytes_unfused"]
+                                            for r in records),
     }
 
 

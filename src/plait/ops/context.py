@@ -43,7 +43,12 @@ class OpsContext:
     group: object = None
     profile: MachineProfile | None = None
     max_chunks: int = 16
-    validate: str = "first"  # "first" call per shape signature, "always", or "never"
+    # "always": one small all_gather of shapes per call (≈ one latency, 0.4 ms on the
+    # emulated 1 Gbit/s link). "first": once per local shape signature; only safe
+    # when every rank changes shapes together (a rebalanced plan changes some ranks'
+    # shapes only, and a rank that hits its cache would skip a gather its peers
+    # join). "never": trust the caller.
+    validate: str = "always"
     decisions: dict[str, Decision] = field(default_factory=dict)
     _checked: dict[tuple, tuple] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
@@ -93,10 +98,10 @@ class OpsContext:
 
     # --- cross-rank shape checks ------------------------------------------
     def gather_meta(self, op: str, local: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Every rank's ``local`` integers (shapes, dtype code), checked once per signature.
+        """Every rank's ``local`` integers (shapes, dtype code), before any data moves.
 
-        One small all_gather, before any data moves, so disagreeing shapes raise a
-        clear error instead of a hang or a garbled collective.
+        One small all_gather, so disagreeing shapes raise a clear error on every
+        rank instead of a hang or a garbled collective (see ``validate``).
         """
         key = (op, local)
         if self.validate != "always" and key in self._checked:
@@ -112,39 +117,39 @@ class OpsContext:
 
 
 def measure_profile(group=None) -> MachineProfile:
-    """Calibrate on the running group, once (≈ 0.5 s on a 1 Gbit/s link).
+    """Calibrate on the running group, once (≈ 0.6 s on a 1 Gbit/s link).
 
-    compute rate: a 512×1024×1024 matmul; α: the fastest of ten 32-byte
-    all_reduces; bandwidth: a 2 MiB all_reduce; per-piece overhead: a real
-    4-piece matmul + all_reduce pipeline against the model's prediction for it
-    with no overhead, so CPU contention between compute and communication
-    threads is charged to each extra piece, where it belongs.
+    compute rate: a 512×2048×1024 matmul; α: the fastest of ten 32-byte
+    all_reduces; bandwidth: a 2 MiB all_reduce. Then the same matmul +
+    all_reduce as a real 2- and 4-piece pipeline: against the model's
+    ``T(p) = c + m + (p−1)(c(1+k) + o)`` (compute-bound by construction, c > m)
+    the two runs give the overlap slowdown k (compute slowed by the transfers
+    sharing its cores) and the per-piece overhead o.
     """
-    from ..perf.pipeline import fused_time
-
     n = dist.get_world_size(group)
-    x, w = torch.randn(512, 1024), torch.randn(1024, 1024)
+    x, w = torch.randn(512, 2048), torch.randn(2048, 1024)
     out = torch.empty(512, 1024)  # 2 MiB
     compute_s = _fastest(lambda: torch.matmul(x, w, out=out), group, 3)
-    compute_flops = 2 * 512 * 1024 * 1024 / compute_s
     alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8), group=group), group, 10)
     wire = 2 * (n - 1) / n * out.numel() * out.element_size()
     comm_s = _fastest(lambda: dist.all_reduce(out, group=group), group, 3)
-    bandwidth = wire / max(comm_s - alpha, 1e-6)
 
-    def pipeline() -> None:
-        works = []
-        for lo in range(0, 512, 128):
-            torch.matmul(x[lo:lo + 128], w, out=out[lo:lo + 128])
-            works.append(dist.all_reduce(out[lo:lo + 128], group=group, async_op=True))
+    def pipeline(pieces: int) -> None:
+        works, rows = [], 512 // pieces
+        for lo in range(0, 512, rows):
+            torch.matmul(x[lo:lo + rows], w, out=out[lo:lo + rows])
+            works.append(dist.all_reduce(out[lo:lo + rows], group=group, async_op=True))
         for work in works:
             work.wait()
 
-    fused_s = _fastest(pipeline, group, 3)
-    ideal = fused_time(compute_s, comm_s, 4, None, comm_latency_s=alpha)
-    overhead = max(0.0, (fused_s - ideal) / 3)
-    return MachineProfile(latency_s=alpha, bandwidth_Bps=bandwidth, compute_flops=compute_flops,
-                          per_piece_overhead_s=overhead, world_size=n,
+    # per piece beyond the first: c(1+k) + o, from T(p) − c − m = (p−1)(c(1+k) + o)
+    per = {p: (_fastest(lambda p=p: pipeline(p), group, 3) - (compute_s + comm_s) / p) / (p - 1)
+           for p in (2, 4)}
+    k = max(0.0, (per[2] - per[4]) / (compute_s / 4) - 1.0)
+    overhead = max(0.0, per[4] - compute_s / 4 * (1.0 + k))
+    return MachineProfile(latency_s=alpha, bandwidth_Bps=wire / max(comm_s - alpha, 1e-6),
+                          compute_flops=2 * 512 * 2048 * 1024 / compute_s,
+                          per_piece_overhead_s=overhead, overlap_slowdown=k, world_size=n,
                           source="measured on the running group (plait.ops.context.measure_profile)")
 
 

@@ -34,11 +34,17 @@ output. One piece (the fallback) is the plain path: pool everything, then one
 all_to_all whose receive buffer is the output. A bag's pooled value does not
 depend on which other bags one ``embedding_bag`` call holds, so every path is
 bit-identical to pooling the whole batch and then exchanging.
+
+Checks. Before any data moves, one small all_gather per call carries every
+rank's dtype, D, batch, mode, chunks, batch_sizes, table count, lookups (for
+``chunks="auto"``) and its verdict on its own input (index ranges, offsets,
+dtypes), so bad input on any rank raises on every rank. ``ctx.validate`` does not
+turn it off: the layout needs every rank's table count. The value checks read
+every index and offset once (one host sync per table on CUDA).
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,9 +52,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..runtime.compat import all_gather_into
 from .context import OpsContext, get_context
 from .exchange import start_all_to_all
-from ..runtime.compat import all_gather_into
 from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, split
 
 __all__ = ["embedding_all_to_all"]
@@ -59,22 +65,20 @@ _INDEX_DTYPES = {torch.int64: 0, torch.int32: 1}
 
 # --- checks every rank agrees on (shared with plait.ops.moe) ----------------
 #
-# A rank that rejects its input must not simply raise: its peers would go on
-# into a data collective it never joins. So the shape signature (which does not
-# depend on whether the checks pass) goes through the cached ``gather_meta``,
-# and each call's verdict through one tiny collective that every rank makes.
+# One small all_gather per call carries every rank's shapes and its verdict on
+# its own input, so a rank that rejects its input does not simply raise and
+# leave its peers inside a data collective it never joins. It is not cached
+# (``OpsContext.gather_meta`` caches per rank: after one rank's key changes alone,
+# say when the balancer moves a table, that rank would gather while its peers
+# skip) and it also carries what changes every call (lookups, token counts).
 
 def chunks_code(chunks) -> int:
-    """``chunks`` as one integer for the signature: 0 for "auto", -1 if invalid."""
-    if chunks == "auto":
-        return 0
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        return -1
-    return chunks
+    """``chunks`` as one integer for the cross-rank check: 0 for "auto"."""
+    return 0 if chunks == "auto" else chunks
 
 
 def check_chunks(op: str, chunks) -> None:
-    if chunks_code(chunks) < 0:
+    if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"{op}: chunks must be 'auto' or a positive integer, got {chunks!r}")
 
 
@@ -86,15 +90,6 @@ def attempt(check):
         return None, err
 
 
-def every_rank(ctx: OpsContext, op: str, ints: Sequence[int], group) -> list[tuple]:
-    """Every rank's ``ints``: ``ctx.gather_meta`` (cached per signature); when the context
-    validates nothing, one uncached all_gather, since the layout still needs them."""
-    ints = tuple(int(i) for i in ints)
-    if ctx.validate != "never":
-        return ctx.gather_meta(op, ints)
-    return [tuple(row) for row in gather_ints(group, ints)]
-
-
 def meta_device(group) -> torch.device:
     """Where the small check tensors live: NCCL only moves CUDA tensors."""
     if dist.get_backend(group) == "nccl":
@@ -102,23 +97,18 @@ def meta_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_ints(group, ints: Sequence[int]) -> list[list[int]]:
-    """One all_gather of a small integer vector (same length on every rank)."""
-    mine = torch.tensor(list(ints), dtype=torch.int64, device=meta_device(group))
+def gather_checked(op: str, group, problem: Exception | None, row: Sequence[int],
+                   width: int) -> list[list[int]]:
+    """Every rank's ``row`` (``width`` integers; ignored where the rank rejected its input),
+    after every rank has raised if any rank rejected its input."""
+    mine = [1] + [0] * width if problem is not None else [0, *map(int, row)]
+    assert len(mine) == width + 1, (op, mine, width)
+    mine = torch.tensor(mine, dtype=torch.int64, device=meta_device(group))
     everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
     all_gather_into(everyone, mine, group=group)
-    return everyone.view(-1, mine.numel()).tolist()
-
-
-def agree(op: str, group, problem: Exception | None, extra: Sequence[int] = ()) -> list[int]:
-    """One all_reduce(MAX) of ``[rejected, *extra]``: if any rank rejected its input, every
-    rank raises (see ``raise_together``); else returns the largest of each ``extra``."""
-    flags = torch.tensor([int(problem is not None), *extra], dtype=torch.int64,
-                         device=meta_device(group))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    values = flags.tolist()
-    raise_together(op, group, bool(values[0]), problem)
-    return values[1:]
+    table = everyone.view(-1, mine.numel()).tolist()
+    raise_together(op, group, any(r[0] for r in table), problem)
+    return [r[1:] for r in table]
 
 
 def raise_together(op: str, group, failed: bool, problem: Exception | None) -> None:
@@ -151,7 +141,7 @@ class _Lookup:
     batch_sizes: list[int]          # B_d
     dim: int                        # D
     mode: str
-    indices: list[torch.Tensor]     # per local table, int64 (for index_add_) or as given
+    indices: list[torch.Tensor]     # per local table, as given
     bounds: list[torch.Tensor]      # per local table: offsets + [nnz], length B + 1
     estimate: tuple[float, float, int]  # (flops, comm_bytes, rows) for ctx.decide
 
@@ -166,7 +156,7 @@ class _Lookup:
         return dict(zip(bags, where.tolist()))
 
 
-def _parts(total: int, pieces: int) -> list[int]:
+def row_parts(total: int, pieces: int) -> list[int]:
     """``total`` rows in exactly ``pieces`` parts (trailing ones empty when total < pieces)."""
     sizes = split(total, pieces)
     return sizes + [0] * (pieces - len(sizes))
@@ -175,7 +165,7 @@ def _parts(total: int, pieces: int) -> list[int]:
 def _piece_bags(plan: _Lookup, chunks: int) -> tuple[list[list[int]], list[list[int]]]:
     """``parts[d][j]``: rows of destination d in piece j; ``first[d][j]``: its first global bag."""
     starts = offsets(plan.batch_sizes)
-    parts = [_parts(b, chunks) for b in plan.batch_sizes]
+    parts = [row_parts(b, chunks) for b in plan.batch_sizes]
     first = [[starts[d] + a for a in offsets(parts[d])] for d in range(plan.world)]
     return parts, first
 
@@ -183,7 +173,7 @@ def _piece_bags(plan: _Lookup, chunks: int) -> tuple[list[list[int]], list[list[
 def _check_local(op, tables, indices, offsets_, batch_sizes, mode, chunks, world):
     if not isinstance(tables, (list, tuple)) or not tables:
         raise ValueError(f"{op}: tables must be a non-empty list of [N_t, D] weights, got "
-                         f"{type(tables).__name__}{'' if not isinstance(tables, (list, tuple)) else ' of 0'}")
+                         f"{tables!r:.60}")
     if not isinstance(indices, (list, tuple)) or not isinstance(offsets_, (list, tuple)) \
             or len(indices) != len(tables) or len(offsets_) != len(tables):
         raise ValueError(f"{op}: need one indices and one offsets tensor per table: {len(tables)} "
@@ -226,7 +216,8 @@ def _check_bags(op, tables, indices, offsets_) -> int:
                              f"tables on {device}")
     batches = [len(off) for off in offsets_]
     if len(set(batches)) != 1:
-        raise ValueError(f"{op}: every table needs the same batch of bags; offsets lengths {batches}")
+        raise ValueError(f"{op}: every table needs the same batch of bags; "
+                         f"offsets lengths {batches}")
     for t, (table, idx, off) in enumerate(zip(tables, indices, offsets_)):
         if len(off) and (int(off[0]) != 0 or bool((off[1:] < off[:-1]).any())
                          or int(off[-1]) > len(idx)):
@@ -238,53 +229,25 @@ def _check_bags(op, tables, indices, offsets_) -> int:
     return batches[0]
 
 
-def _signature(tables, offsets_, batch_sizes, mode, chunks, world, needs_grad) -> list[int]:
-    """The cross-rank part of the input, read without checking it (-1 where unreadable), so
-    a rank whose checks fail still sends ``gather_meta`` the key its peers expect."""
-    first = tables[0] if isinstance(tables, (list, tuple)) and tables else None
-    is_tensor = isinstance(first, torch.Tensor)
-    off0 = offsets_[0] if isinstance(offsets_, (list, tuple)) and offsets_ else None
-    batch = len(off0) if isinstance(off0, torch.Tensor) and off0.dim() == 1 else -1
-    if batch_sizes is None or not isinstance(batch_sizes, (Sequence, torch.Tensor)):
-        sizes = even_sizes(batch, world) if batch >= 0 else [-1] * world
-    else:
-        sizes = [_index(b) for b in list(batch_sizes)[:world]]
-        sizes += [-1] * (world - len(sizes))
-    return [DTYPE_CODES.get(first.dtype, -1) if is_tensor else -1,
-            first.shape[-1] if is_tensor and first.dim() else -1, batch,
-            _MODES.get(mode, -1) if isinstance(mode, str) else -1, chunks_code(chunks),
-            int(needs_grad), len(tables) if isinstance(tables, (list, tuple)) else -1, *sizes]
-
-
-def _index(value) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        return -1
-
-
 def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    needs_grad = torch.is_grad_enabled() and isinstance(tables, (list, tuple)) and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tables)
-    metas = every_rank(ctx, op, _signature(tables, offsets_, batch_sizes, mode, chunks, world,
-                                           needs_grad), group)
     checked, problem = attempt(lambda: _check_local(op, tables, indices, offsets_, batch_sizes,
                                                     mode, chunks, world))
-    nnz = 0 if problem else sum(len(i) for i in indices)
-    if ctx.validate != "never" or chunks == "auto":  # one tiny all_reduce per call
-        (max_nnz,) = agree(op, group, problem, [nnz])
-    elif problem is not None:
-        raise problem
-    else:
-        max_nnz = nnz
-    _, batch, sizes = checked
-    shared = [m[:6] + m[7:] for m in metas]  # all but T_r
+    row = []
+    if problem is None:
+        dtype, batch, sizes = checked
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
+        row = [DTYPE_CODES[dtype], tables[0].shape[1], batch, _MODES[mode], chunks_code(chunks),
+               needs_grad, *sizes, len(tables), sum(len(i) for i in indices)]
+    metas = gather_checked(op, group, problem, row, 8 + world)
+    shared = [m[:-2] for m in metas]  # all but T_r and the lookups
     if any(s != shared[0] for s in shared):
         raise ValueError(f"{op}: ranks disagree on (dtype, D, batch, mode, chunks, needs_grad, "
                          f"*batch_sizes): {[tuple(s) for s in shared]}")
-    tables_per_rank, dim = [m[6] for m in metas], metas[0][1]
-    wire = max(t * (batch - b) for t, b in zip(tables_per_rank, sizes)) * dim * tables[0].element_size()
+    tables_per_rank, dim = [m[-2] for m in metas], metas[0][1]
+    max_nnz = max(m[-1] for m in metas)
+    busiest = max(t * (batch - b) for t, b in zip(tables_per_rank, sizes))  # rows off this rank
+    wire = busiest * dim * tables[0].element_size()
     bounds = [torch.cat([off, off.new_tensor([len(idx)])]) for idx, off in zip(indices, offsets_)]
     return _Lookup(rank, world, tables_per_rank, sizes, dim, mode, list(indices), bounds,
                    (float(dim * max_nnz), wire, max(sizes)))
@@ -339,14 +302,16 @@ def _lookup_fused(weights, plan: _Lookup, group, chunks: int) -> torch.Tensor:
                 at += n
         m = parts[rank][j]
         recv = out.new_empty(sum(t_s[s] * m for s in range(world) if s != rank), dim)
-        work = start_all_to_all(recv, send, [0 if s == rank else t_s[s] * m for s in range(world)],
-                                [0 if d == rank else t_r * parts[d][j] for d in range(world)], group)
-        pending.append((work, recv, first[rank][j] - bstart[rank], m))
+        work = start_all_to_all(recv, send,
+                                [0 if s == rank else t_s[s] * m for s in range(world)],
+                                [0 if d == rank else t_r * parts[d][j] for d in range(world)],
+                                group)
+        pending.append((work, recv, first[rank][j] - bstart[rank], m, send))
     lo, hi = bstart[rank], bstart[rank + 1]
     for t, weight in enumerate(weights):  # own rows: no wire; overlaps the last transfers
         if hi > lo:
             out[tstart[rank] + t].copy_(_pool(plan, t, weight, lo, hi, plan.positions(t, [lo, hi])))
-    for work, recv, a, m in pending:
+    for work, recv, a, m, _ in pending:
         work.wait()
         at = 0
         for s in range(world):
@@ -391,7 +356,8 @@ def _wgrad_plain(grad_out, grads: _Grads, group) -> None:
     plan = grads.plan
     t_r, starts = len(grads.grads), offsets(plan.batch_sizes)
     b_r = plan.batch_sizes[plan.rank]
-    send = grad_out.contiguous().view(sum(plan.tables_per_rank) * b_r, plan.dim)  # owners contiguous
+    # [T·B_r, D]: each owner's tables contiguous
+    send = grad_out.contiguous().view(sum(plan.tables_per_rank) * b_r, plan.dim)
     if plan.world == 1:
         recv = send
     else:
@@ -421,12 +387,13 @@ def _wgrad_fused(grad_out, grads: _Grads, group, chunks: int) -> None:
                     grad_out[tstart[s]:tstart[s + 1], a:a + m])
                 at += t_s[s] * m
         recv = grad_out.new_empty(sum(t_r * parts[d][j] for d in range(world) if d != rank), dim)
-        work = start_all_to_all(recv, send, [0 if d == rank else t_r * parts[d][j] for d in range(world)],
+        work = start_all_to_all(recv, send,
+                                [0 if d == rank else t_r * parts[d][j] for d in range(world)],
                                 [0 if s == rank else t_s[s] * m for s in range(world)], group)
-        pending.append((work, recv, j))
+        pending.append((work, recv, j, send))  # send: alive until done
     for t in range(t_r):  # own rows first: they need no wire
         grads.add(t, bstart[rank], grad_out[tstart[rank] + t])
-    for work, recv, j in pending:
+    for work, recv, j, _ in pending:
         work.wait()
         at = 0
         for d in range(world):

@@ -39,11 +39,12 @@ directly. Data that is only moved is bit-identical to the plain path; the GEMMs
 run on row pieces, and MKL/cuBLAS may round a piece's rows differently from the
 whole block's (relative difference ~1e-16 in float64).
 
-Checks. One cached ``gather_meta`` of dtypes, dims and expert counts, then, per
-call (counts change every call, so they cannot sit in that cache), one small
-all_gather of every rank's counts: each rank verifies every pair, so a mismatch
-raises the same error everywhere before any token moves. ``ctx.validate ==
-"never"`` skips it unless ``chunks="auto"`` needs the counts.
+Checks. Before any token moves, one small all_gather per call (the counts
+change every call) carries every rank's verdict on its own input, its dtype and
+dims, and per peer its token totals and a fingerprint of its per-expert counts;
+every rank checks every pair, so a mismatch raises the same error everywhere
+(the exact counts are fetched only then, for the message). ``ctx.validate ==
+"never"`` skips it, unless ``chunks="auto"`` needs the counts.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ import torch
 import torch.distributed as dist
 
 from .context import OpsContext, get_context
-from .embedding import agree, attempt, check_chunks, chunks_code, every_rank, gather_ints, raise_together
+from .embedding import attempt, check_chunks, chunks_code, gather_checked, row_parts
 from .exchange import start_all_to_all
-from .pieces import DTYPE_CODES, check_float, offsets, split
+from .pieces import DTYPE_CODES, check_float, offsets
 
 __all__ = ["all_to_all_matmul", "matmul_all_to_all"]
 
@@ -93,11 +94,6 @@ class _Routes:
         return 2.0 * k * n * max(received), float(max(moved) * width * element), max(block, 1)
 
 
-def _parts(total: int, pieces: int) -> list[int]:
-    sizes = split(total, pieces)
-    return sizes + [0] * (pieces - len(sizes))
-
-
 def _multiply(src, counts, a, dst, dst_at, w, on_block=None):
     """Rows [a, a + len(src)) of a block ordered by expert (``counts``): ``src_e @ w[e]``
     into ``dst[dst_at + lo : dst_at + hi]`` for block rows [lo, hi) of expert e."""
@@ -131,12 +127,12 @@ def _dispatch(x, w, routes: _Routes, chunks: int, group, on_block=None):
         recv = x
         if world > 1:
             recv = x.new_empty(ys[-1], x.shape[1])
-            dist.all_to_all_single(recv, x, recv_rows, send_rows, group=group)
+            dist.all_to_all_single(recv, x.contiguous(), recv_rows, send_rows, group=group)
         for s in range(world):
             _multiply(recv[ys[s]:ys[s + 1]], routes.recv[s], 0, y, ys[s], w, on_block)
         return y
-    out_parts = [_parts(n, chunks) for n in send_rows]
-    in_parts = [_parts(n, chunks) for n in recv_rows]
+    out_parts = [row_parts(n, chunks) for n in send_rows]
+    in_parts = [row_parts(n, chunks) for n in recv_rows]
     out_at, in_at = [offsets(p) for p in out_parts], [offsets(p) for p in in_parts]
     pending = []
     for j in range(chunks):  # nothing to compute before sending: every piece starts now
@@ -144,12 +140,13 @@ def _dispatch(x, w, routes: _Routes, chunks: int, group, on_block=None):
                   for d in range(world) if d != rank]
         send = torch.cat(blocks)  # the only copy: piece j of every peer's rows, adjacent
         recv = x.new_empty(sum(in_parts[s][j] for s in range(world) if s != rank), x.shape[1])
-        work = start_all_to_all(recv, send, [0 if s == rank else in_parts[s][j] for s in range(world)],
+        work = start_all_to_all(recv, send,
+                                [0 if s == rank else in_parts[s][j] for s in range(world)],
                                 [0 if d == rank else out_parts[d][j] for d in range(world)], group)
-        pending.append((work, recv, j))
+        pending.append((work, recv, j, send))  # send: alive until done
     # own block first: it needs no wire
     _multiply(x[xs[rank]:xs[rank + 1]], routes.recv[rank], 0, y, ys[rank], w, on_block)
-    for work, recv, j in pending:
+    for work, recv, j, _ in pending:
         work.wait()
         at = 0
         for s in range(world):
@@ -183,8 +180,8 @@ def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None]
             idle()
         return out
     out = y.new_empty(xs[-1], width)
-    back_parts = [_parts(n, chunks) for n in recv_rows]   # to each source s
-    home_parts = [_parts(n, chunks) for n in send_rows]   # from each expert owner d
+    back_parts = [row_parts(n, chunks) for n in recv_rows]   # to each source s
+    home_parts = [row_parts(n, chunks) for n in send_rows]   # from each expert owner d
     back_at, home_at = [offsets(p) for p in back_parts], [offsets(p) for p in home_parts]
     pending = []
     for j in range(chunks):
@@ -198,14 +195,15 @@ def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None]
             _multiply(y[ys[s] + a:ys[s] + a + n], routes.recv[s], a, send, at - a, w)
             at += n
         recv = y.new_empty(sum(home_parts[d][j] for d in range(world) if d != rank), width)
-        work = start_all_to_all(recv, send, [0 if d == rank else home_parts[d][j] for d in range(world)],
+        work = start_all_to_all(recv, send,
+                                [0 if d == rank else home_parts[d][j] for d in range(world)],
                                 [0 if s == rank else back_parts[s][j] for s in range(world)], group)
-        pending.append((work, recv, j))
+        pending.append((work, recv, j, send))  # send: alive until done
     # own block last: it needs no wire, and overlaps the last pieces' transfers
     _multiply(y[ys[rank]:ys[rank + 1]], routes.recv[rank], 0, out, xs[rank], w)
     if idle is not None:
         idle()
-    for work, recv, j in pending:
+    for work, recv, j, _ in pending:
         work.wait()
         at = 0
         for d in range(world):
@@ -238,17 +236,9 @@ def _count_table(op: str, name: str, counts) -> list[list[int]]:
     return table
 
 
-def _signature(inp, w, chunks, flags) -> list[int]:
-    """The cross-rank part of the input, read without checking it (-1 where unreadable)."""
-    x_ok = isinstance(inp, torch.Tensor) and inp.dim() == 2
-    w_ok = isinstance(w, torch.Tensor) and w.dim() == 3
-    return [DTYPE_CODES.get(inp.dtype, -1) if x_ok else -1, inp.shape[1] if x_ok else -1,
-            w.shape[2] if w_ok else -1, w.shape[0] if w_ok else -1, chunks_code(chunks), *flags]
-
-
-def _check_local(op, inp, w, send_counts, recv_counts, experts, chunks, combine):
-    world = len(experts)
-    name, want = ("y", "[T_recv, F] and w [E, F, H]") if combine else ("x", "[T_send, H] and w [E, H, F]")
+def _check_local(op, inp, w, send_counts, recv_counts, world, chunks, combine):
+    name, want = (("y", "[T_recv, F] and w [E, F, H]") if combine
+                  else ("x", "[T_send, H] and w [E, H, F]"))
     if not isinstance(inp, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(f"{op}: {name} and w must be tensors, got {type(inp).__name__} and "
                         f"{type(w).__name__}")
@@ -261,10 +251,6 @@ def _check_local(op, inp, w, send_counts, recv_counts, experts, chunks, combine)
     recv = _count_table(op, "recv_counts", recv_counts)
     if len(send) != world:
         raise ValueError(f"{op}: send_counts has {len(send)} rows for {world} ranks")
-    for d, row in enumerate(send):
-        if len(row) != experts[d] and experts[d] >= 0:
-            raise ValueError(f"{op}: send_counts row {d} has {len(row)} entries, but rank {d} "
-                             f"has {experts[d]} experts")
     if len(recv) != world or any(len(row) != w.shape[0] for row in recv):
         raise ValueError(f"{op}: recv_counts must be [{world}][{w.shape[0]}] (a row per source "
                          f"rank, a column per expert of w), got rows of {[len(r) for r in recv]}")
@@ -275,60 +261,60 @@ def _check_local(op, inp, w, send_counts, recv_counts, experts, chunks, combine)
     return send, recv
 
 
+def _digest(counts: Sequence[int]) -> int:
+    """A 61-bit fingerprint of one count row (its length included) for the cross-rank check."""
+    h = len(counts)
+    for c in counts:
+        h = (h * 1_000_003 + c + 1) % ((1 << 61) - 1)
+    return h
+
+
 def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, combine: bool):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    grads = torch.is_grad_enabled() and isinstance(inp, torch.Tensor) and isinstance(w, torch.Tensor)
-    flags = (int(grads and inp.requires_grad), int(grads and w.requires_grad))
-    metas = every_rank(ctx, op, _signature(inp, w, chunks, flags), group)
-    experts = [m[3] for m in metas]
-    counts, problem = attempt(lambda: _check_local(op, inp, w, send_counts, recv_counts, experts,
+    counts, problem = attempt(lambda: _check_local(op, inp, w, send_counts, recv_counts, world,
                                                    chunks, combine))
-    traffic = None
-    if ctx.validate != "never" or chunks == "auto":  # per call: the counts change every call
-        if min(experts) < 0:  # some rank's w is unreadable (so it raises): no count layout
-            agree(op, group, problem)
-        else:
-            traffic = _gather_counts(op, group, counts, experts, problem)
-    elif problem is not None:
-        raise problem
-    shared = [m[:3] + m[4:] for m in metas]  # all but the expert count
+    if ctx.validate == "never" and chunks != "auto":  # nothing global needed: no check either
+        if problem is not None:
+            raise problem
+        return _Routes(rank, world, *(tuple(map(tuple, c)) for c in counts), None)
+    row = []
+    if problem is None:
+        send, recv = counts
+        grads = torch.is_grad_enabled()
+        row = [DTYPE_CODES[inp.dtype], inp.shape[1], w.shape[2], chunks_code(chunks),
+               grads and inp.requires_grad, grads and w.requires_grad, w.shape[0],
+               *map(sum, send), *map(sum, recv), *map(_digest, send), *map(_digest, recv)]
+    metas = gather_checked(op, group, problem, row, 7 + 4 * world)  # one per call: counts change
+    shared = [m[:6] for m in metas]
     if any(s != shared[0] for s in shared):
         raise ValueError(f"{op}: ranks disagree on (dtype, K, N, chunks, input needs grad, "
                          f"w needs grad): {[tuple(s) for s in shared]}")
-    send, recv = counts
-    return _Routes(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)),
-                   _pairs(op, *traffic) if traffic else None)
-
-
-def _gather_counts(op, group, counts, experts, problem):
-    """Every rank's counts (one small all_gather); every rank raises if any rank rejected its input."""
-    world, e_max = len(experts), max(experts)
-    width = 1 + sum(experts) + world * e_max
-    mine = [1] + [0] * (width - 1)
-    if problem is None:
-        send, recv = counts
-        mine = [0, *(c for row in send for c in row),
-                *(c for row in recv for c in row + [0] * (e_max - len(row)))]
-    table = gather_ints(group, mine)
-    raise_together(op, group, any(row[0] for row in table), problem)
-    starts = offsets(experts)
-    sends = [[row[1 + starts[d]:1 + starts[d + 1]] for d in range(world)] for row in table]
-    base = 1 + starts[-1]
-    recvs = [[row[base + s * e_max:base + s * e_max + experts[me]] for s in range(world)]
-             for me, row in enumerate(table)]
-    return sends, recvs
-
-
-def _pairs(op, sends, recvs):
-    """Rows each rank sends each rank, once every pair agrees (the same verdict everywhere)."""
-    world = len(sends)
+    # per rank: 7 fields, then W send totals, W recv totals, W send digests, W recv digests
+    totals = [(m[7:7 + world], m[7 + world:7 + 2 * world]) for m in metas]
+    digests = [(m[7 + 2 * world:7 + 3 * world], m[7 + 3 * world:]) for m in metas]
     for a in range(world):
         for b in range(world):
-            if sends[a][b] != recvs[b][a]:
-                raise ValueError(f"{op}: rank {a} sends rank {b} {sends[a][b]} tokens per expert "
-                                 f"(send_counts[{b}]), but rank {b} expects {recvs[b][a]} "
+            if totals[a][0][b] != totals[b][1][a] or digests[a][0][b] != digests[b][1][a]:
+                _explain_mismatch(op, group, counts, [m[6] for m in metas])
+    rows = [sent for sent, _ in totals]  # rows[a][b]: tokens rank a sends rank b
+    return _Routes(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)),
+                   tuple(map(tuple, rows)))
+
+
+def _explain_mismatch(op, group, counts, experts):
+    """Some pair's counts disagree (every rank knows): fetch them all, name the first pair."""
+    everyone = [None] * len(experts)
+    dist.all_gather_object(everyone, counts, group=group)
+    for a, (send, _) in enumerate(everyone):
+        for b, (_, recv) in enumerate(everyone):
+            if len(send[b]) != experts[b]:
+                raise ValueError(f"{op}: rank {a}'s send_counts row {b} has {len(send[b])} "
+                                 f"entries, but rank {b} has {experts[b]} experts")
+            if send[b] != recv[a]:
+                raise ValueError(f"{op}: rank {a} sends rank {b} {send[b]} tokens per expert "
+                                 f"(send_counts[{b}]), but rank {b} expects {recv[a]} "
                                  f"(recv_counts[{a}])")
-    return tuple(tuple(sum(sends[a][b]) for b in range(world)) for a in range(world))
+    raise AssertionError(f"{op}: count fingerprints differ but the counts agree")
 
 
 def _decide(ctx: OpsContext, op, chunks, routes: _Routes, k, n, element, combine):
@@ -346,7 +332,8 @@ class _AllToAllMatmul(torch.autograd.Function):
         y = _dispatch(x, w, routes, decision.chunks, group,
                       None if keep is None else lambda rows, e, lo, hi: keep((rows, e, lo, hi)))
         ctx.save_for_backward(w)
-        ctx.kept, ctx.routes, ctx.chunks, ctx.group, ctx.ops_ctx = kept, routes, chunks, group, ops_ctx
+        ctx.kept, ctx.routes, ctx.chunks = kept, routes, chunks
+        ctx.group, ctx.ops_ctx = group, ops_ctx
         return y
 
     @staticmethod

@@ -1,0 +1,203 @@
+"""The plain (unfused) collectives at the edges of a parallel region, autograd-aware.
+
+These are Megatron-LM's mappings (``mappings.py``), the reference path that
+the fused operators are measured and tested against, and the boundaries of a
+sequence-parallel or token-parallel region:
+
+=======================  ==========================  =========================
+function                 forward                     backward
+=======================  ==========================  =========================
+copy_to_region           identity                    all_reduce
+reduce_from_region       all_reduce                  identity
+scatter_to_region        keep own slice of ``dim``   all_gather along ``dim``
+gather_from_region       all_gather along ``dim``    keep own slice
+gather_for_matmul        all_gather along ``dim``    reduce_scatter along ``dim``
+reduce_scatter_region    reduce_scatter along dim    all_gather along ``dim``
+=======================  ==========================  =========================
+
+``sizes``: every rank's length along ``dim`` (uneven allowed; default even
+for a scatter, as found for a gather). Reductions sum in rank order, so
+results are deterministic. One rank: every function is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .exchange import start_gather
+from .pieces import even_sizes, offsets
+
+__all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
+           "gather_for_matmul", "reduce_scatter_region"]
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with ``dim`` leading, as [L, rest] (contiguous)."""
+    return x.movedim(dim, 0).reshape(x.shape[dim], -1).contiguous()
+
+
+def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    shape = list(like.movedim(dim, 0).shape)
+    shape[0] = length
+    return rows.view(shape).movedim(0, dim)
+
+
+def _all_gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    rows = _rows(x, dim)
+    out = rows.new_empty(sum(sizes), rows.shape[1])
+    start_gather(out, rows, list(sizes), group).wait()
+    return _unrows(out, x, dim, sum(sizes))
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    """Σ_ranks x, keeping this rank's ``sizes[rank]`` rows of ``dim``: one all_to_all, then a
+    rank-ordered sum (gloo's reduce_scatter moves as much data as an all_reduce)."""
+    rank, world = dist.get_rank(group), _world(group)
+    rows = _rows(x, dim)
+    mine = sizes[rank]
+    recv = rows.new_empty(world * mine, rows.shape[1])
+    dist.all_to_all_single(recv, rows, [mine] * world, list(sizes), group=group)
+    parts = recv.view(world, mine, rows.shape[1])
+    out = parts[0].clone()
+    for src in range(1, world):
+        out.add_(parts[src])
+    return _unrows(out, x, dim, mine)
+
+
+def _own(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    at = offsets(sizes)
+    rank = dist.get_rank(group)
+    return x.narrow(dim, at[rank], sizes[rank]).contiguous()
+
+
+def _gathered_sizes(x: torch.Tensor, dim: int, sizes, group) -> list[int]:
+    if sizes is not None:
+        return [int(s) for s in sizes]
+    mine = torch.tensor([x.shape[dim]], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(_world(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [int(t) for t in everyone]
+
+
+def _split_sizes(x: torch.Tensor, dim: int, sizes, group) -> list[int]:
+    sizes = even_sizes(x.shape[dim], _world(group)) if sizes is None else [int(s) for s in sizes]
+    if len(sizes) != _world(group) or sum(sizes) != x.shape[dim] or min(sizes) < 0:
+        raise ValueError(f"sizes {sizes} must give each of {_world(group)} ranks a share of "
+                         f"dim {dim}, whose length is {x.shape[dim]}")
+    return sizes
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous().clone()
+        dist.all_reduce(dy, group=ctx.group)
+        return dy, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _own(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes, reduce_grad):
+        ctx.group, ctx.dim, ctx.sizes, ctx.reduce_grad = group, dim, sizes, reduce_grad
+        return _all_gather(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.reduce_grad:
+            return _reduce_scatter(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+        return _own(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _reduce_scatter(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity; the backward all-reduces (entry of a tensor-parallel region, replicated x)."""
+    return x if _world(group) == 1 else _Copy.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce (sum); the backward is the identity (exit of a tensor-parallel region)."""
+    return x if _world(group) == 1 else _Reduce.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group=None, dim: int = 0,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's slice of a replicated ``x`` along ``dim``; the backward all-gathers, so
+    every rank gets the whole (replicated) gradient."""
+    if _world(group) == 1:
+        return x
+    dim = dim % x.dim()
+    return _Scatter.apply(x, group, dim, _split_sizes(x, dim, sizes, group))
+
+
+def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather ``x`` along ``dim``; the backward keeps this rank's slice (the gradient of
+    the gathered tensor is replicated: every rank computed the same loss from it)."""
+    if _world(group) == 1:
+        return x
+    dim = dim % x.dim()
+    return _Gather.apply(x, group, dim, _gathered_sizes(x, dim, sizes, group), False)
+
+
+def gather_for_matmul(x: torch.Tensor, group=None, dim: int = 0,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather ``x`` along ``dim`` ahead of a column-parallel matmul; the backward
+    reduce-scatters (each rank's gradient is a partial sum over its column shard)."""
+    if _world(group) == 1:
+        return x
+    dim = dim % x.dim()
+    return _Gather.apply(x, group, dim, _gathered_sizes(x, dim, sizes, group), True)
+
+
+def reduce_scatter_region(x: torch.Tensor, group=None, dim: int = 0,
+                          sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum over ranks and keep this rank's slice of ``dim``; the backward all-gathers."""
+    if _world(group) == 1:
+        return x
+    dim = dim % x.dim()
+    return _ReduceScatter.apply(x, group, dim, _split_sizes(x, dim, sizes, group))
