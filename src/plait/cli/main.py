@@ -10,21 +10,15 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, cluster
+    from . import bench, cluster, simulate
 
     parser = argparse.ArgumentParser(
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
                                   "tensor parallelism for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (bench, cluster):
+    for module in (bench, cluster, simulate):
         module.register(sub)
-    try:
-        from . import simulate
-    except ImportError:  # the performance model is optional at this stage of the tree
-        pass
-    else:
-        simulate.register(sub)
     return parser
 
 

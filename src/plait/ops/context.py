@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..perf.calibrate import MachineProfile, default_profile_path
+from .agree import gather_checked
 from ..perf.pipeline import ChunkChoice, choose_chunks
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain"]
@@ -44,13 +45,10 @@ class OpsContext:
     profile: MachineProfile | None = None
     max_chunks: int = 16
     # "always": one small all_gather of shapes per call (≈ one latency, 0.4 ms on the
-    # emulated 1 Gbit/s link). "first": once per local shape signature; only safe
-    # when every rank changes shapes together (a rebalanced plan changes some ranks'
-    # shapes only, and a rank that hits its cache would skip a gather its peers
-    # join). "never": trust the caller.
+    # emulated 1 Gbit/s link); "never": trust the caller where an operator needs no
+    # global facts (MoE with a fixed chunk count).
     validate: str = "always"
     decisions: dict[str, Decision] = field(default_factory=dict)
-    _checked: dict[tuple, tuple] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
 
     # --- calibration -------------------------------------------------------
@@ -96,24 +94,13 @@ class OpsContext:
                 log.info("%s", decision.line())
         return decision
 
-    # --- cross-rank shape checks ------------------------------------------
-    def gather_meta(self, op: str, local: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Every rank's ``local`` integers (shapes, dtype code), before any data moves.
-
-        One small all_gather, so disagreeing shapes raise a clear error on every
-        rank instead of a hang or a garbled collective (see ``validate``).
-        """
-        key = (op, local)
-        if self.validate != "always" and key in self._checked:
-            return list(self._checked[key])
-        if self.validate == "never":
-            return [local] * dist.get_world_size(self.group)
-        mine = torch.tensor(local, dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(everyone, mine, group=self.group)
-        result = tuple(tuple(t.tolist()) for t in everyone)
-        self._checked[key] = result
-        return list(result)
+    # --- cross-rank checks -------------------------------------------------
+    def gather_meta(self, op: str, width: int, row, problem: Exception | None = None
+                    ) -> list[tuple[int, ...]]:
+        """Every rank's ``row`` of ``width`` integers (dtype code, dims, sizes) before any
+        data moves, raising on every rank if any rank's local checks failed
+        (``problem``, with ``row`` None there); see :mod:`plait.ops.agree`."""
+        return [tuple(r) for r in gather_checked(op, self.group, problem, row, width)]
 
 
 def measure_profile(group=None) -> MachineProfile:
@@ -195,4 +182,4 @@ def explain(op: str | None = None, group=None) -> str:
 
 
 def with_profile(ctx: OpsContext, profile: MachineProfile) -> OpsContext:
-    return replace(ctx, profile=profile, decisions={}, _checked={}, _logged=set())
+    return replace(ctx, profile=profile, decisions={}, _logged=set())

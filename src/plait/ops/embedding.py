@@ -52,81 +52,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..runtime.compat import all_gather_into
+from .agree import attempt, check_chunks, chunks_code, gather_checked
 from .context import OpsContext, get_context
 from .exchange import start_all_to_all
-from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, split
+from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, row_parts
 
 __all__ = ["embedding_all_to_all"]
 
 _MODES = {"sum": 0, "mean": 1}
 _INDEX_DTYPES = {torch.int64: 0, torch.int32: 1}
-
-
-# --- checks every rank agrees on (shared with plait.ops.moe) ----------------
-#
-# One small all_gather per call carries every rank's shapes and its verdict on
-# its own input, so a rank that rejects its input does not simply raise and
-# leave its peers inside a data collective it never joins. It is not cached
-# (``OpsContext.gather_meta`` caches per rank: after one rank's key changes alone,
-# say when the balancer moves a table, that rank would gather while its peers
-# skip) and it also carries what changes every call (lookups, token counts).
-
-def chunks_code(chunks) -> int:
-    """``chunks`` as one integer for the cross-rank check: 0 for "auto"."""
-    return 0 if chunks == "auto" else chunks
-
-
-def check_chunks(op: str, chunks) -> None:
-    if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        raise ValueError(f"{op}: chunks must be 'auto' or a positive integer, got {chunks!r}")
-
-
-def attempt(check):
-    """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``."""
-    try:
-        return check(), None
-    except (TypeError, ValueError) as err:
-        return None, err
-
-
-def meta_device(group) -> torch.device:
-    """Where the small check tensors live: NCCL only moves CUDA tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def gather_checked(op: str, group, problem: Exception | None, row: Sequence[int],
-                   width: int) -> list[list[int]]:
-    """Every rank's ``row`` (``width`` integers; ignored where the rank rejected its input),
-    after every rank has raised if any rank rejected its input."""
-    mine = [1] + [0] * width if problem is not None else [0, *map(int, row)]
-    assert len(mine) == width + 1, (op, mine, width)
-    mine = torch.tensor(mine, dtype=torch.int64, device=meta_device(group))
-    everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
-    all_gather_into(everyone, mine, group=group)
-    table = everyone.view(-1, mine.numel()).tolist()
-    raise_together(op, group, any(r[0] for r in table), problem)
-    return [r[1:] for r in table]
-
-
-def raise_together(op: str, group, failed: bool, problem: Exception | None) -> None:
-    """Every rank raises when any rank's check failed (``failed`` is the same everywhere).
-
-    The failing ranks raise their own error; the others one of the same type that
-    names them and carries their messages (one ``all_gather_object``, on this path only).
-    """
-    if not failed:
-        return
-    reports = [None] * dist.get_world_size(group)
-    mine = None if problem is None else (isinstance(problem, TypeError), str(problem))
-    dist.all_gather_object(reports, mine, group=group)
-    if problem is not None:
-        raise problem
-    bad = [(r, report) for r, report in enumerate(reports) if report is not None]
-    kind = TypeError if bad[0][1][0] else ValueError
-    raise kind(f"{op}: input rejected on " + "; ".join(f"rank {r}: {text}" for r, (_, text) in bad))
 
 
 # --- the plan ----------------------------------------------------------------
@@ -154,12 +88,6 @@ class _Lookup:
         bags = sorted(set(bags))
         where = self.bounds[t][torch.tensor(bags, dtype=torch.long, device=self.bounds[t].device)]
         return dict(zip(bags, where.tolist()))
-
-
-def row_parts(total: int, pieces: int) -> list[int]:
-    """``total`` rows in exactly ``pieces`` parts (trailing ones empty when total < pieces)."""
-    sizes = split(total, pieces)
-    return sizes + [0] * (pieces - len(sizes))
 
 
 def _piece_bags(plan: _Lookup, chunks: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .agree import attempt, check_chunks
 from .context import Decision, OpsContext, get_context
 from .pieces import DTYPE_CODES, check_float, offsets, tapered
 
@@ -39,18 +40,22 @@ __all__ = ["matmul_all_reduce", "column_parallel_matmul", "GEMV_ROWS"]
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
 
 
-def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -> Decision:
+def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, int]:
     check_float(op, x2, w)
-    m, k = x2.shape
-    if w.dim() != 2 or w.shape[0] != k:
-        raise ValueError(f"{op}: x has K={k} columns but w is {tuple(w.shape)}; w must be [K, N]")
-    n = w.shape[1]
-    metas = ctx.gather_meta(op, (DTYPE_CODES[x2.dtype], m, n, k))
+    if w.dim() != 2 or w.shape[0] != x2.shape[1]:
+        raise ValueError(f"{op}: x has K={x2.shape[1]} columns but w is {tuple(w.shape)}; "
+                         "w must be [K, N]")
+    return DTYPE_CODES[x2.dtype], x2.shape[0], w.shape[1], x2.shape[1]
+
+
+def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -> Decision:
+    row, problem = attempt(lambda: (check_chunks(op, chunks), _local_row(op, x2, w))[1])
+    metas = ctx.gather_meta(op, 4, row, problem)
     for r, meta in enumerate(metas):
         if meta[:3] != metas[0][:3]:
             raise ValueError(f"{op}: ranks disagree on (dtype, M, N): rank 0 has {metas[0][:3]}, "
                              f"rank {r} has {meta[:3]}")
-    world = len(metas)
+    world, m, n = len(metas), metas[0][1], metas[0][2]
     k_max = max(meta[3] for meta in metas)
     wire = 2 * (world - 1) / world * m * n * x2.element_size()
     rows = n if m <= GEMV_ROWS else m
@@ -149,9 +154,6 @@ def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chun
     """``x @ w_r`` forward (x replicated); backward's dgrad is a fused ``matmul_all_reduce``."""
     ctx = ctx or get_context(group)
     x2 = x.reshape(-1, x.shape[-1])
-    check_float("column_parallel_matmul", x2, w)
-    if w.dim() != 2 or w.shape[0] != x2.shape[1]:
-        raise ValueError(f"column_parallel_matmul: x has K={x2.shape[1]} but w is "
-                         f"{tuple(w.shape)}; w must be [K, N_r]")
+    _local_row("column_parallel_matmul", x2, w)  # its forward is local: only local checks
     out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out

@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 
 from .context import OpsContext, get_context
-from .embedding import attempt, check_chunks, chunks_code, gather_checked, row_parts
+from .agree import attempt, check_chunks, chunks_code, gather_checked
 from .exchange import start_all_to_all
-from .pieces import DTYPE_CODES, check_float, offsets
+from .pieces import DTYPE_CODES, check_float, offsets, row_parts
 
 __all__ = ["all_to_all_matmul", "matmul_all_to_all"]
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["split", "tapered", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
+__all__ = ["split", "row_parts", "tapered", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -16,6 +16,12 @@ def split(total: int, pieces: int) -> list[int]:
     pieces = max(1, min(pieces, total)) if total else 1
     base, extra = divmod(total, pieces)
     return [base + (1 if i < extra else 0) for i in range(pieces)]
+
+
+def row_parts(total: int, pieces: int) -> list[int]:
+    """``total`` rows in exactly ``pieces`` parts (trailing ones empty when total < pieces)."""
+    sizes = split(total, pieces)
+    return sizes + [0] * (pieces - len(sizes))
 
 
 def tapered(total: int, pieces: int) -> list[int]:

@@ -22,6 +22,7 @@ results are deterministic. One rank: every function is the identity.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -40,7 +41,8 @@ def _world(group) -> int:
 
 def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x with ``dim`` leading, as [L, rest] (contiguous)."""
-    return x.movedim(dim, 0).reshape(x.shape[dim], -1).contiguous()
+    rest = math.prod(x.shape[:dim]) * math.prod(x.shape[dim + 1:])
+    return x.movedim(dim, 0).reshape(x.shape[dim], rest).contiguous()
 
 
 def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .agree import attempt, check_chunks
 from .context import Decision, OpsContext, get_context
 from .exchange import start_all_to_all, start_gather
 from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, tapered
@@ -54,19 +55,6 @@ def _row_pieces(sizes: Sequence[int], chunks: int) -> list[list[int]]:
     """``pieces[j][r]``: rows of rank r in piece j (each rank's rows cut into ``chunks``)."""
     per_rank = [tapered(s, chunks) + [0] * (chunks - len(tapered(s, chunks))) for s in sizes]
     return [[per_rank[r][j] for r in range(len(sizes))] for j in range(chunks)]
-
-
-def _check_rows(op, sizes, world, local, rank, ctx, tail):
-    metas = ctx.gather_meta(op, (local, *tail))
-    if any(m[1:] != metas[0][1:] for m in metas):
-        raise ValueError(f"{op}: ranks disagree on (dtype, other dims): "
-                         f"{[m[1:] for m in metas]}")
-    found = [m[0] for m in metas]
-    if sizes is not None:
-        check_sizes(op, "sizes", sizes, world, local, rank)
-        if list(map(int, sizes)) != found:
-            raise ValueError(f"{op}: sizes {list(sizes)} do not match the ranks' rows {found}")
-    return found
 
 
 # --- all_gather_matmul ------------------------------------------------------
@@ -136,14 +124,30 @@ class _Gathered:
         return out
 
 
-def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decision]:
+def _chain(op: str, x: torch.Tensor, w: torch.Tensor, k_name: str) -> None:
     check_float(op, x, w)
     if x.dim() != 2 or w.dim() != 2 or w.shape[0] != x.shape[1]:
         raise ValueError(f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain; "
-                         "need x [M_r, K] and w [K, N]")
+                         f"need x [M{k_name}] and w [K, N]")
+
+
+def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decision]:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = _check_rows(op, sizes, world, x.shape[0], rank, ctx,
-                       (DTYPE_CODES[x.dtype], x.shape[1]))
+
+    def local():
+        check_chunks(op, chunks)
+        _chain(op, x, w, "_r, K")
+        if sizes is not None:
+            check_sizes(op, "sizes", sizes, world, x.shape[0], rank)
+        return (x.shape[0], DTYPE_CODES[x.dtype], x.shape[1],
+                *([int(v) for v in sizes] if sizes is not None else [-1] * world))
+    row, problem = attempt(local)
+    metas = ctx.gather_meta(op, 3 + world, row, problem)
+    if any(m[1:] != metas[0][1:] for m in metas):
+        raise ValueError(f"{op}: ranks disagree on (dtype, K, sizes): {[m[1:] for m in metas]}")
+    rows = [m[0] for m in metas]
+    if sizes is not None and list(map(int, sizes)) != rows:
+        raise ValueError(f"{op}: sizes {list(sizes)} do not match the ranks' rows {rows}")
     m, k, n = sum(rows), x.shape[1], w.shape[1]
     wire = (world - 1) / world * m * k * x.element_size()
     return rows, ctx.decide(op, chunks, flops=2.0 * m * k * n, comm_bytes=wire, rows=min(rows) or 1)
@@ -232,18 +236,24 @@ def _reduce_into(y, work, recv, n, row, world):
 
 
 def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
-    check_float(op, x, w)
-    if x.dim() != 2 or w.dim() != 2 or w.shape[0] != x.shape[1]:
-        raise ValueError(f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain; "
-                         "need x [M, K_r] and w [K_r, N]")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    m, n = x.shape[0], w.shape[1]
-    if sum(sizes) != m:
-        raise ValueError(f"{op}: sizes {list(sizes)} sum to {sum(sizes)}, but x has {m} rows")
-    metas = ctx.gather_meta(op, (DTYPE_CODES[x.dtype], m, n, x.shape[1], *sizes))
+    world = dist.get_world_size(group)
+
+    def local():
+        check_chunks(op, chunks)
+        _chain(op, x, w, ", K_r")
+        if len(sizes) != world or any(s < 0 for s in sizes):
+            raise ValueError(f"{op}: sizes {list(sizes)} must give each of {world} ranks "
+                             "a non-negative share")
+        if sum(sizes) != x.shape[0]:
+            raise ValueError(f"{op}: sizes {list(sizes)} sum to {sum(sizes)}, "
+                             f"but x has {x.shape[0]} rows")
+        return (DTYPE_CODES[x.dtype], x.shape[0], w.shape[1], x.shape[1], *sizes)
+    row, problem = attempt(local)
+    metas = ctx.gather_meta(op, 4 + world, row, problem)
     if any(meta[:3] != metas[0][:3] or meta[4:] != metas[0][4:] for meta in metas):
         raise ValueError(f"{op}: ranks disagree on (dtype, M, N, sizes): "
                          f"{[meta[:3] + meta[4:] for meta in metas]}")
+    m, n = x.shape[0], w.shape[1]
     k_max = max(meta[3] for meta in metas)
     wire = (world - 1) / world * m * n * x.element_size()
     return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire,
@@ -281,9 +291,6 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, dim: int
     length = x.shape[dim]
     unit = x2.shape[0] // max(length, 1) if length else 1
     sizes = even_sizes(length, world) if sizes is None else [int(s) for s in sizes]
-    if len(sizes) != world or any(s < 0 for s in sizes):
-        raise ValueError(f"matmul_reduce_scatter: sizes {sizes} must give each of {world} ranks "
-                         "a non-negative share")
     rows = [s * unit for s in sizes]
     decision = _scatter_plan("matmul_reduce_scatter", x2, w, group, rows, chunks, ctx)
     y = _MatmulReduceScatter.apply(x2, w, group, rows, decision, chunks, ctx)
