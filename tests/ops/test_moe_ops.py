@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from plait.ops.context import OpsContext, get_context
 from plait.ops.moe import all_to_all_matmul, matmul_all_to_all
+from plait.ops.calibration import Calibration
 from plait.perf.calibrate import MachineProfile
 from plait.runtime import RankError
 from plait.runtime.testing import run_ranks
@@ -60,7 +61,8 @@ def _on_rank(case):
     x = xs[rank].clone().requires_grad_(case["x_grad"])
     w1, w2 = w1s[rank].clone().requires_grad_(), w2s[rank].clone().requires_grad_()
     fresh = case["profile"] or case["validate"] != "first"
-    ctx = OpsContext(profile=case["profile"], validate=case["validate"]) if fresh else get_context()
+    ctx = (OpsContext(calibrated=Calibration(case["profile"]) if case["profile"] else None,
+                      validate=case["validate"]) if fresh else get_context())
     kw = dict(chunks=case["chunks"], ctx=ctx)
     y = all_to_all_matmul(x, w1, send, torch.tensor(recv), **kw)  # counts: lists or tensors
     out = matmul_all_to_all(y, w2, send, recv, **kw)
@@ -190,7 +192,7 @@ def _bad_inputs():
         "send_row_vs_experts": (x, w, [send[0], send[1] + [0]], recv),
         "not_chained": (x, w.transpose(1, 2), send, recv),
     }
-    warm = OpsContext()  # a later bad call, after a good one: the shape check is cached
+    warm = OpsContext()  # a later bad call, after a good one on the same context
     all_to_all_matmul(x, w, send, recv, ctx=warm, chunks=2)
     cases["counts_after_a_good_call"] = (x, w, send, lying, warm)
     seen = {}

@@ -28,6 +28,7 @@ from ..ops.pieces import even_sizes
 from ..runtime import rank_context
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max, median, time_once
+from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
 from .memory import peak_bytes
 
 __all__ = ["OpsBenchConfig", "run_ops_sweep", "QUICK_SHAPES", "FULL_SHAPES", "CASES"]
@@ -116,6 +117,7 @@ class MatmulReduceScatterCase(Case):
 
 
 CASES = {c.op: c for c in (MatmulAllReduceCase, AllGatherMatmulCase, MatmulReduceScatterCase)}
+CASES.update(SPARSE_CASES)
 
 # Quick: K (or N) swept so that communication runs from about half to about twice the
 # compute on the emulated 1 Gbit/s link with one thread per rank on this machine.
@@ -124,12 +126,14 @@ QUICK_SHAPES = {
     + [dict(m=8, k=512, n=65536)],
     "all_gather_matmul": [dict(m=2048, k=1024, n=n) for n in (1024, 2048, 4096)],
     "matmul_reduce_scatter": [dict(m=2048, k=k, n=1024) for k in (1024, 2048, 4096)],
+    **SPARSE_QUICK_SHAPES,
 }
 FULL_SHAPES = {
     "matmul_all_reduce": [dict(m=1024, k=k, n=1024) for k in (256, 512, 1024, 2048, 4096, 8192)]
     + [dict(m=m, k=8192, n=16384) for m in (1, 4, 8)],
     "all_gather_matmul": [dict(m=2048, k=1024, n=n) for n in (256, 512, 1024, 2048, 4096, 8192)],
     "matmul_reduce_scatter": [dict(m=2048, k=k, n=1024) for k in (256, 512, 1024, 2048, 4096, 8192)],
+    **SPARSE_FULL_SHAPES,
 }
 
 
@@ -210,7 +214,7 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
 def run_ops_sweep(cfg: OpsBenchConfig) -> list[dict]:
     """Run on every rank of an initialised group; returns the records (same on every rank)."""
     ctx = rank_context()
-    get_context().machine_profile()  # calibrate once, before anything is timed
+    get_context().calibration()  # calibrate once, before anything is timed
     records = []
     for op, shape in cfg.shapes():
         case = CASES[op](shape, torch.float32)

@@ -1,8 +1,9 @@
 """The owner of the fused operators' state for one process group.
 
-An :class:`OpsContext` holds the calibrated machine profile that
-``chunks="auto"`` reads, the cache of cross-rank shape checks, and the record
-of which path each operator took and why (``explain``). One context per group,
+An :class:`OpsContext` holds the calibration that ``chunks="auto"`` reads
+(:mod:`plait.ops.calibration`), the cross-rank checks every call makes
+(:mod:`plait.ops.agree`), and the record of which path each operator took and
+why (``explain``). One context per group,
 made on first use and kept for the group's lifetime; pass ``ctx=`` to an
 operator to use another (a test, a benchmark that wants its own profile).
 """
@@ -10,19 +11,20 @@ operator to use another (a test, a benchmark that wants its own profile).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field, replace
 
-import torch
 import torch.distributed as dist
 
 from ..perf.calibrate import MachineProfile, default_profile_path
 from .agree import gather_checked
-from ..perf.pipeline import ChunkChoice, choose_chunks
+from .calibration import Calibration, from_profile, measure
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain"]
 
 log = logging.getLogger("plait.ops")
+
+MIN_PIECE_BYTES = 64 * 1024  # below this a piece is all latency on every link
+MIN_GAIN = 0.03  # fuse only when the model predicts at least this much
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,6 @@ class Decision:
     path: str
     chunks: int
     reason: str
-    predicted: ChunkChoice | None = None
 
     def line(self) -> str:
         return f"{self.op}: {self.path} ({self.chunks} pieces): {self.reason}"
@@ -42,7 +43,7 @@ class Decision:
 @dataclass
 class OpsContext:
     group: object = None
-    profile: MachineProfile | None = None
+    calibrated: Calibration | None = None
     max_chunks: int = 16
     # "always": one small all_gather of shapes per call (≈ one latency, 0.4 ms on the
     # emulated 1 Gbit/s link); "never": trust the caller where an operator needs no
@@ -52,23 +53,28 @@ class OpsContext:
     _logged: set[tuple] = field(default_factory=set)
 
     # --- calibration -------------------------------------------------------
-    def machine_profile(self) -> MachineProfile:
-        """The profile for ``chunks="auto"``: the saved one if present (PLAIT_PROFILE or
-        ~/.cache/plait/profile.json), else measured on this group once; identical on all ranks."""
-        if self.profile is None:
+    def calibration(self) -> Calibration:
+        """What ``chunks="auto"`` predicts with: the saved profile if one exists
+        (PLAIT_PROFILE or ~/.cache/plait/profile.json, from ``plait simulate --calibrate``),
+        else measured on this group once (:func:`plait.ops.calibration.measure`)."""
+        if self.calibrated is None:
             path = default_profile_path()
-            profile = MachineProfile.load(path) if path.exists() else measure_profile(self.group)
-            self.profile = _agree(profile, self.group)
-        return self.profile
+            self.calibrated = (from_profile(MachineProfile.load(path)) if path.exists()
+                               else measure(self.group))
+        return self.calibrated
 
     # --- decisions ---------------------------------------------------------
-    def decide(self, op: str, chunks, *, flops: float, comm_bytes: float, rows: int,
-               min_rows: int = 1) -> Decision:
-        """Fused with N pieces, or fallback and why. Same inputs on every rank → same answer."""
+    def decide(self, op: str, chunks, *, comm_bytes: float, rows: int, flops: float = 0.0,
+               memory_bytes: float = 0.0, collective: str = "all_to_all") -> Decision:
+        """Fused with N pieces, or fallback and why. Same inputs on every rank → same answer.
+
+        ``comm_bytes``: wire bytes the busiest rank sends; ``flops`` / ``memory_bytes``:
+        the busiest rank's compute (GEMMs / gathers); ``rows``: the most pieces allowed.
+        """
         world = dist.get_world_size(self.group)
         if world == 1:
             return self._record(Decision(op, "fallback", 1, "one rank: nothing to communicate"))
-        most = max(1, rows // max(min_rows, 1))
+        most = max(1, rows)
         if chunks != "auto":
             if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
                 raise ValueError(f"{op}: chunks must be 'auto' or a positive integer, got {chunks!r}")
@@ -77,13 +83,29 @@ class OpsContext:
                 why = "chunks=1 asked for" if chunks == 1 else f"only {rows} rows to split"
                 return self._record(Decision(op, "fallback", 1, why))
             return self._record(Decision(op, "fused", n, f"chunks={chunks} asked for"))
-        profile = self.machine_profile()
-        choice = choose_chunks(t_compute_s=flops / max(profile.compute_flops, 1.0),
-                               comm_bytes=comm_bytes, profile=profile,
-                               max_chunks=min(self.max_chunks, most))
-        path = "fused" if choice.fused else "fallback"
-        return self._record(Decision(op, path, choice.chunks if choice.fused else 1,
-                                     f"auto: {choice.reason}", choice))
+        return self._record(self._auto(op, flops, memory_bytes, comm_bytes, collective,
+                                       min(self.max_chunks, most)))
+
+    def _auto(self, op, flops, memory_bytes, comm_bytes, kind, most) -> Decision:
+        cal = self.calibration()
+        t_compute = cal.compute_time(flops, memory_bytes)
+        unfused = cal.pipeline_time(t_compute, kind, comm_bytes, 1)
+        if comm_bytes <= 0:
+            return Decision(op, "fallback", 1, "auto: nothing to send")
+        most = min(most, max(1, int(comm_bytes // MIN_PIECE_BYTES)))
+        if most < 2:
+            return Decision(op, "fallback", 1, f"auto: pieces would be under {MIN_PIECE_BYTES} B "
+                                               f"({comm_bytes:.0f} B to send)")
+        times = {p: cal.pipeline_time(t_compute, kind, comm_bytes, p) for p in range(2, most + 1)}
+        best = min(times, key=times.get)
+        gain = 1.0 - times[best] / unfused
+        if gain < MIN_GAIN:
+            return Decision(op, "fallback", 1,
+                            f"auto: predicted gain {gain:.0%} at {best} pieces is under "
+                            f"{MIN_GAIN:.0%} (compute {t_compute * 1e3:.1f} ms, comm "
+                            f"{cal.comm_time(kind, comm_bytes) * 1e3:.1f} ms)")
+        return Decision(op, "fused", best, f"auto: {best} pieces, predicted {gain:.0%} faster "
+                                           f"({times[best] * 1e3:.1f} vs {unfused * 1e3:.1f} ms)")
 
     def _record(self, decision: Decision) -> Decision:
         self.decisions[decision.op] = decision
@@ -101,66 +123,6 @@ class OpsContext:
         data moves, raising on every rank if any rank's local checks failed
         (``problem``, with ``row`` None there); see :mod:`plait.ops.agree`."""
         return [tuple(r) for r in gather_checked(op, self.group, problem, row, width)]
-
-
-def measure_profile(group=None) -> MachineProfile:
-    """Calibrate on the running group, once (≈ 0.6 s on a 1 Gbit/s link).
-
-    compute rate: a 512×2048×1024 matmul; α: the fastest of ten 32-byte
-    all_reduces; bandwidth: a 2 MiB all_reduce. Then the same matmul +
-    all_reduce as a real 2- and 4-piece pipeline: against the model's
-    ``T(p) = c + m + (p−1)(c(1+k) + o)`` (compute-bound by construction, c > m)
-    the two runs give the overlap slowdown k (compute slowed by the transfers
-    sharing its cores) and the per-piece overhead o.
-    """
-    n = dist.get_world_size(group)
-    x, w = torch.randn(512, 2048), torch.randn(2048, 1024)
-    out = torch.empty(512, 1024)  # 2 MiB
-    compute_s = _fastest(lambda: torch.matmul(x, w, out=out), group, 3)
-    alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8), group=group), group, 10)
-    wire = 2 * (n - 1) / n * out.numel() * out.element_size()
-    comm_s = _fastest(lambda: dist.all_reduce(out, group=group), group, 3)
-
-    def pipeline(pieces: int) -> None:
-        works, rows = [], 512 // pieces
-        for lo in range(0, 512, rows):
-            torch.matmul(x[lo:lo + rows], w, out=out[lo:lo + rows])
-            works.append(dist.all_reduce(out[lo:lo + rows], group=group, async_op=True))
-        for work in works:
-            work.wait()
-
-    # per piece beyond the first: c(1+k) + o, from T(p) − c − m = (p−1)(c(1+k) + o)
-    per = {p: (_fastest(lambda p=p: pipeline(p), group, 3) - (compute_s + comm_s) / p) / (p - 1)
-           for p in (2, 4)}
-    k = max(0.0, (per[2] - per[4]) / (compute_s / 4) - 1.0)
-    overhead = max(0.0, per[4] - compute_s / 4 * (1.0 + k))
-    return MachineProfile(latency_s=alpha, bandwidth_Bps=wire / max(comm_s - alpha, 1e-6),
-                          compute_flops=2 * 512 * 2048 * 1024 / compute_s,
-                          per_piece_overhead_s=overhead, overlap_slowdown=k, world_size=n,
-                          source="measured on the running group (plait.ops.context.measure_profile)")
-
-
-def _fastest(fn, group, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls (after one warm-up), slowest rank's."""
-    fn()
-    best = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        best.append(time.perf_counter() - start)
-    t = torch.tensor([min(best)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
-
-
-def _agree(profile: MachineProfile, group) -> MachineProfile:
-    """The same profile on every rank (rank 0's), so every rank picks the same chunk count."""
-    if dist.get_world_size(group) == 1:
-        return profile
-    box = [profile]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
 
 
 _CONTEXTS: dict[object, OpsContext] = {}
@@ -181,5 +143,5 @@ def explain(op: str | None = None, group=None) -> str:
     return "\n".join(d.line() for d in decisions.values()) or "no fused operator called yet"
 
 
-def with_profile(ctx: OpsContext, profile: MachineProfile) -> OpsContext:
-    return replace(ctx, profile=profile, decisions={}, _logged=set())
+def with_calibration(ctx: OpsContext, calibrated: Calibration) -> OpsContext:
+    return replace(ctx, calibrated=calibrated, decisions={}, _logged=set())

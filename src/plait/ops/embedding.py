@@ -77,7 +77,7 @@ class _Lookup:
     mode: str
     indices: list[torch.Tensor]     # per local table, as given
     bounds: list[torch.Tensor]      # per local table: offsets + [nnz], length B + 1
-    estimate: tuple[float, float, int]  # (flops, comm_bytes, rows) for ctx.decide
+    estimate: tuple[float, float, int]  # (elements gathered, comm_bytes, rows) for ctx.decide
 
     @property
     def batch(self) -> int:
@@ -349,7 +349,8 @@ class _EmbeddingAllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):
         plan, weights = ctx.plan, ctx.saved_tensors
         flops, wire, rows = plan.estimate
-        decision = ctx.ops_ctx.decide("embedding_all_to_all.wgrad", ctx.chunks, flops=flops,
+        decision = ctx.ops_ctx.decide("embedding_all_to_all.wgrad", ctx.chunks,
+                                      memory_bytes=flops * weights[0].element_size(),
                                       comm_bytes=wire, rows=rows)
         grads = _Grads(weights, plan, decision.chunks)
         if decision.path == "fallback":
@@ -377,6 +378,7 @@ def embedding_all_to_all(tables: Sequence[torch.Tensor], indices: Sequence[torch
     op = "embedding_all_to_all"
     plan = _plan(op, tables, indices, offsets, group, batch_sizes, mode, chunks, ctx)
     flops, wire, rows = plan.estimate
-    decision = ctx.decide(op, chunks, flops=flops, comm_bytes=wire, rows=rows)
+    decision = ctx.decide(op, chunks, memory_bytes=flops * tables[0].element_size(),
+                          comm_bytes=wire, rows=rows)  # gathers: memory-bound
     out = _EmbeddingAllToAll.apply(plan, decision, chunks, group, ctx, *tables)
     return out.transpose(0, 1)

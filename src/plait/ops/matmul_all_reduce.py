@@ -59,7 +59,8 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -
     k_max = max(meta[3] for meta in metas)
     wire = 2 * (world - 1) / world * m * n * x2.element_size()
     rows = n if m <= GEMV_ROWS else m
-    return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire, rows=rows)
+    return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire, rows=rows,
+                      collective="all_reduce")
 
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision) -> torch.Tensor:

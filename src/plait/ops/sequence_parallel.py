@@ -150,7 +150,8 @@ def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decisi
         raise ValueError(f"{op}: sizes {list(sizes)} do not match the ranks' rows {rows}")
     m, k, n = sum(rows), x.shape[1], w.shape[1]
     wire = (world - 1) / world * m * k * x.element_size()
-    return rows, ctx.decide(op, chunks, flops=2.0 * m * k * n, comm_bytes=wire, rows=min(rows) or 1)
+    return rows, ctx.decide(op, chunks, flops=2.0 * m * k * n, comm_bytes=wire, rows=min(rows) or 1,
+                            collective="all_gather")
 
 
 class _AllGatherMatmul(torch.autograd.Function):

@@ -1,0 +1,153 @@
+"""Benchmark cases for the all-to-all operators: DLRM embeddings and MoE dispatch/combine.
+
+Each case has the interface of :class:`plait.bench.ops.Case`: ``compute`` (the
+operator's local work alone), ``comm`` (its plain-path all_to_all alone, on
+ready buffers) and ``run(chunks)``; ``flops`` and ``comm_bytes`` per rank.
+Routing is uneven and the same on every rank (one shared seed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..ops import all_to_all_matmul, embedding_all_to_all, matmul_all_to_all
+
+__all__ = ["SPARSE_CASES", "SPARSE_QUICK_SHAPES", "SPARSE_FULL_SHAPES", "EmbeddingCase",
+           "DispatchCase", "CombineCase"]
+
+
+class _Base:
+    op = ""
+
+    def __init__(self, shape: dict, dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.gen = torch.Generator().manual_seed(4321 + self.rank)
+
+    def tolerance(self) -> float:
+        return 1e-4
+
+
+class EmbeddingCase(_Base):
+    """``tables`` tables of ``rows`` × ``dim`` per rank, global batch ``batch``, ``pool`` ids a bag."""
+
+    op = "embedding_all_to_all"
+
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        t, n, d, b, pool = (shape[k] for k in ("tables", "rows", "dim", "batch", "pool"))
+        self.tables = [torch.randn(n, d, generator=self.gen, dtype=dtype) for _ in range(t)]
+        self.indices = [torch.randint(0, n, (b * pool,), generator=self.gen) for _ in range(t)]
+        self.offsets = [torch.arange(0, b * pool, pool) for _ in range(t)]
+        self.pooled = torch.empty(t, b, d, dtype=dtype)
+        self.recv = torch.empty_like(self.pooled)
+        self.flops = 2.0 * t * b * pool * d  # one add per looked-up element (memory-bound)
+        self.comm_bytes = (self.world - 1) / self.world * t * b * d * 4
+
+    def compute(self):
+        for t, table in enumerate(self.tables):
+            self.pooled[t] = F.embedding_bag(self.indices[t], table, self.offsets[t], mode="sum")
+
+    def comm(self):  # [T, B, D] cut along B: each destination's rows of every table
+        send = self.pooled.transpose(0, 1).contiguous()
+        dist.all_to_all_single(self.recv.view_as(send), send)
+
+    def run(self, chunks):
+        return embedding_all_to_all(self.tables, self.indices, self.offsets, chunks=chunks)
+
+
+def _routing(world: int, experts: int, tokens: int) -> torch.Tensor:
+    """``c[s][d][e]``: tokens rank s sends to expert e of rank d; skewed, same on every rank."""
+    gen = torch.Generator().manual_seed(99)
+    weights = torch.rand(world * experts, generator=gen) ** 3 + 0.05  # a few hot experts
+    counts = torch.stack([torch.bincount(torch.multinomial(weights, tokens, True, generator=gen),
+                                         minlength=world * experts) for _ in range(world)])
+    return counts.view(world, world, experts)
+
+
+class _MoE(_Base):
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        tokens, h, f, e = (shape[k] for k in ("tokens", "hidden", "ffn", "experts"))
+        counts = _routing(self.world, e, tokens)
+        self.send_counts = counts[self.rank].tolist()
+        self.recv_counts = counts[:, self.rank].tolist()
+        self.t_send, self.t_recv = tokens, int(counts[:, self.rank].sum())
+        self.h, self.f, self.e = h, f, e
+        self.flops = 2.0 * self.t_recv * h * f
+        remote = tokens - int(counts[self.rank, self.rank].sum())
+        self.send_rows = [int(counts[self.rank, d].sum()) for d in range(self.world)]
+        self.recv_rows = [int(counts[s, self.rank].sum()) for s in range(self.world)]
+        self.remote = remote
+
+    def _expert_matmuls(self, a, w, out):
+        at = 0
+        for s in range(self.world):
+            for e in range(self.e):
+                n = self.recv_counts[s][e]
+                torch.matmul(a[at:at + n], w[e], out=out[at:at + n])
+                at += n
+
+
+class DispatchCase(_MoE):
+    op = "all_to_all_matmul"
+
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        self.x = torch.randn(self.t_send, self.h, generator=self.gen, dtype=dtype)
+        self.w = torch.randn(self.e, self.h, self.f, generator=self.gen, dtype=dtype) / self.h ** 0.5
+        self.arrived = torch.randn(self.t_recv, self.h, generator=self.gen, dtype=dtype)
+        self.y = torch.empty(self.t_recv, self.f, dtype=dtype)
+        self.comm_bytes = self.remote * self.h * 4
+
+    def compute(self):
+        self._expert_matmuls(self.arrived, self.w, self.y)
+
+    def comm(self):
+        dist.all_to_all_single(self.arrived, self.x, self.recv_rows, self.send_rows)
+
+    def run(self, chunks):
+        return all_to_all_matmul(self.x, self.w, self.send_counts, self.recv_counts, chunks=chunks)
+
+
+class CombineCase(_MoE):
+    op = "matmul_all_to_all"
+
+    def __init__(self, shape, dtype):
+        super().__init__(shape, dtype)
+        self.y = torch.randn(self.t_recv, self.f, generator=self.gen, dtype=dtype)
+        self.w = torch.randn(self.e, self.f, self.h, generator=self.gen, dtype=dtype) / self.f ** 0.5
+        self.out_local = torch.empty(self.t_recv, self.h, dtype=dtype)
+        self.back = torch.empty(self.t_send, self.h, dtype=dtype)
+        self.flops = 2.0 * self.t_recv * self.h * self.f
+        self.comm_bytes = (self.t_recv - self.recv_counts_own()) * self.h * 4
+
+    def recv_counts_own(self) -> int:
+        return sum(self.recv_counts[self.rank])
+
+    def compute(self):
+        self._expert_matmuls(self.y, self.w, self.out_local)
+
+    def comm(self):
+        dist.all_to_all_single(self.back, self.out_local, self.send_rows, self.recv_rows)
+
+    def run(self, chunks):
+        return matmul_all_to_all(self.y, self.w, self.send_counts, self.recv_counts, chunks=chunks)
+
+
+SPARSE_CASES = {c.op: c for c in (EmbeddingCase, DispatchCase, CombineCase)}
+
+_EMB = dict(tables=4, rows=50_000, dim=128, batch=4096)
+_MOE = dict(tokens=4096, hidden=512, experts=2)
+SPARSE_QUICK_SHAPES = {
+    "embedding_all_to_all": [dict(_EMB, pool=p) for p in (8, 32)],
+    "all_to_all_matmul": [dict(_MOE, ffn=f) for f in (256, 1024)],
+    "matmul_all_to_all": [dict(_MOE, ffn=f) for f in (256, 1024)],
+}
+SPARSE_FULL_SHAPES = {
+    "embedding_all_to_all": [dict(_EMB, pool=p) for p in (4, 8, 16, 32, 64)],
+    "all_to_all_matmul": [dict(_MOE, ffn=f) for f in (128, 256, 512, 1024, 2048)],
+    "matmul_all_to_all": [dict(_MOE, ffn=f) for f in (128, 256, 512, 1024, 2048)],
+}

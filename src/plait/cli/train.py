@@ -1,0 +1,54 @@
+"""``plait train``: train a small model on N ranks, with a progress bar, a loss curve and a log."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..bench.report import console, progress_bar
+from ..train import TrainConfig, train
+from ..train_report import write_train_report
+from .args import add_dataclass_args, dataclass_from_args
+from .common import add_launch_args, resolve_placement
+
+__all__ = ["register", "run_train"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a small GPT, MoE-GPT or DLRM with plait's parallel layers",
+        description="Trains on data that needs no download (stdlib source text for the GPTs, "
+                    "a synthetic Zipf click log for DLRM) and writes DIR/loss.png and "
+                    "DIR/log.json (every step; held-out loss and accuracy at the end).")
+    add_launch_args(parser)
+    add_dataclass_args(parser, TrainConfig)
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@FROM[-UNTIL]]",
+                        help="make a rank FACTOR × slower at compute (repeatable)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="where loss.png and log.json go (default reports/train/MODEL)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    ranks, hosts, link = resolve_placement(args)
+    cfg = dataclass_from_args(TrainConfig, args)
+    cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
+    out = args.out or f"reports/train/{cfg.model}"
+    start = time.perf_counter()
+    with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
+        def on_progress(rank, p):
+            advance(note=f"loss {p['loss']:.3f}  {p['rate']:,.0f} {p['unit']}/s")
+        result, where = train(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
+                              on_progress=on_progress, slow=getattr(args, "slow_specs", ()))
+    wall = time.perf_counter() - start
+    summary = write_train_report(result, cfg, out, where, wall)
+    console.print(f"[dim]{where}; {result['parallel']}[/dim]")
+    console.print(f"loss {summary['first_tenth_mean_loss']:.3f} → {summary['last_tenth_mean_loss']:.3f}"
+                  f" (mean of the first and last tenth of the steps); held-out loss "
+                  f"{summary['heldout_loss']:.3f}, accuracy {summary['heldout_accuracy']:.3f}"
+                  + (f"; the planted model's loss {summary['planted_model_loss']:.3f}"
+                     if "planted_model_loss" in summary else ""))
+    console.print(f"{cfg.steps} steps in {summary['train_s']:.1f} s ({wall:.1f} s in all); "
+                  f"wrote {out}/loss.png and {out}/log.json")
+    return 0

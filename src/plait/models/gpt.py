@@ -1,0 +1,125 @@
+"""A small GPT (nanoGPT-like), single-device and free of parallel code.
+
+``plait.nn.parallelize.apply_tp`` makes it tensor-parallel by replacing its
+modules: attention QKV column-parallel by heads, the output projection
+row-parallel; the MLP's fc column-parallel, proj row-parallel; with
+``n_experts > 0`` the MLPs are mixtures of experts (``plait.models.moe``),
+made expert-parallel. The forward reads the head count from the tensors, so
+it runs unchanged on a rank's share of the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 98
+    block_size: int = 64   # longest sequence
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_ratio: int = 4
+    bias: bool = True
+    n_experts: int = 0     # > 0: every MLP is a mixture of this many experts
+    top_k: int = 2
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+        if min(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.mlp_ratio) < 1:
+            raise ValueError(f"GPT sizes must be positive: {self}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts={self.n_experts}]")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # [q | k | v], heads in order
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                        # [B, S, 3·h·hd] (h: this module's heads)
+        b, s, _ = qkv.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, h, S, hd]
+                   for t in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))      # [B, S, h·hd] → [B, S, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # [B, S, D] → [B, S, 4D] → [B, S, D]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        if cfg.n_experts:
+            from .moe import MoEFeedForward
+
+            self.mlp = MoEFeedForward(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.n_experts,
+                                      cfg.top_k)
+        else:
+            self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: scale the residual projections
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / (2 * cfg.n_layer) ** 0.5)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx [B, S] token ids → logits [B, S, V] (and the mean cross-entropy with targets)."""
+        s = idx.shape[1]
+        if s > self.cfg.block_size:
+            raise ValueError(f"sequence of {s} is longer than block_size {self.cfg.block_size}")
+        pos = torch.arange(s, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)  # [B, S, D]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # [B, S, V]
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

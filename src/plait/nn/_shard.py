@@ -1,0 +1,127 @@
+"""What every sharded layer shares: its group, its plan, slicing a full weight and gathering it back.
+
+A layer's sharded parameters are always derivable from (full weight, plan):
+``shard_of`` cuts rank r's slice, ``unshard`` gathers every rank's slice back
+into the full tensor. ``reshard`` (a new plan) is exactly these two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..plan import ShardPlan
+
+__all__ = ["GroupInfo", "group_info", "compute_scope", "shard_of", "unshard", "mark_partial_grad",
+           "resolve_plan", "check_full"]
+
+
+class GroupInfo:
+    """(rank, world) of a group; a world of one when torch.distributed is not initialised."""
+
+    def __init__(self, group=None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            if group is not None:
+                raise ValueError("a process group was given but torch.distributed is not "
+                                 "initialised; call plait.runtime.init_from_env() first")
+            self.rank, self.world = 0, 1
+
+
+def group_info(group=None) -> GroupInfo:
+    return GroupInfo(group)
+
+
+@contextlib.contextmanager
+def compute_scope(device: torch.device | None = None) -> Iterator[None]:
+    """The rank's straggler emulation around a layer's local compute (a no-op outside a group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    from ..runtime import rank_context
+
+    with rank_context().straggler.compute(device):
+        yield
+
+
+def resolve_plan(plan: ShardPlan | None, units: int, info: GroupInfo, *, what: str, layer: str,
+                 allow_empty: bool = False) -> ShardPlan:
+    """The given plan checked against ``units`` on this group, or the even one."""
+    if plan is None:
+        plan = ShardPlan.even(units, info.world)
+    elif not isinstance(plan, ShardPlan):
+        raise TypeError(f"{layer}: plan must be a plait.plan.ShardPlan, got {type(plan).__name__}")
+    return plan.check(units, info.world, what=what, layer=layer, allow_empty=allow_empty)
+
+
+def check_full(layer: str, name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    """A full (unsharded) weight handed to a layer must have the layer's full shape."""
+    if tensor is None:
+        return
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{layer}: {name} must be a tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{layer}: {name} has shape {tuple(tensor.shape)}, but the layer's full "
+                         f"{name} is {tuple(shape)}")
+
+
+def shard_of(full: torch.Tensor, plan: ShardPlan, rank: int, dim: int = 0, *, blocks: int = 1,
+             unit: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` along ``dim``, a copy.
+
+    ``dim`` holds ``blocks`` equal blocks (a fused QKV weight holds 3), each split
+    by ``plan`` in units of ``unit`` elements; the slices of the blocks are
+    concatenated in block order.
+    """
+    dim = dim % full.dim()
+    length = full.shape[dim]
+    assert length == blocks * plan.total * unit, (tuple(full.shape), dim, blocks, plan, unit)
+    per_block = plan.total * unit
+    cut = plan.slice_of(rank)
+    parts = [full.narrow(dim, b * per_block + cut.start * unit, (cut.stop - cut.start) * unit)
+             for b in range(blocks)]
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def unshard(local: torch.Tensor, plan: ShardPlan, group=None, dim: int = 0, *, blocks: int = 1,
+            unit: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's ``shard_of`` slice (a collective: every rank calls it)."""
+    from ..ops.regions import _all_gather
+
+    dim = dim % local.dim()
+    if plan.world == 1:
+        return local.detach().clone()
+    shape = list(local.shape)
+    # [.., blocks, n_r, ..]: gather the block slices of every rank along the split dim
+    split = shape[:dim] + [blocks, shape[dim] // blocks] + shape[dim + 1:]
+    with torch.no_grad():
+        gathered = _all_gather(local.detach().reshape(split), dim + 1,
+                               [s * unit for s in plan.sizes], group)
+    full = shape[:dim] + [blocks * plan.total * unit] + shape[dim + 1:]
+    return gathered.reshape(full)
+
+
+def mark_partial_grad(param: torch.nn.Parameter, group=None) -> None:
+    """Sum ``param``'s gradient over the group as it is computed.
+
+    For a replicated parameter that each rank uses on its own share of the data
+    (a LayerNorm inside a sequence-parallel region, an MoE router, a
+    data-parallel MLP): each rank's gradient is a partial sum. The hook sees
+    each backward's fresh gradient before accumulation, so gradient
+    accumulation stays right; it costs one all_reduce per parameter per backward.
+    """
+    if getattr(param, "_plait_partial", False) or GroupInfo(group).world == 1:
+        return
+
+    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(all_reduce)
+    param._plait_partial = True

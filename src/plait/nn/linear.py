@@ -1,0 +1,309 @@
+"""Tensor-parallel linear layers: column-parallel and row-parallel, optionally sequence-parallel.
+
+Weights are kept in ``nn.Linear``'s layout ``[out, in]`` (so a gathered
+state_dict loads straight into an ``nn.Linear``) and handed to the operators,
+which want ``[K, N]``, as a transposed view.
+
+ColumnParallelLinear (plan over the output features):
+
+==================  ======================  ==================================
+tensor              shape on rank r         note
+==================  ======================  ==================================
+weight, bias        [N_r, K], [N_r]         N_r = blocks · plan.sizes[r] · unit
+x                   [B, S, K]               replicated; [B, S_r, K] if sequence-parallel
+y                   [B, S, N_r]
+==================  ======================  ==================================
+
+overlap=True: ``column_parallel_matmul`` (backward dgrad is a fused all-reduce)
+or, sequence-parallel, ``all_gather_matmul``; overlap=False: the plain path
+(``copy_to_region`` / ``gather_for_matmul``, then ``F.linear``).
+
+RowParallelLinear (plan over the input features):
+
+==================  ======================  ==================================
+weight, bias        [N, K_r], [N]           bias replicated, added after the sum
+x                   [B, S, K_r]
+y                   [B, S, N]               replicated; [B, S_r, N] if sequence-parallel
+==================  ======================  ==================================
+
+overlap=True: ``matmul_all_reduce`` or ``matmul_reduce_scatter``; overlap=False:
+``F.linear`` then ``reduce_from_region`` / ``reduce_scatter_region``.
+
+Straggler emulation wraps each layer's compute; the fused operators interleave
+their compute with their transfers, so there the whole operator is wrapped
+(its measured time includes the exposed part of the wire), while the plain
+path wraps only ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops import all_gather_matmul, column_parallel_matmul, matmul_all_reduce, matmul_reduce_scatter
+from ..ops.pieces import even_sizes
+from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
+from ..plan import ShardPlan
+from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
+                     shard_of, unshard)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _full_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype, device):
+    """nn.Linear's own initialisation, seeded, so every rank starts from the same full weight."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return layer.weight.detach().to(device), None if layer.bias is None else layer.bias.detach().to(device)
+
+
+class _ParallelLinear(nn.Module):
+    """What both layers share: plan, parameters cut from the full weight, gathering them back."""
+
+    shard_dim: int  # the dim of the [out, in] weight the plan splits
+    default_unit_name: str
+
+    def __init__(self, in_features: int, out_features: int, group=None, *, bias: bool = True,
+                 plan: ShardPlan | None = None, unit: int = 1, blocks: int = 1,
+                 unit_name: str | None = None, overlap: bool = True, chunks="auto",
+                 sequence_parallel: bool = False, seq_dim: int = 1,
+                 seq_plan: ShardPlan | None = None, full_weight: torch.Tensor | None = None,
+                 full_bias: torch.Tensor | None = None, seed: int = 0, dtype=None, device=None):
+        super().__init__()
+        name = f"{type(self).__name__}({in_features}, {out_features})"
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"{name}: features must be positive")
+        split = (out_features, in_features)[self.shard_dim]
+        if unit < 1 or blocks < 1 or split % (unit * blocks):
+            raise ValueError(f"{name}: the split dim has {split} features, which is not "
+                             f"{blocks} block(s) of whole units of {unit}")
+        check_full(name, "weight", full_weight, (out_features, in_features))
+        check_full(name, "bias", full_bias, (out_features,))
+        if full_bias is not None and not bias:
+            raise ValueError(f"{name}: a bias was given to a layer built with bias=False")
+        if sequence_parallel and seq_plan is not None and not isinstance(seq_plan, ShardPlan):
+            raise TypeError(f"{name}: seq_plan must be a ShardPlan, got {type(seq_plan).__name__}")
+        self.info = GroupInfo(group)
+        self.group, self.in_features, self.out_features = group, in_features, out_features
+        self.unit, self.blocks = unit, blocks
+        self.unit_name = unit_name or self.default_unit_name
+        self.plan = resolve_plan(plan, split // (unit * blocks), self.info, what=self.unit_name,
+                                 layer=name)
+        self.overlap, self.chunks = overlap, chunks
+        self.sequence_parallel, self.seq_dim, self.seq_plan = sequence_parallel, seq_dim, seq_plan
+        if full_weight is None:
+            full_weight, made_bias = _full_linear(in_features, out_features, bias, seed, dtype, device)
+            full_bias = made_bias if full_bias is None else full_bias
+        dtype = dtype or full_weight.dtype
+        self.weight = nn.Parameter(self._cut(full_weight.to(dtype=dtype, device=device)))
+        if bias:
+            full_bias = torch.zeros(out_features, dtype=dtype) if full_bias is None else full_bias
+            self.bias = nn.Parameter(self._cut_bias(full_bias.to(dtype=dtype, device=device)))
+        else:
+            self.register_parameter("bias", None)
+
+    # --- building and gathering -------------------------------------------
+    @classmethod
+    def from_module(cls, linear: nn.Linear, group=None, *, plan: ShardPlan | None = None, **kw):
+        """The sharded twin of ``linear``: the same full weights, cut by ``plan``."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_module needs an nn.Linear, got "
+                            f"{type(linear).__name__}")
+        w = linear.weight.detach()
+        return cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                   plan=plan, full_weight=w,
+                   full_bias=None if linear.bias is None else linear.bias.detach(),
+                   dtype=w.dtype, device=w.device, **kw)
+
+    def _cut(self, full: torch.Tensor) -> torch.Tensor:
+        return shard_of(full, self.plan, self.info.rank, self.shard_dim, blocks=self.blocks,
+                        unit=self.unit)
+
+    def _cut_bias(self, full: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """``{"weight", "bias"}`` in full, as an ``nn.Linear`` holds them (every rank calls it);
+        ``grads``: their gradients instead (zeros where there is none)."""
+        out = {"weight": self._gather(_value(self.weight, grads), self.shard_dim)}
+        if self.bias is not None:
+            out["bias"] = self._gather_bias(_value(self.bias, grads))
+        return out
+
+    def to_module(self) -> nn.Linear:
+        """An ``nn.Linear`` with the full weights (a collective: every rank calls it)."""
+        state = self.full_state_dict()
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           dtype=self.weight.dtype, device=self.weight.device)
+        linear.load_state_dict(state)
+        return linear
+
+    def reshard(self, plan: ShardPlan) -> None:
+        """Move to ``plan`` exactly: gather the full weight (and gradient) and cut it anew.
+
+        The parameters stay the same objects (an optimizer keeps them); their
+        optimizer state is the caller's to move.
+        """
+        name = f"{type(self).__name__}({self.in_features}, {self.out_features})"
+        split = (self.out_features, self.in_features)[self.shard_dim]
+        plan = resolve_plan(plan, split // (self.unit * self.blocks), self.info,
+                            what=self.unit_name, layer=name)
+        full = self.full_state_dict()
+        grads = {k: getattr(self, k).grad for k in full}
+        full_grads = {k: None if g is None else self._gather_any(k, g) for k, g in grads.items()}
+        self.plan = plan
+        for key, value in full.items():
+            param = getattr(self, key)
+            cut = self._cut(value) if key == "weight" else self._cut_bias(value)
+            param.data = cut
+            if full_grads[key] is not None:
+                param.grad = self._cut(full_grads[key]) if key == "weight" \
+                    else self._cut_bias(full_grads[key])
+
+    def _gather_any(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return self._gather(tensor, self.shard_dim) if key == "weight" else self._gather_bias(tensor)
+
+    def _gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        return unshard(local, self.plan, self.group, dim, blocks=self.blocks, unit=self.unit)
+
+    def _gather_bias(self, local: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _seq_sizes(self, length: int, gathered: bool) -> list[int] | None:
+        """Every rank's sequence length: the plan's, or even (None: as found, for a gather)."""
+        if self.seq_plan is None:
+            return None if gathered else even_sizes(length, self.info.world)
+        total = self.seq_plan.sizes[self.info.rank] if gathered else self.seq_plan.total
+        if total != length:
+            raise ValueError(f"{type(self).__name__}: seq_plan {list(self.seq_plan.sizes)} "
+                             f"does not fit a sequence of {length} on rank {self.info.rank}")
+        return list(self.seq_plan.sizes)
+
+    def extra_repr(self) -> str:
+        mode = "fused" if self.overlap else "plain"
+        seq = ", sequence_parallel" if self.sequence_parallel else ""
+        return (f"in={self.in_features}, out={self.out_features}, plan={list(self.plan.sizes)} "
+                f"{self.unit_name}, bias={self.bias is not None}, {mode}{seq}")
+
+
+def _value(param: torch.Tensor, grad: bool) -> torch.Tensor:
+    if not grad:
+        return param.detach()
+    return torch.zeros_like(param) if param.grad is None else param.grad.detach()
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y_r = x @ W[:, cols_r] + b[cols_r]``; see the module docstring for shapes.
+
+    ``blocks``: the output holds that many equal blocks (3 for a fused QKV), each
+    split by the same plan; ``unit``: features per plan unit (the head dim when
+    the plan counts heads).
+    """
+
+    shard_dim = 0
+    default_unit_name = "columns"
+
+    def _cut_bias(self, full: torch.Tensor) -> torch.Tensor:
+        return shard_of(full, self.plan, self.info.rank, 0, blocks=self.blocks, unit=self.unit)
+
+    def _gather_bias(self, local: torch.Tensor) -> torch.Tensor:
+        return self._gather(local, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.t()  # [K, N_r]
+        if self.info.world == 1:
+            with compute_scope(x.device):
+                return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=True)
+            if self.overlap:
+                with compute_scope(x.device):  # the fused op: compute and wire interleaved
+                    y = self._gather_matmul(x, w, sizes)  # [B, S, N_r]
+            else:
+                x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
+                with compute_scope(x.device):
+                    y = F.linear(x, self.weight)
+        elif self.overlap:
+            with compute_scope(x.device):
+                y = column_parallel_matmul(x, w, self.group, chunks=self.chunks)
+        else:
+            x = copy_to_region(x, self.group)
+            with compute_scope(x.device):
+                y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+    def _gather_matmul(self, x: torch.Tensor, w: torch.Tensor, sizes) -> torch.Tensor:
+        """``all_gather_matmul`` along the sequence, given rows with the sequence leading: the
+        operator infers rows per sequence step from the local length, which fails on a rank
+        whose share is empty, so the per-step row count is given here explicitly."""
+        dim = self.seq_dim % x.dim()
+        moved = x.movedim(dim, 0)                    # [S_r, B, K]
+        per_step = math.prod(moved.shape[1:-1])
+        if sizes is None:
+            sizes = _found_lengths(moved.shape[0], self.group)
+        rows = moved.reshape(-1, moved.shape[-1])    # [S_r·B, K]
+        y = all_gather_matmul(rows, w, self.group, 0, sizes=[s * per_step for s in sizes],
+                              chunks=self.chunks)    # [S·B, N_r]
+        return y.view(sum(sizes), *moved.shape[1:-1], w.shape[1]).movedim(0, dim)
+
+
+def _found_lengths(length: int, group) -> list[int]:
+    mine = torch.tensor([length], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [int(t) for t in everyone]
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = Σ_r x_r @ W[rows_r, :] + b``; see the module docstring for shapes.
+
+    ``unit``: input features per plan unit (the head dim when the plan counts
+    heads, to match the column-parallel layer before it). Sequence-parallel,
+    the bias is added on each rank's share of the sequence, so its gradient is
+    summed over the group.
+    """
+
+    shard_dim = 1
+    default_unit_name = "rows"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.sequence_parallel and self.bias is not None:
+            mark_partial_grad(self.bias, self.group)
+
+    def _cut_bias(self, full: torch.Tensor) -> torch.Tensor:
+        return full.detach().clone()
+
+    def _gather_bias(self, local: torch.Tensor) -> torch.Tensor:
+        return local.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.t()  # [K_r, N]
+        if self.info.world == 1:
+            with compute_scope(x.device):
+                return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
+            if self.overlap:
+                with compute_scope(x.device):
+                    y = matmul_reduce_scatter(x, w, self.group, self.seq_dim, sizes=sizes,
+                                              chunks=self.chunks)  # [B, S_r, N]
+            else:
+                with compute_scope(x.device):
+                    y = F.linear(x, self.weight)
+                y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
+        elif self.overlap:
+            with compute_scope(x.device):
+                y = matmul_all_reduce(x, w, self.group, chunks=self.chunks)
+        else:
+            with compute_scope(x.device):
+                y = F.linear(x, self.weight)
+            y = reduce_from_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+

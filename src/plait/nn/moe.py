@@ -1,0 +1,177 @@
+"""Expert-parallel, dropless mixture of experts on ``all_to_all_matmul`` / ``matmul_all_to_all``.
+
+Every rank routes its own tokens (top-k of a softmax router, weights
+renormalised over the k), sends each token to the ranks owning its experts,
+and gets the experts' outputs back. Dropless: an expert takes every token
+routed to it, however uneven. Experts are split by a
+:class:`~plait.plan.ShardPlan` over the experts (rank r owns experts
+``plan.slice_of(r)``).
+
+============  =======================  ===========================================
+tensor        shape on rank r          note
+============  =======================  ===========================================
+router        [E, H] (nn.Linear)       replicated; gradient summed over ranks
+w1, w2        [E_r, H, F], [E_r, F, H]  this rank's experts
+x             [..., H]                 this rank's tokens (distinct on each rank),
+                                       or replicated with ``replicated_input``
+out           like x
+============  =======================  ===========================================
+
+``out[t] = Σ_j p_j(t) · gelu(x_t @ w1[e_j(t)]) @ w2[e_j(t)]`` over the top-k
+experts ``e_j(t)`` with renormalised router probabilities ``p_j(t)``.
+
+``replicated_input``: x is the same on every rank (tensor parallelism without
+sequence parallelism); each rank then takes an even share of the tokens
+(``scatter_to_region``) and the outputs are gathered back (``gather_from_region``).
+
+The single-device twin is any module with ``router`` (nn.Linear, no bias),
+``w1`` [E, H, F], ``w2`` [E, F, H] and ``top_k`` (``plait.models.moe.MoEFeedForward``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops.moe import all_to_all_matmul, matmul_all_to_all
+from ..ops.regions import gather_from_region, scatter_to_region
+from ..plan import ShardPlan
+from ..runtime.compat import all_gather_into
+from ._shard import GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan, unshard
+
+__all__ = ["MoE", "route_top_k", "experts_reference"]
+
+
+def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k], experts [T, k]): softmax, top-k, renormalise."""
+    probs = logits.softmax(dim=-1)
+    weights, experts = probs.topk(k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def experts_reference(x2, weights, experts, w1, w2) -> torch.Tensor:
+    """The single-device expert computation: [T, H] tokens, every expert in a loop."""
+    out = torch.zeros_like(x2)
+    for e in range(w1.shape[0]):
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        if token.numel():
+            h = F.gelu(x2[token] @ w1[e]) @ w2[e]  # [T_e, H]
+            out = out.index_add(0, token, h * weights[token, slot].unsqueeze(1))
+    return out
+
+
+class MoE(nn.Module):
+    """Dropless top-k MoE with experts spread over ``group`` by ``plan``; see the module docstring."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int = 2, group=None, *,
+                 plan: ShardPlan | None = None, overlap: bool = True, chunks="auto",
+                 replicated_input: bool = False, full_router: torch.Tensor | None = None,
+                 full_w1: torch.Tensor | None = None, full_w2: torch.Tensor | None = None,
+                 seed: int = 0, dtype=None, device=None):
+        super().__init__()
+        name = f"MoE(H={hidden}, F={ffn}, E={num_experts}, k={top_k})"
+        if min(hidden, ffn, num_experts) < 1 or not 1 <= top_k <= num_experts:
+            raise ValueError(f"{name}: needs positive sizes and 1 ≤ top_k ≤ experts")
+        check_full(name, "router weight", full_router, (num_experts, hidden))
+        check_full(name, "w1", full_w1, (num_experts, hidden, ffn))
+        check_full(name, "w2", full_w2, (num_experts, ffn, hidden))
+        self.info = GroupInfo(group)
+        self.group, self.hidden, self.ffn, self.num_experts, self.top_k = (
+            group, hidden, ffn, num_experts, top_k)
+        self.overlap, self.chunks, self.replicated_input = overlap, chunks, replicated_input
+        self.plan = resolve_plan(plan, num_experts, self.info, what="experts", layer=name)
+        if full_router is None or full_w1 is None or full_w2 is None:
+            made = _init_full(hidden, ffn, num_experts, seed, dtype)
+            full_router = made[0] if full_router is None else full_router
+            full_w1 = made[1] if full_w1 is None else full_w1
+            full_w2 = made[2] if full_w2 is None else full_w2
+        dtype = dtype or full_w1.dtype
+        self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
+        mine = self.plan.slice_of(self.info.rank)
+        with torch.no_grad():
+            self.router.weight.copy_(full_router)
+        self.w1 = nn.Parameter(full_w1[mine].detach().to(dtype=dtype, device=device).clone())
+        self.w2 = nn.Parameter(full_w2[mine].detach().to(dtype=dtype, device=device).clone())
+        mark_partial_grad(self.router.weight, group)  # each rank routes only its own tokens
+
+    @classmethod
+    def from_module(cls, module, group=None, *, plan: ShardPlan | None = None, **kw):
+        """The expert-parallel twin of a single-device MoE (``router``, ``w1``, ``w2``, ``top_k``)."""
+        missing = [a for a in ("router", "w1", "w2", "top_k") if not hasattr(module, a)]
+        if missing:
+            raise TypeError(f"MoE.from_module needs a module with router, w1, w2 and top_k; "
+                            f"{type(module).__name__} lacks {', '.join(missing)}")
+        if getattr(module.router, "bias", None) is not None:
+            raise ValueError("MoE.from_module: the router must have no bias")
+        w1 = module.w1.detach()
+        e, h, f = w1.shape
+        return cls(h, f, e, module.top_k, group, plan=plan, full_router=module.router.weight.detach(),
+                   full_w1=w1, full_w2=module.w2.detach(), dtype=w1.dtype, device=w1.device, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden)  # [T, H]
+        if self.info.world == 1:
+            with compute_scope(x.device):
+                weights, experts = route_top_k(self.router(x2), self.top_k)
+                return experts_reference(x2, weights, experts, self.w1, self.w2).view(shape)
+        if self.replicated_input:
+            x2 = scatter_to_region(x2, self.group, 0)  # [T_r, H]: this rank's share
+        out = self._expert_parallel(x2)
+        if self.replicated_input:
+            out = gather_from_region(out, self.group, 0)
+        return out.view(shape)
+
+    def _expert_parallel(self, x2: torch.Tensor) -> torch.Tensor:
+        with compute_scope(x2.device):
+            weights, experts = route_top_k(self.router(x2), self.top_k)  # [T, k] each
+            flat = experts.reshape(-1)                                     # [T·k]
+            order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
+            token = order // self.top_k
+            counts = torch.bincount(flat, minlength=self.num_experts)    # [E]
+            x_send = x2.index_select(0, token)                            # [T·k, H], (rank, expert)
+        send, recv = self._counts(counts)
+        chunks = self.chunks if self.overlap else 1
+        with compute_scope(x2.device):  # the fused ops: expert GEMMs and wire interleaved
+            h = all_to_all_matmul(x_send, self.w1, send, recv, self.group, chunks=chunks)
+            h = F.gelu(h)                                                 # [T_recv, F]
+            y = matmul_all_to_all(h, self.w2, send, recv, self.group, chunks=chunks)  # [T·k, H]
+            y = y * weights.reshape(-1)[order].unsqueeze(1)
+            return torch.zeros_like(x2).index_add(0, token, y)
+
+    def _counts(self, counts: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """(send_counts [W][E_d], recv_counts [W][E_r]) from every rank's per-expert counts."""
+        everyone = counts.new_empty(self.info.world * self.num_experts)
+        all_gather_into(everyone, counts.contiguous(), group=self.group)
+        table = everyone.view(self.info.world, self.num_experts).tolist()  # [W][E]
+        cuts = [self.plan.slice_of(r) for r in range(self.info.world)]
+        send = [table[self.info.rank][c] for c in cuts]
+        mine = cuts[self.info.rank]
+        recv = [row[mine] for row in table]
+        return send, recv
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """``router.weight``, ``w1``, ``w2`` with every expert (a collective); ``grads``: their
+        gradients instead (zeros where there is none)."""
+        def value(p):
+            return p.detach() if not grads else \
+                torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        return {"router.weight": value(self.router.weight).clone(),
+                "w1": unshard(value(self.w1), self.plan, self.group, 0),
+                "w2": unshard(value(self.w2), self.plan, self.group, 0)}
+
+    def extra_repr(self) -> str:
+        return (f"H={self.hidden}, F={self.ffn}, experts={self.num_experts}, k={self.top_k}, "
+                f"plan={list(self.plan.sizes)} experts, {'fused' if self.overlap else 'plain'}"
+                f"{', replicated_input' if self.replicated_input else ''}")
+
+
+def _init_full(hidden: int, ffn: int, experts: int, seed: int, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.get_default_dtype()
+    router = torch.randn(experts, hidden, generator=gen, dtype=dtype) * hidden ** -0.5
+    w1 = torch.randn(experts, hidden, ffn, generator=gen, dtype=dtype) * hidden ** -0.5
+    w2 = torch.randn(experts, ffn, hidden, generator=gen, dtype=dtype) * ffn ** -0.5
+    return router, w1, w2
+

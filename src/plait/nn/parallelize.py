@@ -1,0 +1,191 @@
+"""Make a plain model parallel by replacing its modules with plait.nn layers built ``from_module``.
+
+In the style of gpt-fast's ``tp.py`` and torchtitan's ``parallelize.py``: the
+models in :mod:`plait.models` carry no parallel code; this module knows their
+shape (by duck typing: nothing here imports a model) and swaps modules in
+place, so the parallel model starts from exactly the plain model's weights and
+keeps its forward signature and state_dict keys.
+
+GPT (``blocks`` of ``attn``/``mlp``): QKV column-parallel by heads, attention
+output row-parallel by the same heads; MLP fc column-parallel, proj
+row-parallel; MoE MLPs expert-parallel. Input and output stay replicated: every
+rank computes the same loss. ``sequence_parallel``: the residual stream
+between the blocks' linears is split along the sequence (scattered before the
+first block, gathered after the last); the LayerNorms inside then see a share
+of the tokens, so their gradients are summed over the group.
+
+DLRM (``embeddings`` with ``bags``, dense MLPs): tables model-parallel
+(``ShardedEmbeddingBag``, whole tables per rank), the MLPs data-parallel over
+the batch (each rank its ``batch_sizes`` share; gradients summed over the
+group), the logits gathered back, so the model still maps the whole batch to
+the whole batch's logits on every rank.
+
+``plans``: ``{"heads" | "mlp" | "experts" | "seq" | "tables" | "batch": ShardPlan}``,
+or per module (``"blocks.1.attn"``, ``"blocks.1.mlp"``); missing ones are even.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from ..ops.pieces import even_sizes
+from ..ops.regions import gather_from_region, scatter_to_region
+from ..plan import ShardPlan
+from ._shard import GroupInfo, mark_partial_grad
+from .embedding import ShardedEmbeddingBag
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import MoE
+
+__all__ = ["apply_tp", "parallelize_gpt", "parallelize_dlrm", "full_state_dict", "PLAIT_LAYERS"]
+
+log = logging.getLogger("plait.nn")
+
+PLAIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, ShardedEmbeddingBag, MoE)
+_KINDS = {"heads", "mlp", "experts", "seq", "tables", "batch"}
+
+
+def apply_tp(model: nn.Module, group=None, plans: dict[str, ShardPlan] | None = None, *,
+             overlap: bool = True, sequence_parallel: bool = False, chunks="auto") -> nn.Module:
+    """Parallelise ``model`` in place (a GPT, MoE-GPT or DLRM from plait.models) and return it."""
+    if hasattr(model, "blocks") and all(hasattr(b, "attn") for b in model.blocks):
+        return parallelize_gpt(model, group, plans, overlap=overlap,
+                               sequence_parallel=sequence_parallel, chunks=chunks)
+    if hasattr(getattr(model, "embeddings", None), "bags"):
+        if sequence_parallel:
+            raise ValueError("sequence_parallel applies to a GPT, not to a DLRM")
+        return parallelize_dlrm(model, group, plans, overlap=overlap, chunks=chunks)
+    raise TypeError(f"apply_tp does not know how to parallelise a {type(model).__name__}: it "
+                    "expects a GPT (blocks with attn and mlp) or a DLRM (embeddings.bags)")
+
+
+def _plans(plans, model: nn.Module) -> dict[str, ShardPlan]:
+    plans = dict(plans or {})
+    paths = {name for name, _ in model.named_modules()}
+    unknown = sorted(k for k in plans if k not in _KINDS and k not in paths)
+    if unknown:
+        raise ValueError(f"plans {unknown} name neither a kind ({', '.join(sorted(_KINDS))}) nor "
+                         "a module of the model")
+    bad = {k: type(v).__name__ for k, v in plans.items() if not isinstance(v, ShardPlan)}
+    if bad:
+        raise TypeError(f"plans must be ShardPlan values, got {bad}")
+    return plans
+
+
+def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool = True,
+                    sequence_parallel: bool = False, chunks="auto") -> nn.Module:
+    plans = _plans(plans, model)
+    info = GroupInfo(group)
+    seq = plans.get("seq")
+    common = dict(overlap=overlap, chunks=chunks, sequence_parallel=sequence_parallel,
+                  seq_plan=seq)
+    for i, block in enumerate(model.blocks):
+        attn, heads = block.attn, plans.get(f"blocks.{i}.attn", plans.get("heads"))
+        attn.qkv = ColumnParallelLinear.from_module(attn.qkv, group, plan=heads, blocks=3,
+                                                    unit=attn.head_dim, unit_name="heads", **common)
+        attn.proj = RowParallelLinear.from_module(attn.proj, group, plan=heads, unit=attn.head_dim,
+                                                  unit_name="heads", **common)
+        mlp = block.mlp
+        if hasattr(mlp, "router"):
+            block.mlp = MoE.from_module(mlp, group, plan=plans.get(f"blocks.{i}.mlp",
+                                                                   plans.get("experts")),
+                                        overlap=overlap, chunks=chunks,
+                                        replicated_input=not sequence_parallel)
+        else:
+            cols = plans.get(f"blocks.{i}.mlp", plans.get("mlp"))
+            mlp.fc = ColumnParallelLinear.from_module(mlp.fc, group, plan=cols, **common)
+            mlp.proj = RowParallelLinear.from_module(mlp.proj, group, plan=cols, **common)
+        if sequence_parallel:
+            for param in _unsharded_params(block):
+                mark_partial_grad(param, group)
+    if sequence_parallel and info.world > 1 and len(model.blocks):
+        _split_sequence(model.blocks[0], model.blocks[-1], group, seq)
+    _log_once(info, model, f"GPT: {len(model.blocks)} blocks tensor-parallel on {info.world} ranks"
+              f" ({'fused' if overlap else 'plain'} path"
+              f"{', sequence-parallel' if sequence_parallel else ''})")
+    return model
+
+
+def _unsharded_params(module: nn.Module):
+    """Parameters of ``module`` outside any plait layer (LayerNorms and the like)."""
+    inside = {id(p) for m in module.modules() if isinstance(m, PLAIT_LAYERS) for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in inside]
+
+
+def _split_sequence(first: nn.Module, last: nn.Module, group, seq: ShardPlan | None) -> None:
+    """Scatter the residual stream [B, S, D] along S before ``first``, gather it after ``last``."""
+    def sizes(length: int) -> list[int]:
+        if seq is None:
+            return even_sizes(length, GroupInfo(group).world)
+        if seq.total != length:
+            raise ValueError(f"seq plan {list(seq.sizes)} does not fit a sequence of {length}")
+        return list(seq.sizes)
+
+    split: dict[str, list[int]] = {}  # this forward's sizes, from the scatter to the gather
+
+    def scatter(module, args):
+        x = args[0]
+        split["sizes"] = sizes(x.shape[1])
+        return (scatter_to_region(x, group, 1, split["sizes"]), *args[1:])
+
+    def gather(module, args, out):
+        return gather_from_region(out, group, 1, split["sizes"])
+
+    first.register_forward_pre_hook(scatter)
+    last.register_forward_hook(gather)
+
+
+def parallelize_dlrm(model: nn.Module, group=None, plans=None, *, overlap: bool = True,
+                     chunks="auto") -> nn.Module:
+    plans = _plans(plans, model)
+    info = GroupInfo(group)
+    tables = ShardedEmbeddingBag.from_module(model.embeddings, group, plan=plans.get("tables"),
+                                             batch_plan=plans.get("batch"), overlap=overlap,
+                                             chunks=chunks)
+    model.embeddings = tables
+    for param in _unsharded_params(model):
+        mark_partial_grad(param, group)  # data-parallel MLPs: each rank saw its batch share
+
+    split: dict[str, list[int]] = {}
+
+    def split_batch(module, args):
+        dense, *rest = args
+        split["sizes"] = tables.batch_sizes(dense.shape[0])
+        return (scatter_to_region(dense, group, 0, split["sizes"]), *rest)
+
+    def gather_logits(module, args, out):
+        return gather_from_region(out, group, 0, split["sizes"])
+
+    if info.world > 1:
+        model.register_forward_pre_hook(split_batch)
+        model.register_forward_hook(gather_logits)
+    _log_once(info, model, f"DLRM: {len(tables.num_embeddings)} tables model-parallel "
+              f"(plan {list(tables.plan.sizes)}), MLPs data-parallel on {info.world} ranks "
+              f"({'fused' if overlap else 'plain'} path)")
+    return model
+
+
+def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The plain model's state_dict, every sharded tensor gathered (a collective: every rank
+    calls it). It loads straight into the single-device model. ``grads``: the parameters'
+    gradients instead, by the same names (zeros where there is none; no buffers)."""
+    if grads:
+        state = {k: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                 for k, p in model.named_parameters()}
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, PLAIT_LAYERS):
+            prefix = f"{name}." if name else ""
+            for key in [k for k in state if k.startswith(prefix)]:
+                del state[key]
+            state.update({prefix + k: v for k, v in module.full_state_dict(grads).items()})
+    return state
+
+
+def _log_once(info: GroupInfo, model: nn.Module, line: str) -> None:
+    model._plait_parallel = line
+    if info.rank == 0:
+        log.info("%s", line)

@@ -1,0 +1,154 @@
+"""What ``chunks="auto"`` knows about the running group: measured once, the same on every rank.
+
+A :class:`Calibration` holds the machine profile (compute rate, memory
+bandwidth, α, per-piece overhead o, overlap slowdown k) and, per collective
+kind, the time of one call at a few sizes. Collective time is not linear in
+size on every transport: gloo's all_to_all of one 4 MiB message runs at about
+half the link rate while 1 MiB pieces run near it (README, bench collectives),
+so the curve is interpolated rather than fitted with one α–β line.
+
+The pipeline it predicts, for p pieces of compute C and wire bytes V:
+
+    c = C / p,   m = t_comm(V / p)
+    T(p) = c + m + (p − 1)·max(c·(1 + k), m) + (p − 1)·o,   T(1) = C + t_comm(V)
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..perf.calibrate import MachineProfile
+from ..runtime.timing import sync
+from .agree import meta_device
+
+__all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES"]
+
+CURVE_BYTES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # wire bytes a rank sends
+
+
+@dataclass(frozen=True)
+class Calibration:
+    profile: MachineProfile
+    memory_Bps: float = 10e9
+    curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+
+    def comm_time(self, kind: str, wire_bytes: float) -> float:
+        """Seconds for one ``kind`` call moving ``wire_bytes`` per rank."""
+        points = self.curves.get(kind) or self.curves.get("all_reduce")
+        if not points:
+            p = self.profile
+            return p.base_latency_s + p.latency_s + wire_bytes / p.bandwidth_Bps
+        sizes = [b for b, _ in points]
+        if wire_bytes <= sizes[0]:
+            return points[0][1] * max(wire_bytes, 1.0) / sizes[0] if wire_bytes else 0.0
+        i = bisect.bisect_left(sizes, wire_bytes)
+        if i == len(points):  # beyond the last point: the last segment's slope
+            (b0, t0), (b1, t1) = points[-2], points[-1]
+            return t1 + (wire_bytes - b1) * (t1 - t0) / (b1 - b0)
+        (b0, t0), (b1, t1) = points[i - 1], points[i]
+        f = (math.log(wire_bytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+        return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+
+    def compute_time(self, flops: float, memory_bytes: float = 0.0) -> float:
+        return flops / max(self.profile.compute_flops, 1.0) + memory_bytes / self.memory_Bps
+
+    def pipeline_time(self, t_compute: float, kind: str, wire_bytes: float, pieces: int) -> float:
+        if pieces == 1:
+            return t_compute + self.comm_time(kind, wire_bytes)
+        c, m = t_compute / pieces, self.comm_time(kind, wire_bytes / pieces)
+        k, o = self.profile.overlap_slowdown, self.profile.per_piece_overhead_s
+        return c + m + (pieces - 1) * (max(c * (1 + k), m) + o)
+
+
+def from_profile(profile: MachineProfile) -> Calibration:
+    """A saved profile (``plait simulate --calibrate``) as a calibration: α–β curves only."""
+    return Calibration(profile=profile)
+
+
+def measure(group=None) -> Calibration:
+    """Measure on the running group (≈ 1 s on a 1 Gbit/s link); every rank gets rank 0's."""
+    n, dev = dist.get_world_size(group), meta_device(group)
+    x, w = torch.randn(512, 2048, device=dev), torch.randn(2048, 1024, device=dev)
+    out = torch.empty(512, 1024, device=dev)  # 2 MiB
+    compute_s = _fastest(lambda: torch.matmul(x, w, out=out), group, 3)
+    table = torch.randn(200_000, 64, device=dev)
+    ids = torch.randint(0, table.shape[0], (65536,), device=dev)
+    memory_s = _fastest(lambda: table.index_select(0, ids), group, 3)
+    alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8, device=dev), group=group), group, 10)
+    curves = {kind: _curve(group, n, kind, dev) for kind in ("all_reduce", "all_to_all")}
+    curves["all_gather"] = curves["all_to_all"]  # same traffic pattern: every peer gets a share
+    cal = Calibration(MachineProfile(latency_s=alpha, bandwidth_Bps=CURVE_BYTES[-1] / curves["all_reduce"][-1][1],
+                                     compute_flops=2 * 512 * 2048 * 1024 / compute_s, world_size=n,
+                                     source="measured on the running group (plait.ops.calibration)"),
+                      memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves)
+    k, o = _pipeline_overheads(cal, x, w, out, compute_s, group)
+    profile = MachineProfile(**{**cal.profile.to_dict(), "per_piece_overhead_s": o, "overlap_slowdown": k})
+    return _agree(Calibration(profile, cal.memory_Bps, cal.curves), group)
+
+
+def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
+    points = []
+    for wire in CURVE_BYTES:
+        if kind == "all_reduce":  # a ring all_reduce of S bytes puts 2(n−1)/n·S on the wire
+            buf = torch.empty(max(1, int(wire / (2 * (n - 1) / n)) // 4), device=dev)
+            t = _fastest(lambda: dist.all_reduce(buf, group=group), group, 2)
+        else:  # all_to_all of S bytes sends (n−1)/n·S to the peers
+            count = max(n, int(wire * n / (n - 1)) // 4 // n * n)
+            send, recv = torch.empty(count, device=dev), torch.empty(count, device=dev)
+            t = _fastest(lambda: dist.all_to_all_single(recv, send, group=group), group, 2)
+        points.append((float(wire), t))
+    return tuple(points)
+
+
+def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) -> tuple[float, float]:
+    """k and o from a real 2- and 4-piece matmul + all_reduce pipeline (compute-bound: c > m)."""
+    wire = out.numel() * 4 * 2 * (dist.get_world_size(group) - 1) / dist.get_world_size(group)
+
+    def pipeline(pieces: int) -> None:
+        works, rows = [], out.shape[0] // pieces
+        for lo in range(0, out.shape[0], rows):
+            torch.matmul(x[lo:lo + rows], w, out=out[lo:lo + rows])
+            works.append(dist.all_reduce(out[lo:lo + rows], group=group, async_op=True))
+        for work in works:
+            work.wait()
+
+    # per piece beyond the first: c(1+k) + o  =  (T(p) − c − m) / (p − 1)
+    per = {}
+    for p in (2, 4):
+        measured = _fastest(lambda p=p: pipeline(p), group, 3)
+        per[p] = (measured - compute_s / p - cal.comm_time("all_reduce", wire / p)) / (p - 1)
+    k = max(0.0, (per[2] - per[4]) / (compute_s / 4) - 1.0)
+    o = max(0.0, per[4] - compute_s / 4 * (1.0 + k))
+    return k, o
+
+
+def _fastest(fn, group, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (after one warm-up), slowest rank's."""
+    dev = meta_device(group)
+    fn()
+    best = []
+    for _ in range(repeats):
+        sync(dev)
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        sync(dev)
+        best.append(time.perf_counter() - start)
+    t = torch.tensor([min(best)], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _agree(cal: Calibration, group) -> Calibration:
+    """Rank 0's calibration everywhere, so every rank picks the same piece count."""
+    if dist.get_world_size(group) == 1:
+        return cal
+    box = [cal]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]

@@ -1,0 +1,272 @@
+"""Train a small plait model on N ranks: ``train(cfg, ranks=2)`` (``plait train`` calls it).
+
+One linear loop, nanoGPT-style. Every rank builds the same single-device
+model from the same seed and makes it parallel with ``apply_tp``; every rank
+reads the same batch (tensor parallelism: the model, not the data, is split;
+the DLRM splits its batch inside), so every rank computes the same loss.
+AdamW with a short warm-up and cosine decay; no gradient clipping (a norm
+over sharded gradients would need its own all-reduce).
+
+Building blocks for benchmarks: ``build_gpt(cfg, group)`` (a plait-TP GPT or
+MoE-GPT), ``train_steps(...)`` (N steps → per-step times and losses),
+``evaluate_gpt`` / ``evaluate_dlrm`` (held-out loss and accuracy).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .data import CharCorpus, ClickLog
+from .models import DLRM, GPT, DLRMConfig, GPTConfig
+from .nn import apply_tp
+from .ops import explain
+from .plan import ShardPlan
+
+__all__ = ["TrainConfig", "build_gpt", "build_dlrm", "train_steps", "evaluate_gpt",
+           "evaluate_dlrm", "train_rank", "train"]
+
+MODELS = ("gpt", "moe", "dlrm")
+# what an unset flag means, per model: tiny enough to train here in about a minute
+PRESETS = {
+    "gpt": dict(steps=400, batch_size=16, lr=3e-3),
+    "moe": dict(steps=400, batch_size=16, lr=3e-3),
+    "dlrm": dict(steps=600, batch_size=256, lr=1e-2),
+}
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = field(default="gpt", metadata=_h("gpt, moe (a GPT whose MLPs are MoE) or dlrm"))
+    steps: int | None = field(default=None, metadata=_h("optimizer steps (default 400 for the "
+                                                        "GPTs, 600 for dlrm)"))
+    batch_size: int | None = field(default=None, metadata=_h("sequences (GPT) or samples (DLRM) "
+                                                             "per step (default 16 / 256)"))
+    lr: float | None = field(default=None, metadata=_h("peak learning rate of AdamW (default 3e-3 "
+                                                       "for the GPTs, 1e-2 for dlrm)"))
+    seq_len: int = field(default=64, metadata=_h("GPT: characters per sequence"))
+    n_layer: int = field(default=2, metadata=_h("GPT: transformer blocks"))
+    n_head: int = field(default=4, metadata=_h("GPT: attention heads"))
+    n_embd: int = field(default=128, metadata=_h("GPT: model width"))
+    n_experts: int = field(default=4, metadata=_h("moe: experts per MoE layer"))
+    top_k: int = field(default=2, metadata=_h("moe: experts per token"))
+    overlap: bool = field(default=True, metadata=_h("fused compute–collective operators "
+                                                    "(--no-overlap: the plain path)"))
+    sequence_parallel: bool = field(default=False, metadata=_h("GPT: sequence-parallel "
+                                                               "activations between linears"))
+    chunks: str = field(default="auto", metadata=_h("pieces per fused operator: auto or a number"))
+    plans: tuple[str, ...] = field(default=(), metadata=_h(
+        "uneven partition plans, KIND=A:B:…, e.g. heads=3:1,mlp=320:192 (kinds: heads, mlp, "
+        "experts, seq, tables, batch)"))
+    eval_batches: int = field(default=8, metadata=_h("held-out batches evaluated at the end"))
+    seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
+    extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        for key, value in PRESETS[self.model].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        for name in ("steps", "batch_size", "seq_len", "n_layer", "n_head", "n_embd",
+                     "n_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0 or self.eval_batches < 0:
+            raise ValueError(f"--lr must be positive and --eval-batches ≥ 0, got {self.lr}, "
+                             f"{self.eval_batches}")
+        if self.chunks != "auto" and not str(self.chunks).isdigit():
+            raise ValueError(f"--chunks must be 'auto' or a positive number, got {self.chunks!r}")
+        if self.sequence_parallel and self.model == "dlrm":
+            raise ValueError("--sequence-parallel applies to the GPT models, not to dlrm")
+        self.shard_plans()  # refuse a malformed --plans now
+
+    @property
+    def chunk_count(self):
+        return "auto" if self.chunks == "auto" else int(self.chunks)
+
+    def shard_plans(self) -> dict[str, ShardPlan]:
+        plans = {}
+        for entry in self.plans:
+            kind, _, sizes = entry.partition("=")
+            try:
+                plans[kind.strip()] = ShardPlan(tuple(int(s) for s in sizes.split(":")))
+            except ValueError:
+                raise ValueError(f"cannot read --plans entry {entry!r}; write KIND=A:B, "
+                                 "e.g. heads=3:1") from None
+        return plans
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        experts = self.n_experts if self.model == "moe" else 0
+        return GPTConfig(vocab_size=vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
+                         n_head=self.n_head, n_embd=self.n_embd, n_experts=experts,
+                         top_k=self.top_k, mlp_ratio=2 if experts else 4)
+
+
+# --- models ------------------------------------------------------------------
+
+def build_gpt(cfg: TrainConfig, group=None, vocab_size: int = 97) -> GPT:
+    """The single-device GPT (or MoE-GPT) of ``cfg`` from its seed, made plait-TP on ``group``."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.gpt_config(vocab_size))
+    return apply_tp(model, group, cfg.shard_plans(), overlap=cfg.overlap,
+                    sequence_parallel=cfg.sequence_parallel, chunks=cfg.chunk_count)
+
+
+def build_dlrm(cfg: TrainConfig, group=None, dlrm: DLRMConfig | None = None) -> DLRM:
+    torch.manual_seed(cfg.seed)
+    model = DLRM(dlrm or DLRMConfig())
+    return apply_tp(model, group, cfg.shard_plans(), overlap=cfg.overlap, chunks=cfg.chunk_count)
+
+
+# --- the loop ----------------------------------------------------------------
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 10) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    done = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator,
+                loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], steps: int, *,
+                peak_lr: float | None = None,
+                on_step: Callable[[dict], None] | None = None) -> list[dict]:
+    """``steps`` optimizer steps; per step ``{"step", "loss", "time_s", "lr"}``.
+
+    ``loss_fn(model, batch)`` returns the (replicated) loss. ``time_s`` is this
+    rank's wall time for forward, backward and the update (not the data).
+    """
+    from .runtime import rank_context
+    import torch.distributed as dist
+
+    straggler = rank_context().straggler if dist.is_initialized() else None
+    model.train()
+    history = []
+    for step in range(steps):
+        batch = next(batches)
+        if peak_lr is not None:
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(step, steps, peak_lr)
+        if straggler is not None:
+            straggler.set_step(step)
+        start = time.perf_counter()
+        loss = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        record = {"step": step, "loss": loss.item(), "time_s": time.perf_counter() - start,
+                  "lr": optimizer.param_groups[0]["lr"]}
+        history.append(record)
+        if on_step is not None:
+            on_step(record)
+    return history
+
+
+def gpt_loss(model, batch) -> torch.Tensor:
+    x, y = batch
+    return model(x, y)[1]
+
+
+def dlrm_loss(model, batch) -> torch.Tensor:
+    dense, indices, offsets, labels, _ = batch
+    return F.binary_cross_entropy_with_logits(model(dense, indices, offsets), labels)
+
+
+@torch.no_grad()
+def evaluate_gpt(model, corpus: CharCorpus, cfg: TrainConfig) -> dict:
+    """Held-out cross-entropy and next-token accuracy over ``cfg.eval_batches`` fixed batches."""
+    model.eval()
+    gen = torch.Generator().manual_seed(10_000 + cfg.seed)
+    losses, correct, total = [], 0, 0
+    for _ in range(cfg.eval_batches):
+        x, y = corpus.batch("heldout", cfg.batch_size, cfg.seq_len, gen)
+        logits, loss = model(x, y)
+        losses.append(loss.item())
+        correct += int((logits.argmax(-1) == y).sum())
+        total += y.numel()
+    model.train()
+    return {"heldout_loss": sum(losses) / max(len(losses), 1),
+            "heldout_accuracy": correct / max(total, 1)}
+
+
+@torch.no_grad()
+def evaluate_dlrm(model, log: ClickLog, cfg: TrainConfig) -> dict:
+    """Held-out BCE, click accuracy and the planted model's loss (the floor) on fixed samples."""
+    model.eval()
+    gen = torch.Generator().manual_seed(10_000 + cfg.seed)
+    losses, bayes, correct, total = [], [], 0, 0
+    for _ in range(cfg.eval_batches):
+        dense, indices, offsets, labels, probs = log.sample(cfg.batch_size, gen)
+        logits = model(dense, indices, offsets)
+        losses.append(float(F.binary_cross_entropy_with_logits(logits, labels)))
+        bayes.append(ClickLog.bayes_loss(labels, probs))
+        correct += int(((logits > 0).float() == labels).sum())
+        total += labels.numel()
+    model.train()
+    n = max(len(losses), 1)
+    return {"heldout_loss": sum(losses) / n, "heldout_accuracy": correct / max(total, 1),
+            "planted_model_loss": sum(bayes) / n}
+
+
+def train_rank(cfg: TrainConfig) -> dict:
+    """What each rank runs: build, train, evaluate. Rank 0 reports progress."""
+    import torch.distributed as dist
+
+    from .runtime import rank_context
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    report = rank_context().report if dist.is_initialized() else (lambda payload: None)
+    if cfg.model == "dlrm":
+        dlrm_cfg = DLRMConfig()
+        model = build_dlrm(cfg, dlrm=dlrm_cfg)
+        log = ClickLog(dlrm_cfg.table_sizes, dlrm_cfg.dense_features, seed=cfg.seed)
+        batches, loss_fn, unit = log.batches(cfg.batch_size, seed=cfg.seed + 1), dlrm_loss, "samples"
+        per_step = cfg.batch_size
+    else:
+        corpus = CharCorpus.load()
+        model = build_gpt(cfg, vocab_size=corpus.vocab_size)
+        batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+        loss_fn, unit, per_step = gpt_loss, "tokens", cfg.batch_size * cfg.seq_len
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+    def on_step(record: dict) -> None:
+        record[f"{unit}_per_s"] = per_step / record["time_s"]
+        if rank == 0:
+            report({"step": record["step"], "loss": record["loss"],
+                    "rate": record[f"{unit}_per_s"], "unit": unit})
+
+    start = time.perf_counter()
+    history = train_steps(model, optimizer, batches, loss_fn, cfg.steps, peak_lr=cfg.lr,
+                          on_step=on_step)
+    train_s = time.perf_counter() - start
+    if cfg.model == "dlrm":
+        final = evaluate_dlrm(model, log, cfg)
+    else:
+        final = evaluate_gpt(model, corpus, cfg)
+    params = sum(p.numel() for p in model.parameters())  # this rank's share
+    paths = explain() if dist.is_initialized() else "one process: no collectives"
+    return {"records": history, "eval": final, "train_s": train_s, "unit": unit,
+            "params_rank": params, "parallel": getattr(model, "_plait_parallel", ""),
+            "paths": paths.splitlines()}
+
+
+def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None = None,
+          timeout_s: float | None = None, on_progress=None, slow=()) -> tuple[dict, str]:
+    """Train on ``ranks`` ranks (loopback, or ``hosts`` emulated hosts at ``link``);
+    rank 0's result and a line saying where it ran."""
+    from .bench.placement import run_placed
+
+    cfg = replace(cfg)  # validated
+    return run_placed(train_rank, cfg, ranks=ranks, hosts=hosts, link=link or "1gbit",
+                      timeout_s=timeout_s, on_progress=on_progress, slow=slow)
