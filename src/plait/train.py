@@ -28,8 +28,8 @@ from .nn import apply_tp
 from .ops import explain
 from .plan import ShardPlan
 
-__all__ = ["TrainConfig", "build_gpt", "build_dlrm", "train_steps", "evaluate_gpt",
-           "evaluate_dlrm", "train_rank", "train"]
+__all__ = ["TrainConfig", "build_gpt", "build_dlrm", "train_steps", "gpt_loss", "dlrm_loss",
+           "evaluate_gpt", "evaluate_dlrm", "train_rank", "train"]
 
 MODELS = ("gpt", "moe", "dlrm")
 # what an unset flag means, per model: tiny enough to train here in about a minute
@@ -104,6 +104,23 @@ class TrainConfig:
                 raise ValueError(f"cannot read --plans entry {entry!r}; write KIND=A:B, "
                                  "e.g. heads=3:1") from None
         return plans
+
+    def check_plans(self, world: int) -> None:
+        """Refuse, before anything starts, a plan that does not fit the model on ``world`` ranks."""
+        gpt = self.gpt_config(97)
+        dims = {"heads": (gpt.n_head, "heads"), "mlp": (gpt.mlp_ratio * gpt.n_embd, "columns"),
+                "experts": (self.n_experts, "experts"), "seq": (self.seq_len, "positions"),
+                "tables": (len(DLRMConfig().table_sizes), "tables"),
+                "batch": (self.batch_size, "samples")}
+        allowed = {"dlrm": ("tables", "batch"), "gpt": ("heads", "mlp", "seq"),
+                   "moe": ("heads", "experts", "seq")}[self.model]
+        for kind, plan in self.shard_plans().items():
+            if kind not in allowed:
+                raise ValueError(f"--plans {kind}=… does not apply to --model {self.model} "
+                                 f"(it takes {', '.join(allowed)})")
+            total, what = dims[kind]
+            plan.check(total, world, what=what, layer=f"--plans {kind}",
+                       allow_empty=kind in ("seq", "batch"))
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         experts = self.n_experts if self.model == "moe" else 0
@@ -268,5 +285,6 @@ def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None 
     from .bench.placement import run_placed
 
     cfg = replace(cfg)  # validated
+    cfg.check_plans(ranks)
     return run_placed(train_rank, cfg, ranks=ranks, hosts=hosts, link=link or "1gbit",
                       timeout_s=timeout_s, on_progress=on_progress, slow=slow)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..plan import ShardPlan
 
-__all__ = ["GroupInfo", "group_info", "compute_scope", "shard_of", "unshard", "mark_partial_grad",
+__all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "shard_of", "unshard", "mark_partial_grad",
            "resolve_plan", "check_full"]
 
 
@@ -47,6 +47,65 @@ def compute_scope(device: torch.device | None = None) -> Iterator[None]:
 
     with rank_context().straggler.compute(device):
         yield
+
+
+class _Scope:
+    """A straggler ``compute()`` scope opened in one autograd node and closed in another."""
+
+    def __init__(self, device):
+        self.device, self.open_cm = device, None
+
+    def open(self) -> None:
+        from ..runtime import rank_context
+
+        self.open_cm = rank_context().straggler.compute(self.device)
+        self.open_cm.__enter__()
+
+    def close(self) -> None:
+        if self.open_cm is not None:
+            cm, self.open_cm = self.open_cm, None
+            cm.__exit__(None, None, None)
+
+
+class _BackwardEnds(torch.autograd.Function):
+    """Identity. Its backward closes the scope: the layer's backward compute is done."""
+
+    @staticmethod
+    def forward(ctx, x, scope):
+        ctx.scope = scope
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.scope.close()
+        return grad, None
+
+
+class _BackwardStarts(torch.autograd.Function):
+    """Identity. Its backward opens the scope: the layer's backward compute begins."""
+
+    @staticmethod
+    def forward(ctx, y, scope):
+        ctx.scope = scope
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.scope.open()
+        return grad, None
+
+
+def straggled(compute, x: torch.Tensor) -> torch.Tensor:
+    """``compute(x)`` inside the rank's straggler scope, in the forward and, when ``x`` needs a
+    gradient, in the backward too (from the output's gradient arriving to the input's leaving),
+    so an emulated slow rank is slow at all of its compute, not only the forward's third."""
+    live = dist.is_available() and dist.is_initialized()
+    scope = _Scope(x.device) if live and torch.is_grad_enabled() and x.requires_grad else None
+    if scope is not None:
+        x = _BackwardEnds.apply(x, scope)
+    with compute_scope(x.device):
+        y = compute(x)
+    return y if scope is None else _BackwardStarts.apply(y, scope)
 
 
 def resolve_plan(plan: ShardPlan | None, units: int, info: GroupInfo, *, what: str, layer: str,

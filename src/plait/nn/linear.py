@@ -29,10 +29,11 @@ y                   [B, S, N]               replicated; [B, S_r, N] if sequence-
 overlap=True: ``matmul_all_reduce`` or ``matmul_reduce_scatter``; overlap=False:
 ``F.linear`` then ``reduce_from_region`` / ``reduce_scatter_region``.
 
-Straggler emulation wraps each layer's compute; the fused operators interleave
-their compute with their transfers, so there the whole operator is wrapped
-(its measured time includes the exposed part of the wire), while the plain
-path wraps only ``F.linear``.
+Straggler emulation wraps each layer's compute, forward and backward
+(``_shard.straggled``); the fused operators interleave their compute with their
+transfers, so there the whole operator is wrapped (its measured time includes
+the exposed part of the wire), while the plain path wraps only ``F.linear``
+and leaves the region collectives outside.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ..ops.pieces import even_sizes
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
-                     shard_of, unshard)
+                     shard_of, straggled, unshard)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -86,9 +87,12 @@ class _ParallelLinear(nn.Module):
         check_full(name, "bias", full_bias, (out_features,))
         if full_bias is not None and not bias:
             raise ValueError(f"{name}: a bias was given to a layer built with bias=False")
-        if sequence_parallel and seq_plan is not None and not isinstance(seq_plan, ShardPlan):
+        if seq_plan is not None and not isinstance(seq_plan, ShardPlan):
             raise TypeError(f"{name}: seq_plan must be a ShardPlan, got {type(seq_plan).__name__}")
         self.info = GroupInfo(group)
+        if seq_plan is not None and seq_plan.world != self.info.world:
+            raise ValueError(f"{name}: seq_plan {list(seq_plan.sizes)} names {seq_plan.world} "
+                             f"ranks, but the group has {self.info.world}")
         self.group, self.in_features, self.out_features = group, in_features, out_features
         self.unit, self.blocks = unit, blocks
         self.unit_name = unit_name or self.default_unit_name
@@ -154,19 +158,17 @@ class _ParallelLinear(nn.Module):
         plan = resolve_plan(plan, split // (self.unit * self.blocks), self.info,
                             what=self.unit_name, layer=name)
         full = self.full_state_dict()
-        grads = {k: getattr(self, k).grad for k in full}
-        full_grads = {k: None if g is None else self._gather_any(k, g) for k, g in grads.items()}
+        full_grads = self.full_state_dict(grads=True)  # always: every rank joins the same gathers
         self.plan = plan
         for key, value in full.items():
             param = getattr(self, key)
-            cut = self._cut(value) if key == "weight" else self._cut_bias(value)
-            param.data = cut
-            if full_grads[key] is not None:
-                param.grad = self._cut(full_grads[key]) if key == "weight" \
-                    else self._cut_bias(full_grads[key])
+            had_grad = param.grad is not None
+            param.data = self._cut_key(key, value)
+            if had_grad:
+                param.grad = self._cut_key(key, full_grads[key])
 
-    def _gather_any(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        return self._gather(tensor, self.shard_dim) if key == "weight" else self._gather_bias(tensor)
+    def _cut_key(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        return self._cut(full) if key == "weight" else self._cut_bias(full)
 
     def _gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         return unshard(local, self.plan, self.group, dim, blocks=self.blocks, unit=self.unit)
@@ -221,20 +223,16 @@ class ColumnParallelLinear(_ParallelLinear):
                 return F.linear(x, self.weight, self.bias)
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=True)
-            if self.overlap:
-                with compute_scope(x.device):  # the fused op: compute and wire interleaved
-                    y = self._gather_matmul(x, w, sizes)  # [B, S, N_r]
+            if self.overlap:  # the fused op: compute and wire interleaved
+                y = straggled(lambda x: self._gather_matmul(x, w, sizes), x)  # [B, S, N_r]
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
-                with compute_scope(x.device):
-                    y = F.linear(x, self.weight)
+                y = straggled(lambda x: F.linear(x, self.weight), x)
         elif self.overlap:
-            with compute_scope(x.device):
-                y = column_parallel_matmul(x, w, self.group, chunks=self.chunks)
+            y = straggled(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
         else:
             x = copy_to_region(x, self.group)
-            with compute_scope(x.device):
-                y = F.linear(x, self.weight)
+            y = straggled(lambda x: F.linear(x, self.weight), x)
         return y if self.bias is None else y + self.bias
 
 
@@ -291,19 +289,15 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
             if self.overlap:
-                with compute_scope(x.device):
-                    y = matmul_reduce_scatter(x, w, self.group, self.seq_dim, sizes=sizes,
-                                              chunks=self.chunks)  # [B, S_r, N]
+                y = straggled(lambda x: matmul_reduce_scatter(
+                    x, w, self.group, self.seq_dim, sizes=sizes, chunks=self.chunks), x)  # [B, S_r, N]
             else:
-                with compute_scope(x.device):
-                    y = F.linear(x, self.weight)
+                y = straggled(lambda x: F.linear(x, self.weight), x)
                 y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
         elif self.overlap:
-            with compute_scope(x.device):
-                y = matmul_all_reduce(x, w, self.group, chunks=self.chunks)
+            y = straggled(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks), x)
         else:
-            with compute_scope(x.device):
-                y = F.linear(x, self.weight)
+            y = straggled(lambda x: F.linear(x, self.weight), x)
             y = reduce_from_region(y, self.group)
         return y if self.bias is None else y + self.bias
 

@@ -38,7 +38,8 @@ from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
-from ._shard import GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan, unshard
+from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
+                     straggled, unshard)
 
 __all__ = ["MoE", "route_top_k", "experts_reference"]
 
@@ -118,27 +119,27 @@ class MoE(nn.Module):
                 return experts_reference(x2, weights, experts, self.w1, self.w2).view(shape)
         if self.replicated_input:
             x2 = scatter_to_region(x2, self.group, 0)  # [T_r, H]: this rank's share
-        out = self._expert_parallel(x2)
+        # the fused ops interleave the expert GEMMs and the wire, and the small count exchange
+        # sits between routing and dispatch: the whole expert-parallel step is one scope
+        out = straggled(self._expert_parallel, x2)
         if self.replicated_input:
             out = gather_from_region(out, self.group, 0)
         return out.view(shape)
 
     def _expert_parallel(self, x2: torch.Tensor) -> torch.Tensor:
-        with compute_scope(x2.device):
-            weights, experts = route_top_k(self.router(x2), self.top_k)  # [T, k] each
-            flat = experts.reshape(-1)                                     # [T·k]
-            order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
-            token = order // self.top_k
-            counts = torch.bincount(flat, minlength=self.num_experts)    # [E]
-            x_send = x2.index_select(0, token)                            # [T·k, H], (rank, expert)
+        weights, experts = route_top_k(self.router(x2), self.top_k)  # [T, k] each
+        flat = experts.reshape(-1)                                     # [T·k]
+        order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts)    # [E]
+        x_send = x2.index_select(0, token)                            # [T·k, H], (rank, expert)
         send, recv = self._counts(counts)
         chunks = self.chunks if self.overlap else 1
-        with compute_scope(x2.device):  # the fused ops: expert GEMMs and wire interleaved
-            h = all_to_all_matmul(x_send, self.w1, send, recv, self.group, chunks=chunks)
-            h = F.gelu(h)                                                 # [T_recv, F]
-            y = matmul_all_to_all(h, self.w2, send, recv, self.group, chunks=chunks)  # [T·k, H]
-            y = y * weights.reshape(-1)[order].unsqueeze(1)
-            return torch.zeros_like(x2).index_add(0, token, y)
+        h = all_to_all_matmul(x_send, self.w1, send, recv, self.group, chunks=chunks)
+        h = F.gelu(h)                                                 # [T_recv, F]
+        y = matmul_all_to_all(h, self.w2, send, recv, self.group, chunks=chunks)  # [T·k, H]
+        y = y * weights.reshape(-1)[order].unsqueeze(1)
+        return torch.zeros_like(x2).index_add(0, token, y)
 
     def _counts(self, counts: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
         """(send_counts [W][E_d], recv_counts [W][E_r]) from every rank's per-expert counts."""

@@ -10,7 +10,11 @@ so the curve is interpolated rather than fitted with one α–β line.
 The pipeline it predicts, for p pieces of compute C and wire bytes V:
 
     c = C / p,   m = t_comm(V / p)
-    T(p) = c + m + (p − 1)·max(c·(1 + k), m) + (p − 1)·o,   T(1) = C + t_comm(V)
+    T(p) = c + m + (p − 1)·(max(c + k·min(c, m), m) + o),   T(1) = C + t_comm(V)
+
+(the same pipeline as :func:`plait.perf.pipeline.fused_time`, with the piece's
+transfer read off the measured curve instead of an α–β line; k slows compute
+only while a transfer runs beside it).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -63,7 +67,7 @@ class Calibration:
             return t_compute + self.comm_time(kind, wire_bytes)
         c, m = t_compute / pieces, self.comm_time(kind, wire_bytes / pieces)
         k, o = self.profile.overlap_slowdown, self.profile.per_piece_overhead_s
-        return c + m + (pieces - 1) * (max(c * (1 + k), m) + o)
+        return c + m + (pieces - 1) * (max(c + k * min(c, m), m) + o)
 
 
 def from_profile(profile: MachineProfile) -> Calibration:
@@ -107,10 +111,27 @@ def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
 
 
 def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) -> tuple[float, float]:
-    """k and o from a real 2- and 4-piece matmul + all_reduce pipeline (compute-bound: c > m)."""
-    wire = out.numel() * 4 * 2 * (dist.get_world_size(group) - 1) / dist.get_world_size(group)
+    """k: how much slower the matmul runs while a transfer shares its cores (timed alone and
+    under a 4 MiB all_reduce in flight); o: what a real 4-piece matmul + all_reduce
+    pipeline takes beyond the model's prediction with that k and no overhead."""
+    dev = meta_device(group)
+    big = torch.empty(int(CURVE_BYTES[-1] / 4), device=dev)
 
-    def pipeline(pieces: int) -> None:
+    def under_transfer() -> float:
+        work = dist.all_reduce(big, group=group, async_op=True)
+        start = time.perf_counter()
+        torch.matmul(x, w, out=out)
+        sync(dev)
+        elapsed = time.perf_counter() - start
+        work.wait()
+        return elapsed
+
+    shared = sorted(_fastest_value(under_transfer, group) for _ in range(5))[2]  # median
+    k = max(0.0, shared / compute_s - 1.0)
+    n = dist.get_world_size(group)
+    fitted = Calibration(replace(cal.profile, overlap_slowdown=k), cal.memory_Bps, cal.curves)
+
+    def pipeline(pieces: int = 4) -> None:
         works, rows = [], out.shape[0] // pieces
         for lo in range(0, out.shape[0], rows):
             torch.matmul(x[lo:lo + rows], w, out=out[lo:lo + rows])
@@ -118,14 +139,35 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
         for work in works:
             work.wait()
 
-    # per piece beyond the first: c(1+k) + o  =  (T(p) − c − m) / (p − 1)
-    per = {}
-    for p in (2, 4):
-        measured = _fastest(lambda p=p: pipeline(p), group, 3)
-        per[p] = (measured - compute_s / p - cal.comm_time("all_reduce", wire / p)) / (p - 1)
-    k = max(0.0, (per[2] - per[4]) / (compute_s / 4) - 1.0)
-    o = max(0.0, per[4] - compute_s / 4 * (1.0 + k))
+    # o: what a real 4-piece pipeline takes beyond the model with o = 0, per extra piece
+    ideal = fitted.pipeline_time(compute_s, "all_reduce", out.numel() * 4 * 2 * (n - 1) / n, 4)
+    o = max(0.0, (_median(pipeline, group, 5) - ideal) / 3)
     return k, o
+
+
+def _median(fn, group, repeats: int) -> float:
+    """The median of ``repeats`` timed calls (after one warm-up), slowest rank's."""
+    dev = meta_device(group)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - start)
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.median())
+
+
+def _fastest_value(fn, group) -> float:
+    """``fn()`` returns its own duration; the slowest rank's, after a barrier."""
+    dist.barrier(group=group)
+    t = torch.tensor([fn()], dtype=torch.float64, device=meta_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
 
 
 def _fastest(fn, group, repeats: int) -> float:

@@ -44,7 +44,7 @@ class Decision:
 class OpsContext:
     group: object = None
     calibrated: Calibration | None = None
-    max_chunks: int = 16
+    max_chunks: int = 8  # beyond this, per-piece costs win on every link measured here
     # "always": one small all_gather of shapes per call (≈ one latency, 0.4 ms on the
     # emulated 1 Gbit/s link); "never": trust the caller where an operator needs no
     # global facts (MoE with a fixed chunk count).

@@ -9,13 +9,14 @@ received while piece i is computed: the same pipeline mirrored).  With
 
 the operator takes
 
-    T(p) = c + m + (p - 1) * max(c * (1 + k), m) + (p - 1) * o
+    T(p) = c + m + (p - 1) * max(c + k * min(c, m), m) + (p - 1) * o
 
 the first piece's compute, the overlapped middle, the last piece's collective,
 a per-piece overhead ``o`` (launch, stream/event sync, smaller and less
 efficient kernels), and an overlap slowdown ``k``: compute that shares the
-machine with a running collective goes 1 + k times slower (CPU cycles spent on
-the transport; on GPUs, SMs and memory bandwidth taken by the collective).
+machine with a running collective goes 1 + k times slower while the collective
+runs, i.e. for min(c, m) of each step (CPU cycles spent on the transport; on
+GPUs, SMs and memory bandwidth taken by the collective).
 T(1) = t_compute + t_comm exactly: one piece is the unfused operator.  The
 physical limit is max(t_compute, t_comm).
 """
@@ -82,7 +83,7 @@ def fused_time(t_compute_s, t_comm_s, chunks, profile_or_overheads=None, *,
     c = tc / p
     m = (tm - lat) / p + lat
     k = _slowdown(profile_or_overheads)
-    t = c + m + (p - 1.0) * np.maximum(c * (1.0 + k), m) + (p - 1.0) * _overhead(profile_or_overheads)
+    t = c + m + (p - 1.0) * np.maximum(c + k * np.minimum(c, m), m) + (p - 1.0) * _overhead(profile_or_overheads)
     return float(t) if t.ndim == 0 else t
 
 
