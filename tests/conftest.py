@@ -11,3 +11,12 @@ needs_netns = pytest.mark.skipif(cluster_support() is not None,
 def pytest_configure(config):
     config.addinivalue_line("markers", "netns: needs root and iproute2 (emulated cluster)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # chunks="auto" reads a saved profile instead of calibrating in every launched group
+    # (≈ 1 s each); tests/ops/test_calibration.py measures one for real.
+    import tempfile
+
+    from plait.perf.calibrate import DEFAULT_PROFILE
+
+    path = os.path.join(tempfile.mkdtemp(prefix="plait-test-"), "profile.json")
+    DEFAULT_PROFILE.save(path)
+    os.environ["PLAIT_PROFILE"] = path

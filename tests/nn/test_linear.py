@@ -92,7 +92,7 @@ def _even(total):
 
 def _reshard_case(uneven):
     """Column and row layers moved to another plan: the same weights, gradients and outputs."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = []
     for cls, dim in ((ColumnParallelLinear, 0), (RowParallelLinear, 1)):
         lin, x_ref, g, y_ref = _reference(12, 12, seed=7)
@@ -206,3 +206,30 @@ def test_one_process_without_a_group_is_the_plain_layer():
     assert torch.equal(col.to_module().weight, lin.weight)
     with pytest.raises(ValueError, match="name 2 ranks, but the group has 1"):
         ColumnParallelLinear(4, 4, plan=ShardPlan((2, 2)))
+
+
+# --- straggler emulation: forward and backward compute are both slowed --------
+
+def _straggled():
+    from plait.runtime import rank_context
+
+    lin = nn.Linear(256, 256)
+    straggler = rank_context().straggler
+    out = []
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = cls.from_module(lin, chunks=2)
+        x = torch.randn(64, 256 if cls is ColumnParallelLinear else 128, requires_grad=True)
+        before = straggler.delayed_s
+        y = layer(x)
+        forward = straggler.delayed_s - before
+        y.sum().backward()
+        out.append((forward, straggler.delayed_s - before - forward))
+    return out
+
+
+def test_a_slow_rank_is_slow_in_forward_and_backward():
+    from plait.runtime import launch, parse_slow
+
+    fast, slow = launch(_straggled, 2, slow=[parse_slow("1:3")], timeout_s=30, threads=1)
+    assert all(f == 0 and b == 0 for f, b in fast), fast
+    assert all(f > 0 and b > 0 for f, b in slow), slow

@@ -138,3 +138,12 @@ def test_apply_tp_refuses_bad_plans():
     assert "plans ['head'] name neither a kind" in seen["typo"]
     assert "sum to 31 columns, but the dimension has 32" in seen["mlp"]
 
+
+
+def test_one_process_without_a_group_changes_nothing():
+    for experts in (0, 4):
+        ref, idx, targets = _gpt_problem(experts)
+        par = apply_tp(copy.deepcopy(ref), sequence_parallel=True)
+        assert torch.equal(ref(idx, targets)[1], par(idx, targets)[1])
+    ref, inputs, _ = _dlrm_problem({"tables_n": 3})
+    assert torch.equal(ref(*inputs), apply_tp(copy.deepcopy(ref))(*inputs))
