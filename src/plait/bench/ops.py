@@ -211,13 +211,24 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     }
 
 
+def _on_device(case, device: torch.device):
+    """Move the case's tensors (and lists of them) to the rank's device (cases build on CPU)."""
+    for name, value in vars(case).items():
+        if isinstance(value, torch.Tensor):
+            setattr(case, name, value.to(device))
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            setattr(case, name, [v.to(device) for v in value])
+    return case
+
+
 def run_ops_sweep(cfg: OpsBenchConfig) -> list[dict]:
     """Run on every rank of an initialised group; returns the records (same on every rank)."""
     ctx = rank_context()
     get_context().calibration()  # calibrate once, before anything is timed
     records = []
+    device = ctx.topology.device
     for op, shape in cfg.shapes():
-        case = CASES[op](shape, torch.float32)
+        case = _on_device(CASES[op](shape, torch.float32), device)
         records.append(_bench_case(case, cfg))
         ctx.report({"op": op, "shape": shape})
     return records

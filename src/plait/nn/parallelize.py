@@ -102,9 +102,11 @@ def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool =
                 mark_partial_grad(param, group)
     if sequence_parallel and info.world > 1 and len(model.blocks):
         _split_sequence(model.blocks[0], model.blocks[-1], group, seq)
-    _log_once(info, model, f"GPT: {len(model.blocks)} blocks tensor-parallel on {info.world} ranks"
-              f" ({'fused' if overlap else 'plain'} path"
-              f"{', sequence-parallel' if sequence_parallel else ''})")
+    moe = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
+    experts = f", {moe[0].num_experts} experts per MLP expert-parallel" if moe else ""
+    _log_once(info, model, f"{'MoE-GPT' if moe else 'GPT'}: {len(model.blocks)} blocks "
+              f"tensor-parallel on {info.world} ranks{experts} ({'fused' if overlap else 'plain'} "
+              f"path{', sequence-parallel' if sequence_parallel else ''})")
     return model
 
 
