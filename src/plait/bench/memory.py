@@ -22,8 +22,10 @@ class _PeakTensorMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view, an in-place or an out= op: no new memory
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor._base is None:
+            if isinstance(tensor, torch.Tensor):
                 self._track(tensor)
         return out
 
