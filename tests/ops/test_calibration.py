@@ -19,7 +19,7 @@ def test_measured_on_the_group_and_the_same_everywhere():
     p = a.profile
     assert p.compute_flops > 1e8 and a.memory_Bps > 1e7 and p.latency_s > 0
     assert p.overlap_slowdown >= 0 and p.per_piece_overhead_s >= 0
-    for kind in ("all_reduce", "all_to_all"):
+    for kind in ("all_reduce", "all_to_all", "all_gather"):
         sizes = [b for b, _ in a.curves[kind]]
         assert sizes == list(CURVE_BYTES)
         assert all(t > 0 for _, t in a.curves[kind])

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..perf.calibrate import MachineProfile
+from ..runtime.compat import all_gather_into
 from ..runtime.timing import sync
 from .agree import meta_device
 
@@ -86,8 +87,7 @@ def measure(group=None) -> Calibration:
     ids = torch.randint(0, table.shape[0], (65536,), device=dev)
     memory_s = _median(lambda: table.index_select(0, ids), group, 5)
     alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8, device=dev), group=group), group, 10)
-    curves = {kind: _curve(group, n, kind, dev) for kind in ("all_reduce", "all_to_all")}
-    curves["all_gather"] = curves["all_to_all"]  # same traffic pattern: every peer gets a share
+    curves = {kind: _curve(group, n, kind, dev) for kind in ("all_reduce", "all_to_all", "all_gather")}
     cal = Calibration(MachineProfile(latency_s=alpha, bandwidth_Bps=CURVE_BYTES[-1] / curves["all_reduce"][-1][1],
                                      compute_flops=2 * 512 * 2048 * 1024 / compute_s, world_size=n,
                                      source="measured on the running group (plait.ops.calibration)"),
@@ -103,6 +103,10 @@ def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
         if kind == "all_reduce":  # a ring all_reduce of S bytes puts 2(n−1)/n·S on the wire
             buf = torch.empty(max(1, int(wire / (2 * (n - 1) / n)) // 4), device=dev)
             t = _median(lambda: dist.all_reduce(buf, group=group), group, 3)
+        elif kind == "all_gather":  # every rank sends its shard to n−1 peers
+            shard = torch.empty(max(1, int(wire / (n - 1)) // 4), device=dev)
+            gathered = torch.empty(shard.numel() * n, device=dev)
+            t = _median(lambda: all_gather_into(gathered, shard, group=group), group, 3)
         else:  # all_to_all of S bytes sends (n−1)/n·S to the peers
             count = max(n, int(wire * n / (n - 1)) // 4 // n * n)
             send, recv = torch.empty(count, device=dev), torch.empty(count, device=dev)
