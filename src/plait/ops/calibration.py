@@ -92,7 +92,10 @@ def measure(group=None) -> Calibration:
                                      compute_flops=2 * 512 * 2048 * 1024 / compute_s, world_size=n,
                                      source="measured on the running group (plait.ops.calibration)"),
                       memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves)
-    k, o = _pipeline_overheads(cal, x, w, out, compute_s, group)
+    # k and o are differences of two timings; noise only ever adds time, so they
+    # come from the fastest runs of each side, not from the medians above
+    fastest_compute = _fastest(lambda: torch.matmul(x, w, out=out), group, 5)
+    k, o = _pipeline_overheads(cal, x, w, out, fastest_compute, group)
     profile = MachineProfile(**{**cal.profile.to_dict(), "per_piece_overhead_s": o, "overlap_slowdown": k})
     return _agree(Calibration(profile, cal.memory_Bps, cal.curves), group)
 
@@ -131,7 +134,7 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
         work.wait()
         return elapsed
 
-    shared = sorted(_fastest_value(under_transfer, group) for _ in range(5))[2]  # median
+    shared = min(_fastest_value(under_transfer, group) for _ in range(5))
     k = max(0.0, shared / compute_s - 1.0)
     n = dist.get_world_size(group)
     fitted = Calibration(replace(cal.profile, overlap_slowdown=k), cal.memory_Bps, cal.curves)
@@ -146,7 +149,7 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
 
     # o: what a real 4-piece pipeline takes beyond the model with o = 0, per extra piece
     ideal = fitted.pipeline_time(compute_s, "all_reduce", out.numel() * 4 * 2 * (n - 1) / n, 4)
-    o = max(0.0, (_median(pipeline, group, 5) - ideal) / 3)
+    o = max(0.0, (_fastest(pipeline, group, 5) - ideal) / 3)
     return k, o
 
 

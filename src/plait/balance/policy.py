@@ -1,0 +1,240 @@
+"""Balancing decisions: pure functions of measured speeds that return plans and actions.
+
+Nothing here touches torch or torch.distributed; the caller applies what it is
+told (``plait.balance.migrate`` for a new plan, the layers for resize
+fractions). Speeds are work per second, relative (fastest = 1), as
+``SpeedMonitor.speeds()`` gives them; because they count work, not time, they
+do not change when a plan moves work, so a decision made from them is stable.
+
+Rank r with speed s_r owning n_r units of which it computes a fraction k_r
+takes ``t_r ∝ n_r k_r / s_r``; the collective after it waits for ``max_r t_r``.
+
+    >>> static_plan(64, [1.0, 0.5], quantum=8).sizes
+    (40, 24)
+    >>> resize_fraction([1.0, 0.5], 1)
+    0.5
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..plan import ShardPlan
+
+__all__ = ["POLICIES", "PolicyConfig", "Action", "SemiPolicy", "static_plan", "resize_fraction",
+           "resize_fractions", "imbalance", "check_speeds"]
+
+POLICIES = ("even", "static", "resize", "migrate", "semi")  # the names perf.hetero uses too
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """How the balancer decides. Ratios are slowest-to-fastest step-time ratios (≥ 1)."""
+
+    name: str = "semi"
+    """even | static (one proportional plan, once) | resize | migrate | semi (resize spikes,
+    migrate what persists)."""
+    quantum: int = 1
+    """Plan sizes are multiples of this many units (what the hardware likes, e.g. 8 or 64)."""
+    trigger: float = 1.2
+    """Act once the predicted imbalance (slowest / fastest rank time) reaches this."""
+    release: float = 1.1
+    """Count as balanced again only below this; ``release < trigger`` is the hysteresis."""
+    spike_steps: int = 20
+    """semi: an imbalance lasting fewer steps is a spike (resized, then undone); one that
+    lasts this long persists and is migrated."""
+    settle_steps: int = 5
+    """Steps of balance before resizing is undone or a migrated plan returns to even."""
+    max_skip: float = 0.5
+    """The largest fraction of its reduction dim a resized rank may skip (0 ≤ . < 1)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown balancing policy {self.name!r}; known: {', '.join(POLICIES)}")
+        for field in ("quantum", "spike_steps", "settle_steps"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if not (1.0 < self.release < self.trigger and math.isfinite(self.trigger)):
+            raise ValueError(f"need 1 < release < trigger for hysteresis, got release="
+                             f"{self.release}, trigger={self.trigger}")
+        if not 0.0 <= self.max_skip < 1.0:
+            raise ValueError(f"max_skip must be in [0, 1) (a rank keeps some of its work), "
+                             f"got {self.max_skip}")
+
+
+@dataclass(frozen=True)
+class Action:
+    """What to apply at this step boundary.
+
+    kind: ``none`` | ``resize`` (``fractions[r]``: the share of its reduction dim rank r
+    computes) | ``migrate`` (move to ``plan`` exactly; any resizing ends) | ``undo``
+    (end resizing, keep the plan). ``reason`` says why, for the log.
+    """
+
+    kind: str
+    reason: str
+    plan: ShardPlan | None = None
+    fractions: tuple[float, ...] | None = None
+
+
+def check_speeds(speeds: Sequence[float], world: int | None = None) -> tuple[float, ...]:
+    """Speeds as floats, refused unless positive, finite and one per rank."""
+    out = tuple(float(s) for s in speeds)
+    if not out or any(not math.isfinite(s) or s <= 0 for s in out):
+        raise ValueError(f"speeds {list(out)} must be positive and finite, one per rank")
+    if world is not None and len(out) != world:
+        raise ValueError(f"speeds {list(out)} name {len(out)} ranks, but the group has {world}")
+    return out
+
+
+def static_plan(total: int, speeds: Sequence[float], quantum: int = 1, *,
+                allow_empty: bool = False) -> ShardPlan:
+    """``total`` units in shares proportional to ``speeds``, in whole quanta, summing exactly.
+
+    Every rank gets at least one quantum unless ``allow_empty``; a dim with fewer
+    quanta than ranks is then refused rather than starving a rank.
+    """
+    speeds = check_speeds(speeds)
+    if quantum < 1 or total < 0 or total % quantum:
+        raise ValueError(f"total {total} is not a non-negative multiple of the quantum {quantum}; "
+                         f"pick a quantum that divides it (e.g. {math.gcd(total, quantum) or 1})")
+    if not allow_empty and total // quantum < len(speeds):
+        raise ValueError(f"{total} units in quanta of {quantum} give {total // quantum} quanta, "
+                         f"fewer than the {len(speeds)} ranks that each need some work")
+    return ShardPlan.proportional(total, speeds, quantum=quantum, minimum=0 if allow_empty else 1)
+
+
+def resize_fractions(speeds: Sequence[float], plan: ShardPlan | None = None,
+                     max_skip: float = 1.0) -> tuple[float, ...]:
+    """The share of its reduction dim each rank keeps so that all finish with the fastest.
+
+    Under ``plan`` (even if None) rank r takes ``n_r k_r / s_r``; the pace is the
+    quickest rank's ``min_r n_r / s_r`` and k_r is clipped to ``[1 - max_skip, 1]``.
+    """
+    speeds = check_speeds(speeds)
+    sizes = [1] * len(speeds) if plan is None else list(plan.sizes)
+    if len(sizes) != len(speeds):
+        raise ValueError(f"speeds {list(speeds)} name {len(speeds)} ranks, plan {sizes} {len(sizes)}")
+    times = [n / s for n, s in zip(sizes, speeds)]
+    pace = min(t for t in times if t > 0) if any(times) else 0.0
+    return tuple(1.0 if t <= pace else max(1.0 - max_skip, pace / t) for t in times)
+
+
+def resize_fraction(speeds: Sequence[float], rank: int, plan: ShardPlan | None = None,
+                    max_skip: float = 1.0) -> float:
+    """Rank ``rank``'s entry of :func:`resize_fractions`."""
+    fractions = resize_fractions(speeds, plan, max_skip)
+    if not 0 <= rank < len(fractions):
+        raise ValueError(f"rank {rank} is outside the {len(fractions)} ranks of speeds {list(speeds)}")
+    return fractions[rank]
+
+
+def imbalance(speeds: Sequence[float], plan: ShardPlan | None = None,
+              fractions: Sequence[float] | None = None) -> float:
+    """Slowest over fastest rank time (1 = balanced) under ``plan`` and ``fractions``."""
+    speeds = check_speeds(speeds)
+    sizes = [1] * len(speeds) if plan is None else plan.sizes
+    keep = [1.0] * len(speeds) if fractions is None else fractions
+    times = [n * k / s for n, k, s in zip(sizes, keep, speeds) if n * k > 0]
+    return max(times) / min(times) if times else 1.0
+
+
+class SemiPolicy:
+    """The balancer's state machine for one layer (one sharded dim of ``total`` units).
+
+    Call ``step(speeds)`` once per training step with the latest shared speeds;
+    apply the returned :class:`Action`. With ``name="semi"``: an imbalance at or
+    above ``trigger`` is bridged at once by resizing; if it lasts ``spike_steps``
+    it is migrated to a proportional plan (exact) and the resizing ends; once the
+    speeds are balanced (below ``release``) for ``settle_steps`` the resizing is
+    undone, or the plan returns to even. The other names use the parts they say.
+    """
+
+    def __init__(self, config: PolicyConfig, total: int, world: int):
+        self.config, self.total, self.world = config, total, world
+        self.even = ShardPlan.even(total, world, config.quantum)
+        static_plan(total, [1.0] * world, config.quantum)  # refuse a dim too small for the group
+        self.plan: ShardPlan = self.even
+        self.fractions: tuple[float, ...] | None = None
+        self.imbalanced_steps = 0  # consecutive steps the current plan was out of balance
+        self.balanced_steps = 0  # consecutive steps the speeds were balanced
+        self.done_static = False
+        self.log: list[tuple[int, Action]] = []
+        self.steps = 0
+
+    def step(self, speeds: Sequence[float]) -> Action:
+        speeds = check_speeds(speeds, self.world)
+        cfg = self.config
+        raw = imbalance(speeds)  # the speeds themselves, whatever the plan
+        on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
+        self.imbalanced_steps = self.imbalanced_steps + 1 if on_plan >= cfg.trigger else 0
+        self.balanced_steps = self.balanced_steps + 1 if raw < cfg.release else 0
+        action = self._decide(speeds, raw, on_plan)
+        self._apply(action)
+        if action.kind != "none":
+            self.log.append((self.steps, action))
+        self.steps += 1
+        return action
+
+    # --- the rules, in priority order --------------------------------------
+    def _decide(self, speeds, raw: float, on_plan: float) -> Action:
+        cfg, name = self.config, self.config.name
+        figures = f"speeds {_fmt(speeds)}, imbalance {on_plan:.2f} on plan {list(self.plan.sizes)}"
+        if name == "even":
+            return Action("none", "policy even never acts")
+        if name == "static":
+            if self.done_static or on_plan < cfg.trigger:
+                return Action("none", "static: plan fixed" if self.done_static else figures)
+            self.done_static = True
+            return self._migrate(speeds, f"static: one proportional plan for {figures}")
+        settled = self.balanced_steps >= cfg.settle_steps
+        if self.fractions is not None and settled:
+            return Action("undo", f"balanced for {self.balanced_steps} steps "
+                                  f"(< {cfg.release}): {figures}")
+        if self.plan != self.even and settled and name in ("migrate", "semi"):
+            return Action("migrate", f"slowdown over for {self.balanced_steps} steps: back to "
+                                     f"the even plan; {figures}", plan=self.even)
+        if self.fractions is not None and imbalance(speeds, self.plan, self.fractions) >= cfg.trigger:
+            return self._resize(speeds, f"speeds moved under the resizing; {figures}")
+        if on_plan < cfg.trigger or raw < cfg.release:
+            return Action("none", figures)  # in the hysteresis band or balanced: keep as is
+        if name == "migrate" or (name == "semi" and self.imbalanced_steps >= cfg.spike_steps):
+            why = "persisted" if name == "semi" else "policy migrate"
+            return self._migrate(speeds, f"{why} ({self.imbalanced_steps} steps): {figures}")
+        if name in ("resize", "semi") and self.fractions is None:
+            kind = "a spike" if name == "semi" else "a slowdown"
+            return self._resize(speeds, f"bridging {kind}; {figures}")
+        return Action("none", figures)
+
+    def _resize(self, speeds, reason: str) -> Action:
+        fractions = resize_fractions(speeds, self.plan, self.config.max_skip)
+        if all(f == 1.0 for f in fractions):
+            if self.fractions is None:
+                return Action("none", f"no rank can be resized (max_skip {self.config.max_skip}); "
+                                      f"{reason}")
+            return Action("undo", f"no rank needs resizing: {reason}")
+        if fractions == self.fractions:
+            return Action("none", f"resizing {_fmt(fractions)} unchanged; {reason}")
+        return Action("resize", f"keep {_fmt(fractions)}: {reason}", fractions=fractions)
+
+    def _migrate(self, speeds, reason: str) -> Action:
+        plan = static_plan(self.total, speeds, self.config.quantum)
+        if plan == self.plan:
+            return Action("none", f"proportional plan {list(plan.sizes)} is the current one; "
+                                  f"{reason}")
+        return Action("migrate", f"to {list(plan.sizes)}: {reason}", plan=plan)
+
+    def _apply(self, action: Action) -> None:
+        if action.kind == "migrate":
+            self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
+        elif action.kind == "resize":
+            self.fractions = action.fractions
+        elif action.kind == "undo":
+            self.fractions = None
+
+
+def _fmt(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
