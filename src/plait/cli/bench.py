@@ -7,6 +7,7 @@ import argparse
 from ..bench.collectives import CollectiveBenchConfig, bench_collectives, plot_bandwidth
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
 from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
+from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..runtime import parse_rate
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, add_output_args, resolve_placement
@@ -36,6 +37,14 @@ def register(subparsers) -> None:
     add_output_args(ops)
     add_dataclass_args(ops, OpsBenchConfig)
     ops.set_defaults(func=run_ops)
+    tp = which.add_parser("tp", help="plait's tensor parallelism against PyTorch's (DTensor) on a GPT",
+                          description="The same GPT, weights, batches and optimizer under plait "
+                                      "(fused and plain) and torch.distributed.tensor.parallel; "
+                                      "median step time, tokens/s and the largest loss difference.")
+    add_launch_args(tp)
+    add_output_args(tp)
+    add_dataclass_args(tp, TPBenchConfig)
+    tp.set_defaults(func=run_tp)
 
 
 def run_collectives(args: argparse.Namespace) -> int:
@@ -109,3 +118,33 @@ def run_ops(args: argparse.Namespace) -> int:
         plot_ops(records, args.plot)
         console.print(f"wrote {args.plot}")
     return 0 if summary["all_correct"] else 1
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    ranks, hosts, link = resolve_placement(args)
+    cfg = dataclass_from_args(TPBenchConfig, args, defaults=QUICK_TP if args.quick else None)
+    cfg.check_world(ranks)
+    with progress_bar("bench tp", cfg.total_steps, enabled=not args.no_progress) as advance:
+        records, where = bench_tp(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
+                                  on_progress=lambda rank, p: rank == 0 and advance(
+                                      note=f"step {p['step'] + 1}/{p['of']}"))
+    if not where.startswith("loopback (no emulated cluster:"):
+        console.print(f"[dim]{where}[/dim]")
+    rows = [[r["system"], _ms(r["t_step_s"]), f"{r['tokens_per_s']:,.0f}",
+             f"{r['speedup_vs_pytorch_tp']:.2f}" if r["speedup_vs_pytorch_tp"] else "–",
+             f"{r['max_loss_diff']:.2e} (vs {r['loss_diff_vs']})" if r["max_loss_diff"] is not None
+             else "–", f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}"] for r in records]
+    model = records[0]["model"] if records else {}
+    shape = ", ".join(f"{k} {v}" for k, v in model.items())
+    print_table(f"tensor parallelism on {ranks} ranks ({records[0]['link'] if records else ''}): "
+                f"GPT {shape}", ["system", "step (ms)", "tokens/s", "× pytorch-tp",
+                                 f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
+                rows, caption=f"median over {cfg.steps} timed steps after {cfg.warmup} warm-up, "
+                              "each step's time the slowest rank's; steps interleaved")
+    summary = summarize_tp(records)
+    for key, value in summary.items():
+        console.print(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
+    if args.json:
+        write_json(args.json, records, {"command": "bench tp", "where": where, "summary": summary})
+        console.print(f"wrote {args.json}")
+    return 0 if summary.get("losses_agree_1e-4", True) else 1

@@ -38,33 +38,41 @@ def group_info(group=None) -> GroupInfo:
 
 
 @contextlib.contextmanager
-def compute_scope(device: torch.device | None = None) -> Iterator[None]:
-    """The rank's straggler emulation around a layer's local compute (a no-op outside a group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+def compute_scope(device: torch.device | None = None, timer=None, work: float = 0.0) -> Iterator[None]:
+    """A layer's local compute region: the rank's straggler emulation (a no-op outside a group)
+    and, when the layer has a ``compute_timer`` (``plait.balance.SpeedMonitor.attach``), its
+    timing, which includes the emulated delay: a slow rank is measured slow."""
+    region = _Region(device, timer, work)
+    region.open()
+    try:
         yield
-        return
-    from ..runtime import rank_context
-
-    with rank_context().straggler.compute(device):
-        yield
+    finally:
+        region.close()
 
 
-class _Scope:
-    """A straggler ``compute()`` scope opened in one autograd node and closed in another."""
+class _Region:
+    """A compute region that may open in one autograd node and close in another."""
 
-    def __init__(self, device):
-        self.device, self.open_cm = device, None
+    def __init__(self, device, timer=None, work: float = 0.0):
+        self.device, self.timer, self.work = device, timer, work
+        self.open_cm = self.token = None
 
     def open(self) -> None:
-        from ..runtime import rank_context
+        if self.timer is not None:  # outermost, so the straggler's sleep is inside it
+            self.token = self.timer.begin(self.device)
+        if dist.is_available() and dist.is_initialized():
+            from ..runtime import rank_context
 
-        self.open_cm = rank_context().straggler.compute(self.device)
-        self.open_cm.__enter__()
+            self.open_cm = rank_context().straggler.compute(self.device)
+            self.open_cm.__enter__()
 
     def close(self) -> None:
         if self.open_cm is not None:
             cm, self.open_cm = self.open_cm, None
             cm.__exit__(None, None, None)
+        if self.token is not None:
+            token, self.token = self.token, None
+            self.timer.end(token, self.work)
 
 
 class _BackwardEnds(torch.autograd.Function):
@@ -95,15 +103,16 @@ class _BackwardStarts(torch.autograd.Function):
         return grad, None
 
 
-def straggled(compute, x: torch.Tensor) -> torch.Tensor:
-    """``compute(x)`` inside the rank's straggler scope, in the forward and, when ``x`` needs a
-    gradient, in the backward too (from the output's gradient arriving to the input's leaving),
-    so an emulated slow rank is slow at all of its compute, not only the forward's third."""
+def straggled(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.Tensor:
+    """``compute(x)`` inside the layer's compute region (:func:`compute_scope`), in the forward
+    and, when ``x`` needs a gradient, in the backward too (from the output's gradient arriving
+    to the input's leaving), so an emulated slow rank is slow at all of its compute, not only
+    the forward's third, and the timer sees both. ``work`` is counted once, in the forward."""
     live = dist.is_available() and dist.is_initialized()
-    scope = _Scope(x.device) if live and torch.is_grad_enabled() and x.requires_grad else None
+    scope = _Region(x.device, timer) if live and torch.is_grad_enabled() and x.requires_grad else None
     if scope is not None:
         x = _BackwardEnds.apply(x, scope)
-    with compute_scope(x.device):
+    with compute_scope(x.device, timer, work):
         y = compute(x)
     return y if scope is None else _BackwardStarts.apply(y, scope)
 

@@ -29,11 +29,12 @@ y                   [B, S, N]               replicated; [B, S_r, N] if sequence-
 overlap=True: ``matmul_all_reduce`` or ``matmul_reduce_scatter``; overlap=False:
 ``F.linear`` then ``reduce_from_region`` / ``reduce_scatter_region``.
 
-Straggler emulation wraps each layer's compute, forward and backward
-(``_shard.straggled``); the fused operators interleave their compute with their
-transfers, so there the whole operator is wrapped (its measured time includes
-the exposed part of the wire), while the plain path wraps only ``F.linear``
-and leaves the region collectives outside.
+Straggler emulation and the speed monitor's timing wrap each layer's compute,
+forward and backward, as one region (``_shard.straggled``); the fused
+operators interleave their compute with their transfers, so there the whole
+operator is wrapped (its measured time includes the exposed part of the wire),
+while the plain path wraps only ``F.linear`` and leaves the region collectives
+outside.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class _ParallelLinear(nn.Module):
         self.plan = resolve_plan(plan, split // (unit * blocks), self.info, what=self.unit_name,
                                  layer=name)
         self.overlap, self.chunks = overlap, chunks
+        self.compute_timer = None  # set by plait.balance.SpeedMonitor.attach
         self.sequence_parallel, self.seq_dim, self.seq_plan = sequence_parallel, seq_dim, seq_plan
         if full_weight is None:
             full_weight, made_bias = _full_linear(in_features, out_features, bias, seed, dtype, device)
@@ -123,6 +125,11 @@ class _ParallelLinear(nn.Module):
                    plan=plan, full_weight=w,
                    full_bias=None if linear.bias is None else linear.bias.detach(),
                    dtype=w.dtype, device=w.device, **kw)
+
+    def _region(self, compute, x: torch.Tensor) -> torch.Tensor:
+        """``compute(x)`` as this layer's compute region: straggler emulation and timing,
+        forward and backward; the work counted is the shard's weight elements."""
+        return straggled(compute, x, self.compute_timer, self.weight.numel())
 
     def _cut(self, full: torch.Tensor) -> torch.Tensor:
         return shard_of(full, self.plan, self.info.rank, self.shard_dim, blocks=self.blocks,
@@ -153,10 +160,7 @@ class _ParallelLinear(nn.Module):
         The parameters stay the same objects (an optimizer keeps them); their
         optimizer state is the caller's to move.
         """
-        name = f"{type(self).__name__}({self.in_features}, {self.out_features})"
-        split = (self.out_features, self.in_features)[self.shard_dim]
-        plan = resolve_plan(plan, split // (self.unit * self.blocks), self.info,
-                            what=self.unit_name, layer=name)
+        plan = self.check_plan(plan)
         full = self.full_state_dict()
         full_grads = self.full_state_dict(grads=True)  # always: every rank joins the same gathers
         self.plan = plan
@@ -166,6 +170,28 @@ class _ParallelLinear(nn.Module):
             param.data = self._cut_key(key, value)
             if had_grad:
                 param.grad = self._cut_key(key, full_grads[key])
+
+    def check_plan(self, plan: ShardPlan) -> ShardPlan:
+        """``plan`` if it fits this layer's split dim on its group; a ValueError naming why not."""
+        name = f"{type(self).__name__}({self.in_features}, {self.out_features})"
+        split = (self.out_features, self.in_features)[self.shard_dim]
+        return resolve_plan(plan, split // (self.unit * self.blocks), self.info,
+                            what=self.unit_name, layer=name)
+
+    def gather_like(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from a per-rank tensor sharded as parameter ``key`` ("weight" or
+        "bias") is, under the current plan (a collective; a replicated one is copied): how
+        optimizer state follows its parameter through a ``reshard``."""
+        return self._gather(local.detach(), self.shard_dim) if key == "weight" \
+            else self._gather_bias(local.detach())
+
+    def is_sharded(self, key: str) -> bool:
+        """Whether parameter ``key`` is split by the plan (a row-parallel bias is replicated)."""
+        return key == "weight" or self.shard_dim == 0
+
+    def cut_like(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``full`` as parameter ``key`` is cut under the current plan."""
+        return self._cut_key(key, full)
 
     def _cut_key(self, key: str, full: torch.Tensor) -> torch.Tensor:
         return self._cut(full) if key == "weight" else self._cut_bias(full)
@@ -219,20 +245,20 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t()  # [K, N_r]
         if self.info.world == 1:
-            with compute_scope(x.device):
+            with compute_scope(x.device, self.compute_timer, self.weight.numel()):
                 return F.linear(x, self.weight, self.bias)
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=True)
             if self.overlap:  # the fused op: compute and wire interleaved
-                y = straggled(lambda x: self._gather_matmul(x, w, sizes), x)  # [B, S, N_r]
+                y = self._region(lambda x: self._gather_matmul(x, w, sizes), x)  # [B, S, N_r]
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
-                y = straggled(lambda x: F.linear(x, self.weight), x)
+                y = self._region(lambda x: F.linear(x, self.weight), x)
         elif self.overlap:
-            y = straggled(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
+            y = self._region(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
         else:
             x = copy_to_region(x, self.group)
-            y = straggled(lambda x: F.linear(x, self.weight), x)
+            y = self._region(lambda x: F.linear(x, self.weight), x)
         return y if self.bias is None else y + self.bias
 
 
@@ -284,20 +310,20 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t()  # [K_r, N]
         if self.info.world == 1:
-            with compute_scope(x.device):
+            with compute_scope(x.device, self.compute_timer, self.weight.numel()):
                 return F.linear(x, self.weight, self.bias)
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
             if self.overlap:
-                y = straggled(lambda x: matmul_reduce_scatter(
+                y = self._region(lambda x: matmul_reduce_scatter(
                     x, w, self.group, self.seq_dim, sizes=sizes, chunks=self.chunks), x)  # [B, S_r, N]
             else:
-                y = straggled(lambda x: F.linear(x, self.weight), x)
+                y = self._region(lambda x: F.linear(x, self.weight), x)
                 y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
         elif self.overlap:
-            y = straggled(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks), x)
+            y = self._region(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks), x)
         else:
-            y = straggled(lambda x: F.linear(x, self.weight), x)
+            y = self._region(lambda x: F.linear(x, self.weight), x)
             y = reduce_from_region(y, self.group)
         return y if self.bias is None else y + self.bias
 

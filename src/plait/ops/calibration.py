@@ -135,7 +135,8 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
         return elapsed
 
     shared = min(_fastest_value(under_transfer, group) for _ in range(5))
-    k = max(0.0, shared / compute_s - 1.0)
+    # at most 1: the transport cannot take more than the core the GEMM runs on
+    k = min(1.0, max(0.0, shared / compute_s - 1.0))
     n = dist.get_world_size(group)
     fitted = Calibration(replace(cal.profile, overlap_slowdown=k), cal.memory_Bps, cal.curves)
 
@@ -150,7 +151,9 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
     # o: what a real 4-piece pipeline takes beyond the model with o = 0, per extra piece
     ideal = fitted.pipeline_time(compute_s, "all_reduce", out.numel() * 4 * 2 * (n - 1) / n, 4)
     o = max(0.0, (_fastest(pipeline, group, 5) - ideal) / 3)
-    return k, o
+    # at most one small (256 KiB) call: one more piece costs one more call, not more;
+    # a larger residue is a scheduling accident during calibration, not a per-piece cost
+    return k, min(o, cal.comm_time("all_reduce", CURVE_BYTES[1]))
 
 
 def _median(fn, group, repeats: int) -> float:

@@ -1,0 +1,259 @@
+"""``plait bench tp``: plait's tensor parallelism against PyTorch's, training the same GPT.
+
+Every rank builds the same single-device GPT from the same seed, three times,
+and makes each copy tensor-parallel another way:
+
+- ``plait``: :func:`plait.nn.apply_tp`, fused compute–collective operators;
+- ``plait-plain``: the same layers with ``overlap=False`` (compute, then a
+  blocking collective), so the reader sees how much of the gap is fusion;
+- ``pytorch-tp``: ``torch.distributed.tensor.parallel.parallelize_module``
+  over a 1-D ``DeviceMesh``: ``ColwiseParallel`` for the fused QKV and the
+  MLP's fc, ``RowwiseParallel`` for the attention output and the MLP's proj
+  (torchtitan's plan for a dense block, without sequence parallelism).
+
+All three shard the same four linears per block by the same heads and
+columns; embeddings, LayerNorms and the LM head stay replicated in all three.
+They train on the same character batches with the same optimizer; the steps
+are interleaved (step i of every system, then step i + 1), so drift of a
+shared machine hits them alike. Per step, each rank's wall time for forward,
+backward and update, started together behind a barrier; a step takes as long
+as its slowest rank; ``t_step_s`` is the median over the steps after warm-up.
+``max_loss_diff``: the largest |loss − the reference's loss| over the first
+``compare_steps`` steps (reference: ``pytorch-tp``; for ``pytorch-tp``
+itself, ``plait``).
+
+PyTorch's Shard(0) of the fused QKV weight ``[3·D, D]`` is contiguous, which
+would give rank 0 all of q and half of k. As torchtitan does with separate
+wq/wk/wv, each rank must own whole heads of q, k and v: the rows are reordered
+to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | …]`` (per rank, its heads of each) before
+``parallelize_module``. The same function of the same weights; the GPT's
+forward reads its head count from the local shape, as torchtitan's does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..data import CharCorpus
+from ..models import GPT
+from ..ops import explain, get_context
+from ..runtime import rank_context
+from ..runtime.timing import agreed_max, median, time_once
+from ..train import TrainConfig, build_gpt, gpt_loss
+
+__all__ = ["TPBenchConfig", "SYSTEMS", "QUICK_TP", "bench_tp", "run_tp_bench",
+           "parallelize_torch_tp", "heads_contiguous_qkv", "summarize_tp"]
+
+SYSTEMS = ("plait", "plait-plain", "pytorch-tp")
+REFERENCE = "pytorch-tp"
+QUICK_TP = dict(warmup=2, steps=6)
+
+NOTES = {
+    "plait": "plait.nn.apply_tp: fused operators (column_parallel_matmul, matmul_all_reduce)",
+    "plait-plain": "plait.nn.apply_tp(overlap=False): compute, then a blocking all-reduce",
+    "pytorch-tp": "parallelize_module with ColwiseParallel (qkv, fc) / RowwiseParallel (attn "
+                  "proj, mlp proj) on a 1-D DeviceMesh; DTensor redistributes Partial→Replicate "
+                  "with a blocking all-reduce after each row-parallel matmul (forward) and each "
+                  "column-parallel input grad (backward): the same 4 all-reduces per block as "
+                  "plait-plain, plus DTensor's per-op dispatch and sharding propagation",
+}
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPBenchConfig:
+    """The model, the data and the steps; each field's help is its CLI flag's help."""
+
+    systems: tuple[str, ...] = field(default=SYSTEMS, metadata=_h(
+        "what to train: " + ", ".join(SYSTEMS)))
+    n_layer: int = field(default=2, metadata=_h("transformer blocks"))
+    n_head: int = field(default=8, metadata=_h("attention heads"))
+    n_embd: int = field(default=512, metadata=_h("model width"))
+    seq_len: int = field(default=128, metadata=_h("characters per sequence"))
+    batch_size: int = field(default=16, metadata=_h("sequences per step (the same on every rank)"))
+    warmup: int = field(default=3, metadata=_h("untimed steps first (they still train)"))
+    steps: int = field(default=12, metadata=_h("timed steps (median reported)"))
+    compare_steps: int = field(default=5, metadata=_h("steps over which losses are compared"))
+    lr: float = field(default=1e-3, metadata=_h("learning rate (constant)"))
+    optimizer: str = field(default="adamw", metadata=_h("adamw (weight decay 0) or sgd"))
+    seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
+    extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ValueError(f"--systems {list(self.systems)}: choose from {list(SYSTEMS)}")
+        sizes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "seq_len",
+                                               "batch_size", "steps", "compare_steps")}
+        if min(sizes.values()) < 1 or self.warmup < 0 or self.lr <= 0:
+            raise ValueError(f"sizes and steps must be positive, warmup ≥ 0, lr > 0: "
+                             f"{sizes}, warmup {self.warmup}, lr {self.lr}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        self.train_config()  # refuse n_embd not divisible by n_head now
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    def train_config(self, overlap: bool = True) -> TrainConfig:
+        return TrainConfig(model="gpt", steps=self.total_steps, batch_size=self.batch_size,
+                           lr=self.lr, seq_len=self.seq_len, n_layer=self.n_layer,
+                           n_head=self.n_head, n_embd=self.n_embd, overlap=overlap, seed=self.seed)
+
+    def check_world(self, world: int) -> None:
+        if self.n_head % world:
+            raise ValueError(f"--n-head {self.n_head} does not split over {world} ranks: PyTorch "
+                             "TP shards evenly, so the head count must be a multiple of the ranks")
+
+
+# --- PyTorch tensor parallelism ---------------------------------------------
+
+def heads_contiguous_qkv(qkv: nn.Linear, world: int) -> None:
+    """Reorder a fused ``[q | k | v]`` linear's rows to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | …]`` in place,
+    so a contiguous Shard(0) over ``world`` ranks gives each rank whole heads of q, k and v."""
+    rows = qkv.weight.shape[0]
+    if rows % (3 * world):
+        raise ValueError(f"qkv with {rows} rows does not split into 3 × {world} equal blocks")
+    order = torch.arange(rows).view(3, world, rows // (3 * world)).transpose(0, 1).reshape(-1)
+    with torch.no_grad():
+        qkv.weight.copy_(qkv.weight[order])
+        if qkv.bias is not None:
+            qkv.bias.copy_(qkv.bias[order])
+
+
+def parallelize_torch_tp(model: GPT, world: int | None = None) -> GPT:
+    """``model`` made tensor-parallel by PyTorch (DTensor) over all ranks, in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    world = world or dist.get_world_size()
+    device = rank_context().topology.device
+    mesh = init_device_mesh(device.type, (world,))
+    plan = {}
+    for i, block in enumerate(model.blocks):
+        heads_contiguous_qkv(block.attn.qkv, world)
+        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.fc": ColwiseParallel(),
+                     f"blocks.{i}.mlp.proj": RowwiseParallel()})
+    return parallelize_module(model, mesh, plan)
+
+
+# --- one rank -----------------------------------------------------------------
+
+def _build(system: str, cfg: TPBenchConfig, vocab_size: int) -> nn.Module:
+    device = rank_context().topology.device
+    if system == "pytorch-tp":
+        torch.manual_seed(cfg.seed)  # what build_gpt seeds: the same initial weights
+        model = GPT(cfg.train_config().gpt_config(vocab_size)).to(device)
+        return parallelize_torch_tp(model)
+    model = build_gpt(cfg.train_config(overlap=system == "plait"), vocab_size=vocab_size)
+    return model.to(device)
+
+
+def _optimizer(model: nn.Module, cfg: TPBenchConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch, losses: list[float]) -> None:
+    loss = gpt_loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())  # also waits for the step to finish
+
+
+def _train_interleaved(cfg: TPBenchConfig, built: dict, batches: list) -> dict:
+    """Step i of every system, then step i + 1: per system its losses and own step times."""
+    ctx, device = rank_context(), rank_context().topology.device
+    losses = {name: [] for name in built}
+    times = {name: [] for name in built}
+    for i, batch in enumerate(batches):
+        for name, (model, opt) in built.items():
+            times[name].append(time_once(lambda: _step(model, opt, batch, losses[name]), device))
+        ctx.report({"step": i, "of": len(batches)})
+    return {"losses": losses, "times": times}
+
+
+def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float]) -> dict:
+    ref = REFERENCE if name != REFERENCE else "plait"
+    n = min(cfg.compare_steps, cfg.total_steps)
+    diff = (max(abs(a - b) for a, b in zip(losses[name][:n], losses[ref][:n]))
+            if ref in losses else None)
+    t_step = median(step_s[cfg.warmup:])
+    tokens = cfg.batch_size * cfg.seq_len
+    ctx = rank_context()
+    return {"system": name, "t_step_s": t_step, "tokens_per_s": tokens / t_step,
+            "max_loss_diff": diff, "loss_diff_vs": ref if diff is not None else None,
+            "compare_steps": n, "losses": losses[name], "step_times_s": step_s,
+            "tokens_per_step": tokens, "world_size": dist.get_world_size(),
+            "model": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "seq_len",
+                                                   "batch_size")},
+            "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
+            "note": NOTES[name], "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
+
+
+def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
+    """On every rank of an initialised group: build, train interleaved, one record per system."""
+    cfg.check_world(dist.get_world_size())
+    get_context().calibration()  # once, before anything is timed
+    corpus = CharCorpus.load()
+    stream = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+    device = rank_context().topology.device
+    batches = [tuple(t.to(device) for t in next(stream)) for _ in range(cfg.total_steps)]
+    built = {}
+    for name in cfg.systems:
+        model = _build(name, cfg, corpus.vocab_size)
+        built[name] = (model, _optimizer(model, cfg))
+    run = _train_interleaved(cfg, built, batches)
+    records = [_record(name, cfg, run["losses"], agreed_max(run["times"][name]))
+               for name in cfg.systems]
+    paths = explain().splitlines()
+    for r in records:
+        if r["system"] == "plait":
+            r["paths"] = paths
+    return _with_speedups(records)
+
+
+def _with_speedups(records: list[dict]) -> list[dict]:
+    by = {r["system"]: r for r in records}
+    for r in records:
+        r["speedup_vs_pytorch_tp"] = (by[REFERENCE]["t_step_s"] / r["t_step_s"]
+                                      if REFERENCE in by else None)
+    return records
+
+
+def summarize_tp(records: list[dict]) -> dict:
+    """What the issue asks: plait's speedup over PyTorch TP, and whether the losses agree."""
+    by = {r["system"]: r for r in records}
+    out = {}
+    if "plait" in by and REFERENCE in by:
+        out["plait_speedup_vs_pytorch_tp"] = by["plait"]["speedup_vs_pytorch_tp"]
+        out["max_loss_diff"] = by["plait"]["max_loss_diff"]
+        out["losses_agree_1e-4"] = by["plait"]["max_loss_diff"] <= 1e-4
+    if "plait-plain" in by and REFERENCE in by:
+        out["plait_plain_speedup_vs_pytorch_tp"] = by["plait-plain"]["speedup_vs_pytorch_tp"]
+    if "plait" in by and "plait-plain" in by:
+        out["fusion_speedup"] = by["plait-plain"]["t_step_s"] / by["plait"]["t_step_s"]
+    return out
+
+
+def bench_tp(cfg: TPBenchConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gbit",
+             timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
+    """The comparison on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback)."""
+    from .placement import run_placed
+
+    cfg.check_world(ranks)
+    return run_placed(run_tp_bench, cfg, ranks=ranks, hosts=hosts, link=link,
+                      timeout_s=timeout_s, on_progress=on_progress)
