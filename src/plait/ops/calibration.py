@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..perf.calibrate import MachineProfile
 from ..runtime.compat import all_gather_into
-from ..runtime.timing import sync
+from ..runtime.timing import agreed_max, median, sync, time_repeated
 from .agree import meta_device
 
 __all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES"]
@@ -92,10 +92,7 @@ def measure(group=None) -> Calibration:
                                      compute_flops=2 * 512 * 2048 * 1024 / compute_s, world_size=n,
                                      source="measured on the running group (plait.ops.calibration)"),
                       memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves)
-    # k and o are differences of two timings; noise only ever adds time, so they
-    # come from the fastest runs of each side, not from the medians above
-    fastest_compute = _fastest(lambda: torch.matmul(x, w, out=out), group, 5)
-    k, o = _pipeline_overheads(cal, x, w, out, fastest_compute, group)
+    k, o = _pipeline_overheads(cal, x, w, out, compute_s, group)
     profile = MachineProfile(**{**cal.profile.to_dict(), "per_piece_overhead_s": o, "overlap_slowdown": k})
     return _agree(Calibration(profile, cal.memory_Bps, cal.curves), group)
 
@@ -134,7 +131,7 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
         work.wait()
         return elapsed
 
-    shared = min(_fastest_value(under_transfer, group) for _ in range(5))
+    shared = sorted(_fastest_value(under_transfer, group) for _ in range(5))[2]
     # at most 1: the transport cannot take more than the core the GEMM runs on
     k = min(1.0, max(0.0, shared / compute_s - 1.0))
     n = dist.get_world_size(group)
@@ -156,46 +153,25 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
     return k, min(o, cal.comm_time("all_reduce", CURVE_BYTES[1]))
 
 
-def _median(fn, group, repeats: int) -> float:
-    """The median of ``repeats`` timed calls (after one warm-up), slowest rank's."""
+def _times(fn, group, repeats: int) -> list[float]:
+    """``repeats`` timed calls after one warm-up; each the slowest rank's."""
     dev = meta_device(group)
     fn()
-    times = []
-    for _ in range(repeats):
-        sync(dev)
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append(time.perf_counter() - start)
-    t = torch.tensor(times, dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.median())
+    return time_repeated(fn, repeats, dev, group)
+
+
+def _median(fn, group, repeats: int) -> float:
+    return median(_times(fn, group, repeats))
+
+
+def _fastest(fn, group, repeats: int) -> float:
+    return min(_times(fn, group, repeats))
 
 
 def _fastest_value(fn, group) -> float:
     """``fn()`` returns its own duration; the slowest rank's, after a barrier."""
     dist.barrier(group=group)
-    t = torch.tensor([fn()], dtype=torch.float64, device=meta_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
-
-
-def _fastest(fn, group, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls (after one warm-up), slowest rank's."""
-    dev = meta_device(group)
-    fn()
-    best = []
-    for _ in range(repeats):
-        sync(dev)
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        sync(dev)
-        best.append(time.perf_counter() - start)
-    t = torch.tensor([min(best)], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    return agreed_max([fn()], group, meta_device(group))[0]
 
 
 def _agree(cal: Calibration, group) -> Calibration:

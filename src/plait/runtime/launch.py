@@ -73,8 +73,11 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
 
         torch.set_num_threads(threads)
         store = dist.FileStore(store_path, world_size)
-        topo = init_explicit(rank=rank, world_size=world_size, backend=backend, store=store,
-                             timeout_s=timeout_s)
+        try:
+            topo = init_explicit(rank=rank, world_size=world_size, backend=backend, store=store,
+                                 timeout_s=timeout_s)
+        except RuntimeError as exc:
+            raise _InitError(str(exc)) from exc
         _set_rank_context(RankContext(topo, host, link, Straggler(slow, rank), _reporter(conn)))
         result = fn(*args, **kwargs)
         shutdown()
@@ -88,6 +91,10 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
         conn.send_bytes(payload)
     finally:
         conn.close()
+
+
+class _InitError(RuntimeError):
+    """The group could not be formed (gloo's mesh of TCP connections); the launch may retry."""
 
 
 def _reporter(conn) -> Callable[[Any], None]:
@@ -150,6 +157,21 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
     hosts = [cluster.host_of_rank(r, world_size) if cluster else Host(0, None, "lo", "127.0.0.1")
              for r in range(world_size)]
     link = cluster.link_label if cluster else "loopback"
+    run = (fn, world_size, args, kwargs or {}, hosts, link, backend, timeout_s, threads,
+           dict(env or {}), tuple(slow), deadline_s, on_progress)
+    try:
+        return _launch_once(*run)
+    except RankError as err:
+        # Forming gloo's mesh of loopback connections fails now and then on a loaded
+        # machine ("connectFullMesh ... Connection closed by peer"), before any of fn has
+        # run on the failing rank: one fresh attempt, never more, and only for that.
+        if "_InitError" not in err.summary:
+            raise
+        return _launch_once(*run)
+
+
+def _launch_once(fn, world_size, args, kwargs, hosts, link, backend, timeout_s, threads, env,
+                 slow, deadline_s, on_progress) -> list[Any]:
     ctx = _context()
     workdir = tempfile.mkdtemp(prefix="plait-launch-")
     procs, conns = [], []
@@ -158,9 +180,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main, name=f"plait-rank{rank}", daemon=True,
-                args=(rank, world_size, fn, args, kwargs or {}, os.path.join(workdir, "store"),
-                      hosts[rank], link, backend, timeout_s, threads, dict(env or {}),
-                      tuple(slow), child_conn))
+                args=(rank, world_size, fn, args, kwargs, os.path.join(workdir, "store"),
+                      hosts[rank], link, backend, timeout_s, threads, env, slow, child_conn))
             proc.start()
             child_conn.close()
             procs.append(proc)
