@@ -104,9 +104,18 @@ def test_gather_and_scatter_even_and_uneven(world, chunks):
             assert repeat
 
 
+def _empty_share_along_dim1():
+    r = dist.get_rank()
+    X, W = _full(1, 2, 5, 4), _full(2, 4, 3)  # [B=2, S=5, K] gathered along S, rank 1 has none
+    x = X[:, :5] if r == 0 else X[:, 5:]
+    y = all_gather_matmul(x, W, dim=1, chunks=2)
+    return _err(y, X @ W)
+
+
 def test_all_gather_matmul_along_another_dim():
     for out, _ in run_ranks(_sequence_parallel_case, 2, [9, 4], 6, 10, 2, 1):
         assert max(out.values()) < TOL, out
+    assert max(run_ranks(_empty_share_along_dim1, 2)) < TOL
 
 
 @settings(max_examples=6, deadline=None)

@@ -190,7 +190,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0
     ctx = ctx or get_context(group)
     op = "all_gather_matmul"
     x2, restore = _rows_view(x, dim)
-    unit = x2.shape[0] // max(x.shape[dim], 1) if x.shape[dim] else 1
+    unit = _rows_per_unit(x, dim)
     row_sizes = None if sizes is None else [int(s) * unit for s in sizes]
     rows, decision = _gather_plan(op, x2, w, group, row_sizes, chunks, ctx)
     y = _AllGatherMatmul.apply(x2, w, group, rows, decision, chunks, ctx)
@@ -290,12 +290,19 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, dim: int
     world = dist.get_world_size(group)
     x2, restore = _rows_view(x, dim)
     length = x.shape[dim]
-    unit = x2.shape[0] // max(length, 1) if length else 1
+    unit = _rows_per_unit(x, dim)
     sizes = even_sizes(length, world) if sizes is None else [int(s) for s in sizes]
     rows = [s * unit for s in sizes]
     decision = _scatter_plan("matmul_reduce_scatter", x2, w, group, rows, chunks, ctx)
     y = _MatmulReduceScatter.apply(x2, w, group, rows, decision, chunks, ctx)
     return restore(y, sizes[dist.get_rank(group)])
+
+
+def _rows_per_unit(x: torch.Tensor, dim: int) -> int:
+    """Rows of the [rows, K] view per index of ``dim`` (the product of the other non-feature
+    dims), from the shape alone, so a rank whose share of ``dim`` is empty still knows it."""
+    others = [size for d, size in enumerate(x.shape[:-1]) if d != dim % x.dim()]
+    return int(torch.Size(others).numel())
 
 
 def _rows_view(x: torch.Tensor, dim: int):
