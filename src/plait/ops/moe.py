@@ -138,7 +138,9 @@ def _dispatch(x, w, routes: _Routes, chunks: int, group, on_block=None):
     for j in range(chunks):  # nothing to compute before sending: every piece starts now
         blocks = [x[xs[d] + out_at[d][j]:xs[d] + out_at[d][j] + out_parts[d][j]]
                   for d in range(world) if d != rank]
-        send = torch.cat(blocks)  # the only copy: piece j of every peer's rows, adjacent
+        # piece j of every peer's rows, adjacent: a copy, except with one peer (2 ranks),
+        # where that peer's rows are already one contiguous slice of x
+        send = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         recv = x.new_empty(sum(in_parts[s][j] for s in range(world) if s != rank), x.shape[1])
         work = start_all_to_all(recv, send,
                                 [0 if s == rank else in_parts[s][j] for s in range(world)],
@@ -194,7 +196,7 @@ def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None]
             a = back_at[s][j]
             _multiply(y[ys[s] + a:ys[s] + a + n], routes.recv[s], a, send, at - a, w)
             at += n
-        recv = y.new_empty(sum(home_parts[d][j] for d in range(world) if d != rank), width)
+        recv = _landing(out, xs, home_parts, home_at, j, rank, world, width)
         work = start_all_to_all(recv, send,
                                 [0 if d == rank else home_parts[d][j] for d in range(world)],
                                 [0 if s == rank else back_parts[s][j] for s in range(world)], group)
@@ -205,6 +207,8 @@ def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None]
         idle()
     for work, recv, j, _ in pending:
         work.wait()
+        if recv._base is out or recv.numel() == 0:
+            continue  # it landed in place
         at = 0
         for d in range(world):
             n = home_parts[d][j]
@@ -213,6 +217,16 @@ def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None]
                 out[row:row + n].copy_(recv[at:at + n])
                 at += n
     return out
+
+
+def _landing(out, xs, home_parts, home_at, j, rank, world, width):
+    """Where piece j's arrivals land: straight in the output when one peer sends them (its
+    rows are one contiguous slice there), else a buffer copied into place on arrival."""
+    peers = [d for d in range(world) if d != rank and home_parts[d][j]]
+    if len(peers) == 1:
+        row = xs[peers[0]] + home_at[peers[0]][j]
+        return out[row:row + home_parts[peers[0]][j]]
+    return out.new_empty(sum(home_parts[d][j] for d in range(world) if d != rank), width)
 
 
 # --- checks and plan -----------------------------------------------------------
