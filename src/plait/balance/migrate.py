@@ -107,7 +107,8 @@ def migrate(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
 
 def _checked(model, optimizer, new_plans):
     if not isinstance(new_plans, Mapping):
-        raise TypeError(f"new_plans must map layer names to ShardPlans, got {type(new_plans).__name__}")
+        raise TypeError(f"new_plans must map layer names to ShardPlans, got "
+                        f"{type(new_plans).__name__}")
     modules = dict(model.named_modules())
     todo = []
     for name, plan in new_plans.items():

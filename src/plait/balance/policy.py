@@ -42,7 +42,7 @@ class PolicyConfig:
     """Act once the predicted imbalance (slowest / fastest rank time) reaches this."""
     release: float = 1.1
     """Count as balanced again only below this; ``release < trigger`` is the hysteresis."""
-    spike_steps: int = 20
+    spike_steps: int = 30
     """semi: an imbalance lasting fewer steps is a spike (resized, then undone); one that
     lasts this long persists and is migrated."""
     settle_steps: int = 5
@@ -197,27 +197,32 @@ class SemiPolicy:
         if self.plan != self.even and settled and name in ("migrate", "semi"):
             return Action("migrate", f"slowdown over for {self.balanced_steps} steps: back to "
                                      f"the even plan; {figures}", plan=self.even)
-        if self.fractions is not None and imbalance(speeds, self.plan, self.fractions) >= cfg.trigger:
-            return self._resize(speeds, f"speeds moved under the resizing; {figures}")
-        if on_plan < cfg.trigger or raw < cfg.release:
-            return Action("none", figures)  # in the hysteresis band or balanced: keep as is
-        if name == "migrate" or (name == "semi" and self.imbalanced_steps >= cfg.spike_steps):
+        out = on_plan >= cfg.trigger and raw >= cfg.release  # past the hysteresis band
+        persisted = name == "semi" and self.imbalanced_steps >= cfg.spike_steps
+        if out and (name == "migrate" or persisted):
             why = "persisted" if name == "semi" else "policy migrate"
-            return self._migrate(speeds, f"{why} ({self.imbalanced_steps} steps): {figures}")
-        if name in ("resize", "semi") and self.fractions is None:
+            action = self._migrate(speeds, f"{why} ({self.imbalanced_steps} steps): {figures}")
+            if action.kind == "migrate":
+                return action
+        if self.fractions is not None:
+            current = imbalance(speeds, self.plan, self.fractions)
+            if current >= cfg.trigger:
+                return self._resize(speeds, current, f"speeds moved under the resizing; {figures}")
+        elif out and name in ("resize", "semi"):
             kind = "a spike" if name == "semi" else "a slowdown"
-            return self._resize(speeds, f"bridging {kind}; {figures}")
+            return self._resize(speeds, on_plan, f"bridging {kind}; {figures}")
         return Action("none", figures)
 
-    def _resize(self, speeds, reason: str) -> Action:
-        fractions = resize_fractions(speeds, self.plan, self.config.max_skip)
+    def _resize(self, speeds, current: float, reason: str) -> Action:
+        """New fractions, if they beat the ``current`` imbalance by the hysteresis ratio (so a
+        resizing clipped at ``max_skip`` is not redone at every wiggle of the speeds)."""
+        cfg = self.config
+        fractions = resize_fractions(speeds, self.plan, cfg.max_skip)
+        after = imbalance(speeds, self.plan, fractions)
+        if after * cfg.trigger / cfg.release > current:
+            return Action("none", f"resizing to {_fmt(fractions)} would leave {after:.2f}; {reason}")
         if all(f == 1.0 for f in fractions):
-            if self.fractions is None:
-                return Action("none", f"no rank can be resized (max_skip {self.config.max_skip}); "
-                                      f"{reason}")
             return Action("undo", f"no rank needs resizing: {reason}")
-        if fractions == self.fractions:
-            return Action("none", f"resizing {_fmt(fractions)} unchanged; {reason}")
         return Action("resize", f"keep {_fmt(fractions)}: {reason}", fractions=fractions)
 
     def _migrate(self, speeds, reason: str) -> Action:

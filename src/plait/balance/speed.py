@@ -15,7 +15,8 @@ each rank folds the window into an EMA.
 
 Cost: two ``perf_counter`` calls per region (CUDA: two events, read only at the
 exchange), and one all_gather of a few hundred bytes every ``every`` steps;
-``overhead_s`` is the time spent in the exchanges.
+``overhead_s`` is the time spent in the exchanges (on a rank that arrives early
+it includes waiting for a slower one; the last to arrive measures the exchange).
 """
 
 from __future__ import annotations

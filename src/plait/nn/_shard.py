@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..plan import ShardPlan
 
 __all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "shard_of", "unshard", "mark_partial_grad",
-           "resolve_plan", "check_full"]
+           "replace_data", "resolve_plan", "check_full"]
 
 
 class GroupInfo:
@@ -38,7 +38,8 @@ def group_info(group=None) -> GroupInfo:
 
 
 @contextlib.contextmanager
-def compute_scope(device: torch.device | None = None, timer=None, work: float = 0.0) -> Iterator[None]:
+def compute_scope(device: torch.device | None = None, timer=None,
+                  work: float = 0.0) -> Iterator[None]:
     """A layer's local compute region: the rank's straggler emulation (a no-op outside a group)
     and, when the layer has a ``compute_timer`` (``plait.balance.SpeedMonitor.attach``), its
     timing, which includes the emulated delay: a slow rank is measured slow."""
@@ -109,7 +110,8 @@ def straggled(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.
     to the input's leaving), so an emulated slow rank is slow at all of its compute, not only
     the forward's third, and the timer sees both. ``work`` is counted once, in the forward."""
     live = dist.is_available() and dist.is_initialized()
-    scope = _Region(x.device, timer) if live and torch.is_grad_enabled() and x.requires_grad else None
+    backward = live and torch.is_grad_enabled() and x.requires_grad
+    scope = _Region(x.device, timer) if backward else None
     if scope is not None:
         x = _BackwardEnds.apply(x, scope)
     with compute_scope(x.device, timer, work):
@@ -172,6 +174,19 @@ def unshard(local: torch.Tensor, plan: ShardPlan, group=None, dim: int = 0, *, b
                                [s * unit for s in plan.sizes], group)
     full = shape[:dim] + [blocks * plan.total * unit] + shape[dim + 1:]
     return gathered.reshape(full)
+
+
+def replace_data(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``param.data = value`` where ``value`` may have another shape (a new plan).
+
+    A parameter's gradient accumulator caches its shape and lives as long as any graph
+    that used it (the last step's ``loss`` keeps one alive), and ``set_data`` drops it
+    only on a change of type or device, so the next backward would refuse the new shape.
+    Passing through an empty tensor of another dtype drops it; it costs no copy.
+    """
+    other = torch.float16 if param.dtype != torch.float16 else torch.float32
+    param.data = torch.empty(0, dtype=other, device=value.device)
+    param.data = value
 
 
 def mark_partial_grad(param: torch.nn.Parameter, group=None) -> None:

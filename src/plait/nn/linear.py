@@ -50,8 +50,8 @@ from ..ops import all_gather_matmul, column_parallel_matmul, matmul_all_reduce, 
 from ..ops.pieces import even_sizes
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
-from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
-                     shard_of, straggled, unshard)
+from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, replace_data,
+                     resolve_plan, shard_of, straggled, unshard)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -167,7 +167,7 @@ class _ParallelLinear(nn.Module):
         for key, value in full.items():
             param = getattr(self, key)
             had_grad = param.grad is not None
-            param.data = self._cut_key(key, value)
+            replace_data(param, self._cut_key(key, value))
             if had_grad:
                 param.grad = self._cut_key(key, full_grads[key])
 
