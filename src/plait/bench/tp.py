@@ -14,7 +14,8 @@ and makes each copy tensor-parallel another way:
 All three shard the same four linears per block by the same heads and
 columns; embeddings, LayerNorms and the LM head stay replicated in all three.
 They train on the same character batches with the same optimizer; the steps
-are interleaved (step i of every system, then step i + 1), so drift of a
+are interleaved (step i of every system, in an order rotated each step, then
+step i + 1), so drift of a
 shared machine hits them alike. Per step, each rank's wall time for forward,
 backward and update, started together behind a barrier; a step takes as long
 as its slowest rank; ``t_step_s`` is the median over the steps after warm-up.
@@ -41,16 +42,17 @@ import torch.nn as nn
 from ..data import CharCorpus
 from ..models import GPT
 from ..ops import explain, get_context
-from ..runtime import rank_context
+from ..runtime import parse_rate, rank_context
 from ..runtime.timing import agreed_max, median, time_once
 from ..train import TrainConfig, build_gpt, gpt_loss
+from .tp_dlrm import EmbBenchConfig, run_emb_bench, torchrec_missing
 
 __all__ = ["TPBenchConfig", "SYSTEMS", "QUICK_TP", "bench_tp", "run_tp_bench",
            "parallelize_torch_tp", "heads_contiguous_qkv", "summarize_tp"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp")
 REFERENCE = "pytorch-tp"
-QUICK_TP = dict(warmup=2, steps=6)
+QUICK_TP = dict(batch_size=8, warmup=2, steps=8)
 
 NOTES = {
     "plait": "plait.nn.apply_tp: fused operators (column_parallel_matmul, matmul_all_reduce)",
@@ -84,6 +86,16 @@ class TPBenchConfig:
     lr: float = field(default=1e-3, metadata=_h("learning rate (constant)"))
     optimizer: str = field(default="adamw", metadata=_h("adamw (weight decay 0) or sgd"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
+    dlrm: bool = field(default=True, metadata=_h(
+        "also DLRM embeddings: plait's ShardedEmbeddingBag against TorchRec's sharded "
+        "EmbeddingBagCollection (skipped, with the reason, where TorchRec does not import)"))
+    emb_tables: int = field(default=4, metadata=_h("DLRM: tables (whole tables per rank)"))
+    emb_rows: int = field(default=50_000, metadata=_h("DLRM: rows per table"))
+    emb_dim: int = field(default=64, metadata=_h("DLRM: embedding dim"))
+    emb_batch: int = field(default=4096, metadata=_h("DLRM: bags per table per step"))
+    emb_pool: int = field(default=8, metadata=_h("DLRM: ids per bag"))
+    emb_lr: float = field(default=20_000.0, metadata=_h(
+        "DLRM: SGD learning rate (the loss is a mean over batch × tables × dim elements)"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
 
     def __post_init__(self) -> None:
@@ -97,7 +109,7 @@ class TPBenchConfig:
                              f"{sizes}, warmup {self.warmup}, lr {self.lr}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
-        self.train_config()  # refuse n_embd not divisible by n_head now
+        self.train_config().gpt_config(97)  # refuse n_embd not divisible by n_head now
 
     @property
     def total_steps(self) -> int:
@@ -108,7 +120,15 @@ class TPBenchConfig:
                            lr=self.lr, seq_len=self.seq_len, n_layer=self.n_layer,
                            n_head=self.n_head, n_embd=self.n_embd, overlap=overlap, seed=self.seed)
 
+    def emb_config(self) -> EmbBenchConfig:
+        return EmbBenchConfig(tables=self.emb_tables, rows=self.emb_rows, dim=self.emb_dim,
+                              batch=self.emb_batch, pool=self.emb_pool, lr=self.emb_lr,
+                              seed=self.seed)
+
     def check_world(self, world: int) -> None:
+        if self.dlrm and self.emb_tables % world:
+            raise ValueError(f"--emb-tables {self.emb_tables} do not split evenly over {world} "
+                             "ranks (TorchRec's table-wise plan and plait's are compared as equals)")
         if self.n_head % world:
             raise ValueError(f"--n-head {self.n_head} does not split over {world} ranks: PyTorch "
                              "TP shards evenly, so the head count must be a multiple of the ranks")
@@ -175,12 +195,15 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch, losses: list[floa
 
 
 def _train_interleaved(cfg: TPBenchConfig, built: dict, batches: list) -> dict:
-    """Step i of every system, then step i + 1: per system its losses and own step times."""
+    """Step i of every system, then step i + 1 (the order rotated each step, so no system
+    always goes first): per system its losses and own step times."""
     ctx, device = rank_context(), rank_context().topology.device
     losses = {name: [] for name in built}
     times = {name: [] for name in built}
+    names = list(built)
     for i, batch in enumerate(batches):
-        for name, (model, opt) in built.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            model, opt = built[name]
             times[name].append(time_once(lambda: _step(model, opt, batch, losses[name]), device))
         ctx.report({"step": i, "of": len(batches)})
     return {"losses": losses, "times": times}
@@ -195,6 +218,7 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float]) ->
     tokens = cfg.batch_size * cfg.seq_len
     ctx = rank_context()
     return {"system": name, "t_step_s": t_step, "tokens_per_s": tokens / t_step,
+            **_wire(cfg, dist.get_world_size(), ctx.link),
             "max_loss_diff": diff, "loss_diff_vs": ref if diff is not None else None,
             "compare_steps": n, "losses": losses[name], "step_times_s": step_s,
             "tokens_per_step": tokens, "world_size": dist.get_world_size(),
@@ -202,6 +226,19 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float]) ->
                                                    "batch_size")},
             "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
             "note": NOTES[name], "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
+
+
+def _wire(cfg: TPBenchConfig, world: int, link: str) -> dict:
+    """What every system sends per step: 2 all-reduces of [B, S, D] fp32 per block forward
+    (after attn proj and mlp proj) and 2 backward (the input grads of qkv and fc), and the
+    time that takes at the link rate with the ring's 2(n−1)/n bus factor: a lower bound on
+    the communication, which fusion can hide but not remove."""
+    buf = cfg.batch_size * cfg.seq_len * cfg.n_embd * 4
+    count = 4 * cfg.n_layer
+    rate = parse_rate(link)
+    wire = count * buf * 2 * (world - 1) / world
+    return {"allreduce_per_step": count, "allreduce_bytes": buf,
+            "t_comm_link_s": wire * 8 / rate if rate else None}
 
 
 def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
@@ -223,21 +260,38 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
     for r in records:
         if r["system"] == "plait":
             r["paths"] = paths
-    return _with_speedups(records)
+    return _with_speedups(records, REFERENCE) + (_dlrm_records(cfg) if cfg.dlrm else [])
 
 
-def _with_speedups(records: list[dict]) -> list[dict]:
+def _dlrm_records(cfg: TPBenchConfig) -> list[dict]:
+    missing = torchrec_missing()
+    if missing is not None:
+        return [{"system": "torchrec", "part": "dlrm", "skipped": missing, "t_step_s": None,
+                 "tokens_per_s": None, "max_loss_diff": None}]
+    records = run_emb_bench(cfg.emb_config(), cfg.warmup, cfg.steps, cfg.compare_steps)
+    return _with_speedups(records, "torchrec")
+
+
+def _with_speedups(records: list[dict], reference: str) -> list[dict]:
     by = {r["system"]: r for r in records}
+    key = f"speedup_vs_{reference.replace('-', '_')}"
     for r in records:
-        r["speedup_vs_pytorch_tp"] = (by[REFERENCE]["t_step_s"] / r["t_step_s"]
-                                      if REFERENCE in by else None)
+        r.setdefault("part", "gpt" if reference == REFERENCE else "dlrm")
+        r["speedup_vs"] = reference if reference in by else None
+        r[key] = by[reference]["t_step_s"] / r["t_step_s"] if reference in by else None
     return records
 
 
 def summarize_tp(records: list[dict]) -> dict:
     """What the issue asks: plait's speedup over PyTorch TP, and whether the losses agree."""
-    by = {r["system"]: r for r in records}
+    by = {r["system"]: r for r in records if r.get("part") != "dlrm"}
+    emb = {r["system"]: r for r in records if r.get("part") == "dlrm"}
     out = {}
+    if "torchrec" in emb and emb["torchrec"].get("skipped"):
+        out["torchrec"] = "skipped: " + emb["torchrec"]["skipped"]
+    elif "torchrec" in emb and "plait-emb" in emb:
+        out["plait_emb_speedup_vs_torchrec"] = emb["plait-emb"]["speedup_vs_torchrec"]
+        out["emb_max_loss_diff"] = emb["plait-emb"]["max_loss_diff"]
     if "plait" in by and REFERENCE in by:
         out["plait_speedup_vs_pytorch_tp"] = by["plait"]["speedup_vs_pytorch_tp"]
         out["max_loss_diff"] = by["plait"]["max_loss_diff"]

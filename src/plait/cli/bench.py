@@ -120,27 +120,56 @@ def run_ops(args: argparse.Namespace) -> int:
     return 0 if summary["all_correct"] else 1
 
 
+def _tp_rows(records: list[dict], key: str) -> list[list]:
+    return [[r["system"], _ms(r["t_step_s"]), f"{r['tokens_per_s']:,.0f}",
+             f"{r[key]:.2f}" if r.get(key) else "–",
+             f"{r['max_loss_diff']:.2e} (vs {r['loss_diff_vs']})",
+             f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}"] for r in records]
+
+
+def _print_tp(records: list[dict], ranks: int, cfg) -> None:
+    gpt = [r for r in records if r["part"] == "gpt"]
+    emb = [r for r in records if r["part"] == "dlrm" and not r.get("skipped")]
+    link = records[0]["link"] if records else ""
+    caption = (f"median over {cfg.steps} timed steps after {cfg.warmup} warm-up, each step's time "
+               "the slowest rank's; steps interleaved")
+    if gpt:
+        m, wire = gpt[0]["model"], gpt[0]["t_comm_link_s"]
+        wire_note = (f"; its {gpt[0]['allreduce_per_step']} all-reduces of "
+                     f"{human_bytes(gpt[0]['allreduce_bytes'])} take ≥ {_ms(wire)} ms a step at "
+                     "the link rate" if wire else "")
+        print_table(f"tensor parallelism on {ranks} ranks ({link}): GPT {m['n_layer']}×"
+                    f"{m['n_embd']} ({m['n_head']} heads), batch {m['batch_size']}×{m['seq_len']}, "
+                    f"{gpt[0]['optimizer']}",
+                    ["system", "step (ms)", "tokens/s", "× pytorch-tp",
+                     f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
+                    _tp_rows(gpt, "speedup_vs_pytorch_tp"), caption=caption + wire_note)
+    if emb:
+        m = emb[0]["model"]
+        print_table(f"DLRM embeddings on {ranks} ranks ({link}): {m['tables']} tables × "
+                    f"{m['rows']:,} × {m['dim']}, batch {m['batch']}, pool {m['pool']}",
+                    ["system", "step (ms)", "samples/s", "× torchrec",
+                     f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
+                    _tp_rows(emb, "speedup_vs_torchrec"), caption=caption)
+    for r in records:
+        if r.get("skipped"):
+            console.print(f"[yellow]DLRM embeddings against TorchRec skipped: {r['skipped']}[/yellow]")
+
+
 def run_tp(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(TPBenchConfig, args, defaults=QUICK_TP if args.quick else None)
     cfg.check_world(ranks)
-    with progress_bar("bench tp", cfg.total_steps, enabled=not args.no_progress) as advance:
+    total = cfg.total_steps * (2 if cfg.dlrm else 1)
+    with progress_bar("bench tp", total, enabled=not args.no_progress) as advance:
         records, where = bench_tp(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
                                   on_progress=lambda rank, p: rank == 0 and advance(
-                                      note=f"step {p['step'] + 1}/{p['of']}"))
+                                      note=f"{p.get('part', 'gpt')} step {p['step'] + 1}/{p['of']}"))
     if not where.startswith("loopback (no emulated cluster:"):
         console.print(f"[dim]{where}[/dim]")
-    rows = [[r["system"], _ms(r["t_step_s"]), f"{r['tokens_per_s']:,.0f}",
-             f"{r['speedup_vs_pytorch_tp']:.2f}" if r["speedup_vs_pytorch_tp"] else "–",
-             f"{r['max_loss_diff']:.2e} (vs {r['loss_diff_vs']})" if r["max_loss_diff"] is not None
-             else "–", f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}"] for r in records]
-    model = records[0]["model"] if records else {}
-    shape = ", ".join(f"{k} {v}" for k, v in model.items())
-    print_table(f"tensor parallelism on {ranks} ranks ({records[0]['link'] if records else ''}): "
-                f"GPT {shape}", ["system", "step (ms)", "tokens/s", "× pytorch-tp",
-                                 f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
-                rows, caption=f"median over {cfg.steps} timed steps after {cfg.warmup} warm-up, "
-                              "each step's time the slowest rank's; steps interleaved")
+    _print_tp(records, ranks, cfg)
+    if args.plot:
+        console.print("[yellow]--plot: bench tp draws no plot (its JSON has every step)[/yellow]")
     summary = summarize_tp(records)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")

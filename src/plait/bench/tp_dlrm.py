@@ -1,0 +1,217 @@
+"""``plait bench tp``, DLRM part: plait's sharded embedding bags against TorchRec's.
+
+The same T tables (same initial weights), sharded table-wise over the ranks by
+both: plait's :class:`~plait.nn.ShardedEmbeddingBag` (fused
+``embedding_all_to_all``, and its plain path) and TorchRec's sharded
+``EmbeddingBagCollection`` (``DistributedModelParallel`` with a table-wise
+plan; FBGEMM's CPU TBE kernel). Each step: pool every table's bags, hand every
+rank its slice of the batch, a mean-squared loss against a fixed synthetic
+target, backward, exact SGD with the same learning rate (TorchRec fuses it into
+the backward, as it does in production; plait's tables take ``torch.optim.SGD``).
+
+What differs in the work, by design of each library: plait's layer takes the
+whole batch's ids on every rank (the DLRM's input is replicated) and sends
+only pooled rows; TorchRec takes each rank's own slice of the batch and first
+sends the ids to the tables' owners (an all-to-all of ``B·pool`` ids, 8 bytes
+each, besides the pooled rows). plait's backward makes dense table gradients;
+TorchRec's updates the touched rows only.
+
+TorchRec is optional: without it (or with a build that does not load) the
+records are empty and the reason is returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..runtime import rank_context
+from ..runtime.timing import agreed_max, median, time_once
+
+__all__ = ["EmbBenchConfig", "EMB_SYSTEMS", "torchrec_missing", "run_emb_bench"]
+
+EMB_SYSTEMS = ("plait-emb", "plait-emb-plain", "torchrec")
+NOTES = {
+    "plait-emb": "ShardedEmbeddingBag, fused embedding_all_to_all; whole-batch ids on every rank; "
+                 "dense table gradients, torch.optim.SGD",
+    "plait-emb-plain": "ShardedEmbeddingBag(overlap=False): pool everything, then one all_to_all",
+    "torchrec": "DistributedModelParallel, table-wise plan, FBGEMM CPU TBE with EXACT_SGD fused "
+                "into the backward (lr × world: TorchRec averages sparse gradients over ranks); "
+                "each rank's own bags, ids sent to the owners by an all-to-all first",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbBenchConfig:
+    tables: int = 4
+    rows: int = 50_000
+    dim: int = 64
+    batch: int = 4096   # bags per table per step, whole batch
+    pool: int = 8       # ids per bag
+    lr: float = 20000.0  # the loss is a mean over B·T·D elements, so its gradients are tiny
+    seed: int = 0
+
+
+def torchrec_missing() -> str | None:
+    """None if TorchRec and its FBGEMM kernels import here, else the error, one line."""
+    try:
+        with warnings.catch_warnings():  # FBGEMM's notes on its optional SSD kernels
+            warnings.simplefilter("ignore")
+            import torchrec  # noqa: F401
+            from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError from an FBGEMM built for another torch
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def _torchrec_tables(cfg: EmbBenchConfig, full: list[torch.Tensor]) -> nn.Module:
+    """TorchRec's EmbeddingBagCollection, table-wise over all ranks, loaded with ``full``."""
+    import torchrec
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+
+    for name in ("torchrec", "torch.fx._symbolic_trace"):  # dry-run planner notes, per rank
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="torchrec")
+    configs = [torchrec.EmbeddingBagConfig(name=f"t{t}", embedding_dim=cfg.dim,
+                                           num_embeddings=cfg.rows, feature_names=[f"f{t}"])
+               for t in range(cfg.tables)]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    # TorchRec follows DDP's convention: each rank's loss is its own and the sparse gradients
+    # are averaged over the ranks (scaled by 1/world; measured: its updates are exactly
+    # plait's at world × lr). plait's loss is the sum of the ranks' losses, so the same
+    # update needs lr × world here.
+    lr = cfg.lr * dist.get_world_size()
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
+                                                          "learning_rate": lr})
+    only_tw = {c.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
+               for c in configs}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(),
+                                                         compute_device="cpu"),
+                                       constraints=only_tw)
+    plan = planner.collective_plan(ebc, [sharder], dist.group.WORLD)
+    model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
+                                     sharders=[sharder], init_data_parallel=False)
+    with torch.no_grad():  # DMP initialises its own weights: overwrite them with ours
+        for lookup in model.module._lookups:
+            for emb in lookup._emb_modules:
+                for w, c in zip(emb.split_embedding_weights(), emb.config.embedding_tables):
+                    w.copy_(full[int(c.name[1:])])
+    return model
+
+
+def _batches(cfg: EmbBenchConfig, steps: int) -> list[tuple]:
+    """Random bags; the target is what fixed "teacher" tables pool for them, so the loss can fall."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    teacher = [torch.randn(cfg.rows, cfg.dim, generator=gen) * cfg.pool ** -0.5  # target ~ N(0, 1)
+               for _ in range(cfg.tables)]
+    offsets = torch.arange(0, cfg.batch * cfg.pool, cfg.pool)
+    out = []
+    for _ in range(steps):
+        ids = [torch.randint(0, cfg.rows, (cfg.batch * cfg.pool,), generator=gen)
+               for _ in range(cfg.tables)]
+        target = torch.stack([F.embedding_bag(i, w, offsets, mode="sum")
+                              for i, w in zip(ids, teacher)], dim=1)
+        out.append((ids, target))  # [B, T, D]
+    return out
+
+
+def _mse(out: torch.Tensor, target_r: torch.Tensor, cfg: EmbBenchConfig) -> torch.Tensor:
+    """This rank's share of the whole batch's mean-squared error (the ranks' shares sum to it)."""
+    return ((out - target_r) ** 2).sum() / (cfg.batch * cfg.tables * cfg.dim)
+
+
+class _Plait:
+    def __init__(self, cfg: EmbBenchConfig, full: list[torch.Tensor], overlap: bool):
+        from ..models.dlrm import EmbeddingBagCollection
+        from ..nn import ShardedEmbeddingBag
+
+        plain = EmbeddingBagCollection([cfg.rows] * cfg.tables, cfg.dim)
+        with torch.no_grad():
+            for bag, w in zip(plain.bags, full):
+                bag.weight.copy_(w)
+        self.cfg, self.tables = cfg, ShardedEmbeddingBag.from_module(plain, overlap=overlap)
+        self.opt = torch.optim.SGD(self.tables.parameters(), lr=cfg.lr)
+        self.offsets = [torch.arange(0, cfg.batch * cfg.pool, cfg.pool)] * cfg.tables
+
+    def step(self, ids, target_r) -> torch.Tensor:
+        out = self.tables(ids, self.offsets)  # [B_r, T, D]
+        loss = _mse(out, target_r, self.cfg)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+class _TorchRec:
+    def __init__(self, cfg: EmbBenchConfig, full: list[torch.Tensor]):
+        import torchrec
+
+        self.cfg, self.model, self.kjt = cfg, _torchrec_tables(cfg, full), torchrec.KeyedJaggedTensor
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.lo, self.hi = rank * cfg.batch // world, (rank + 1) * cfg.batch // world
+
+    def step(self, ids, target_r) -> torch.Tensor:
+        cfg, lo, hi = self.cfg, self.lo, self.hi
+        values = torch.cat([i[lo * cfg.pool: hi * cfg.pool] for i in ids])  # key-major, own bags
+        kjt = self.kjt.from_lengths_sync(keys=[f"f{t}" for t in range(cfg.tables)], values=values,
+                                         lengths=torch.full(((hi - lo) * cfg.tables,), cfg.pool))
+        pooled = self.model(kjt)
+        pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
+        by_key = pooled.to_dict()  # its keys come in shard order, not table order
+        out = torch.stack([by_key[f"f{t}"] for t in range(cfg.tables)], dim=1)  # [B_r, T, D]
+        loss = _mse(out, target_r, cfg)
+        loss.backward()  # the fused TBE applies SGD to the touched rows here
+        return loss.detach()
+
+
+def run_emb_bench(cfg: EmbBenchConfig, warmup: int, steps: int, compare_steps: int) -> list[dict]:
+    """On every rank: the three systems, steps interleaved; one record each."""
+    ctx, world, rank = rank_context(), dist.get_world_size(), dist.get_rank()
+    if cfg.tables % world:
+        raise ValueError(f"{cfg.tables} tables do not split evenly over {world} ranks")
+    torch.manual_seed(cfg.seed)
+    full = [torch.empty(cfg.rows, cfg.dim).uniform_(-cfg.rows ** -0.5, cfg.rows ** -0.5)
+            for _ in range(cfg.tables)]
+    systems = {"plait-emb": _Plait(cfg, full, True), "plait-emb-plain": _Plait(cfg, full, False),
+               "torchrec": _TorchRec(cfg, full)}
+    lo, hi = rank * cfg.batch // world, (rank + 1) * cfg.batch // world
+    losses = {n: [] for n in systems}
+    times = {n: [] for n in systems}
+    names = list(systems)
+    for i, (ids, target) in enumerate(_batches(cfg, warmup + steps)):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # no system always first
+            system = systems[name]
+            out = {}
+            step = lambda: out.setdefault("loss", system.step(ids, target[lo:hi]))  # noqa: E731
+            times[name].append(time_once(step))
+            dist.all_reduce(out["loss"])  # outside the timed step: the global mean, for the record
+            losses[name].append(float(out["loss"]))
+        ctx.report({"step": i, "of": warmup + steps, "part": "dlrm"})
+    return [_emb_record(n, cfg, losses, agreed_max(times[n]), warmup, compare_steps)
+            for n in systems]
+
+
+def _emb_record(name, cfg, losses, step_s, warmup, compare_steps) -> dict:
+    ref = "torchrec" if name != "torchrec" else "plait-emb"
+    n = min(compare_steps, len(step_s))
+    t_step = median(step_s[warmup:])
+    return {"system": name, "t_step_s": t_step, "tokens_per_s": cfg.batch / t_step,
+            "unit": "samples", "max_loss_diff": max(abs(a - b) for a, b in
+                                                    zip(losses[name][:n], losses[ref][:n])),
+            "loss_diff_vs": ref, "compare_steps": n, "losses": losses[name],
+            "step_times_s": step_s, "model": {"tables": cfg.tables, "rows": cfg.rows,
+                                              "dim": cfg.dim, "batch": cfg.batch,
+                                              "pool": cfg.pool},
+            "optimizer": "sgd (exact)", "lr": cfg.lr, "world_size": dist.get_world_size(),
+            "note": NOTES[name], "link": rank_context().link, "part": "dlrm"}
