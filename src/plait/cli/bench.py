@@ -23,28 +23,27 @@ FULL_COLLECTIVES = dict(min_bytes=1024, max_bytes=64 * 1024 * 1024, step_factor=
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: collectives, fused operators, …")
     which = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    coll = which.add_parser("collectives", help="nccl-tests-style sweep of torch.distributed collectives",
-                            description="Latency, algbw and busbw (nccl-tests' definitions) per "
-                                        "collective and message size; median over timed iterations.")
-    add_launch_args(coll)
-    add_output_args(coll)
-    add_dataclass_args(coll, CollectiveBenchConfig)
-    coll.set_defaults(func=run_collectives)
-    ops = which.add_parser("ops", help="fused operators against compute-then-collective",
-                           description="Compute alone, communication alone, unfused, fused and "
-                                       "the physical limit max(compute, comm) per operator and shape.")
-    add_launch_args(ops)
-    add_output_args(ops)
-    add_dataclass_args(ops, OpsBenchConfig)
-    ops.set_defaults(func=run_ops)
-    tp = which.add_parser("tp", help="plait's tensor parallelism against PyTorch's (DTensor) on a GPT",
-                          description="The same GPT, weights, batches and optimizer under plait "
-                                      "(fused and plain) and torch.distributed.tensor.parallel; "
-                                      "median step time, tokens/s and the largest loss difference.")
-    add_launch_args(tp)
-    add_output_args(tp)
-    add_dataclass_args(tp, TPBenchConfig)
-    tp.set_defaults(func=run_tp)
+    _add(which, "collectives", CollectiveBenchConfig, run_collectives,
+         "nccl-tests-style sweep of torch.distributed collectives",
+         "Latency, algbw and busbw (nccl-tests' definitions) per collective and message size; "
+         "median over timed iterations.")
+    _add(which, "ops", OpsBenchConfig, run_ops, "fused operators against compute-then-collective",
+         "Compute alone, communication alone, unfused, fused and the physical limit "
+         "max(compute, comm) per operator and shape.")
+    _add(which, "tp", TPBenchConfig, run_tp,
+         "plait's tensor parallelism against PyTorch's (DTensor) on a GPT",
+         "The same GPT, weights, batches and optimizer under plait (fused and plain) and "
+         "torch.distributed.tensor.parallel; median step time, tokens/s and the largest loss "
+         "difference.")
+
+
+def _add(which, name: str, config: type, func, help_text: str, description: str) -> None:
+    """One benchmark: where it runs, what it writes, and its config's fields as flags."""
+    parser = which.add_parser(name, help=help_text, description=description)
+    add_launch_args(parser)
+    add_output_args(parser)
+    add_dataclass_args(parser, config)
+    parser.set_defaults(func=func)
 
 
 def run_collectives(args: argparse.Namespace) -> int:
