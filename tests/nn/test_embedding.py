@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from plait.models import EmbeddingBagCollection
 from plait.nn import ShardPlan, ShardedEmbeddingBag
-from plait.runtime.testing import run_ranks
+from plait.runtime.testing import raised, run_ranks
 
 TOL = 1e-12
 ROWS = [7, 3, 11, 5, 4, 9]
@@ -79,14 +79,7 @@ def _errors():
                                                                               torch.zeros(3, D + 1)]),
         "not_bags": lambda: ShardedEmbeddingBag.from_module(torch.nn.Linear(2, 2)),
     }
-    seen = {}
-    for name, make in attempts.items():
-        try:
-            make()
-            seen[name] = None
-        except (TypeError, ValueError) as err:
-            seen[name] = f"{type(err).__name__}: {err}"
-    return seen
+    return raised(attempts)
 
 
 def test_bad_plans_and_tables_raise_at_construction():

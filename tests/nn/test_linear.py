@@ -15,7 +15,7 @@ import torch.nn as nn
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
 from plait.nn._shard import shard_of
 from plait.ops import explain
-from plait.runtime.testing import run_ranks
+from plait.runtime.testing import raised, run_ranks
 
 TOL = 1e-10
 B, S = 2, 5
@@ -176,14 +176,7 @@ def _errors():
         "not_a_plan": lambda: ColumnParallelLinear(8, 6, plan=[3, 3]),
         "not_linear": lambda: RowParallelLinear.from_module(nn.Conv1d(2, 2, 1)),
     }
-    seen = {}
-    for name, make in attempts.items():
-        try:
-            make()
-            seen[name] = None
-        except (TypeError, ValueError) as err:
-            seen[name] = f"{type(err).__name__}: {err}"
-    return seen
+    return raised(attempts)
 
 
 def test_bad_plans_and_weights_raise_at_construction():

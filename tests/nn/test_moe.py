@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from plait.models import MoEFeedForward
 from plait.nn import MoE, ShardPlan
-from plait.runtime.testing import run_ranks
+from plait.runtime.testing import raised, run_ranks
 
 TOL = 1e-12
 H, F, E, TOKENS = 4, 6, 5, 11
@@ -79,14 +79,7 @@ def _errors():
         "w1_shape": lambda: MoE(H, F, E, full_w1=torch.zeros(E, F, H)),
         "top_k": lambda: MoE(H, F, E, top_k=6),
     }
-    seen = {}
-    for name, make in attempts.items():
-        try:
-            make()
-            seen[name] = None
-        except (TypeError, ValueError) as err:
-            seen[name] = f"{type(err).__name__}: {err}"
-    return seen
+    return raised(attempts)
 
 
 def test_bad_plans_and_weights_raise_at_construction():

@@ -76,31 +76,18 @@ class _Region:
             self.timer.end(token, self.work)
 
 
-class _BackwardEnds(torch.autograd.Function):
-    """Identity. Its backward closes the scope: the layer's backward compute is done."""
+class _BackwardMark(torch.autograd.Function):
+    """Identity. Its backward calls ``mark()``: on the input it closes the scope (the
+    layer's backward compute is done), on the output it opens it (it begins)."""
 
     @staticmethod
-    def forward(ctx, x, scope):
-        ctx.scope = scope
+    def forward(ctx, x, mark):
+        ctx.mark = mark
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.scope.close()
-        return grad, None
-
-
-class _BackwardStarts(torch.autograd.Function):
-    """Identity. Its backward opens the scope: the layer's backward compute begins."""
-
-    @staticmethod
-    def forward(ctx, y, scope):
-        ctx.scope = scope
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.scope.open()
+        ctx.mark()
         return grad, None
 
 
@@ -113,10 +100,10 @@ def straggled(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.
     backward = live and torch.is_grad_enabled() and x.requires_grad
     scope = _Region(x.device, timer) if backward else None
     if scope is not None:
-        x = _BackwardEnds.apply(x, scope)
+        x = _BackwardMark.apply(x, scope.close)
     with compute_scope(x.device, timer, work):
         y = compute(x)
-    return y if scope is None else _BackwardStarts.apply(y, scope)
+    return y if scope is None else _BackwardMark.apply(y, scope.open)
 
 
 def resolve_plan(plan: ShardPlan | None, units: int, info: GroupInfo, *, what: str, layer: str,

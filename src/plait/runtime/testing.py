@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .launch import launch
 
-__all__ = ["run_ranks", "TEST_TIMEOUT_S"]
+__all__ = ["run_ranks", "raised", "TEST_TIMEOUT_S"]
 
 TEST_TIMEOUT_S = 30.0
 
@@ -32,3 +32,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """``launch(fn, world_size, args=args, kwargs=kwargs)`` with test-friendly settings."""
     return launch(fn, world_size, args=args, kwargs=kwargs, timeout_s=timeout_s, threads=1,
                   deadline_s=10 * timeout_s)
+
+
+def raised(attempts: dict[str, Callable[[], Any]]) -> dict[str, str | None]:
+    """Call each attempt; its ``"TypeError: message"`` / ``"ValueError: message"``, or None
+    if it did not raise (for tests of construction-time errors, run on every rank)."""
+    seen: dict[str, str | None] = {}
+    for name, make in attempts.items():
+        try:
+            make()
+            seen[name] = None
+        except (TypeError, ValueError) as err:
+            seen[name] = f"{type(err).__name__}: {err}"
+    return seen
