@@ -3,13 +3,16 @@
 - :mod:`.speed`: ``SpeedMonitor``, per-rank compute time in every layer, smoothed and shared.
 - :mod:`.policy`: pure decisions: proportional plans, resize fractions, the SEMI state machine.
 - :mod:`.migrate`: exact migration of layers, gradients and optimizer state to new plans.
+- :mod:`.balancer`: ``Balancer``, all three wired into a training loop, one policy per dim.
 """
+
+from .balancer import Balancer, Decision
 
 from .migrate import MigrationReport, migrate
 from .policy import (POLICIES, Action, PolicyConfig, SemiPolicy, imbalance, resize_fraction,
                      resize_fractions, static_plan)
 from .speed import SpeedMonitor, ema, flag_stragglers, relative_speeds
 
-__all__ = ["SpeedMonitor", "ema", "relative_speeds", "flag_stragglers",
+__all__ = ["Balancer", "Decision", "SpeedMonitor", "ema", "relative_speeds", "flag_stragglers",
            "POLICIES", "PolicyConfig", "Action", "SemiPolicy", "static_plan", "resize_fraction",
            "resize_fractions", "imbalance", "MigrationReport", "migrate"]

@@ -3,17 +3,25 @@
 A layer's compute region (``plait.nn._shard.compute_scope`` / ``straggled``,
 the same places the straggler emulation wraps) reports to the layer's
 ``compute_timer``, which :meth:`SpeedMonitor.attach` sets. On the plain path
-the region is the local GEMM only; on a fused path it is the whole operator, so
-it includes the part of the wire the overlap did not hide.
+the region is the local GEMM only; on the fused ``matmul_all_reduce`` and
+``column_parallel_matmul`` it is each local piece (``plait.ops.compute``), so
+waiting for another rank's pieces is never counted as this rank's compute. (The
+sequence-parallel and MoE operators are still timed whole, their exposed wire
+included.)
 
-A rank's speed is the work it did (its shard's weight elements per forward)
+A rank's speed is the work it did (the weight elements it multiplied per forward: fewer
+while ZERO-resized)
 over the seconds it took, forward and backward. Counting work, not time, means
 a rank given fewer columns is not mistaken for a faster one, so a plan that
 moved work does not undo itself. Every ``every`` steps the group exchanges one
 small float64 vector per rank (``2 · layers`` figures) in one all_gather, and
 each rank folds the window into an EMA.
 
-Cost: two ``perf_counter`` calls per region (CUDA: two events, read only at the
+Clock: on a one-thread CPU rank, the thread's CPU time plus the straggler
+emulation's sleeps in the region (ranks sharing cores are otherwise measured
+slow whenever the scheduler runs another rank mid-GEMM); wall time otherwise.
+
+Cost: two clock reads per region (CUDA: two events, read only at the
 exchange), and one all_gather of a few hundred bytes every ``every`` steps;
 ``overhead_s`` is the time spent in the exchanges (on a rank that arrives early
 it includes waiting for a slower one; the last to arrive measures the exchange).
@@ -22,10 +30,12 @@ it includes waiting for a slower one; the last to arrive measures the exchange).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ..runtime.straggler import compute_clock
 
 __all__ = ["SpeedMonitor", "LayerTimer", "ema", "relative_speeds", "flag_stragglers"]
 
@@ -55,6 +65,22 @@ def flag_stragglers(speeds: Sequence[float], threshold: float = 1.2) -> tuple[in
     return tuple(r for r, s in enumerate(rel) if s * threshold <= 1.0 + 1e-12)
 
 
+class _CPUToken(NamedTuple):
+    clock: object
+    start: float
+    straggler: object
+    delayed: float
+
+
+def _straggler():
+    """This rank's straggler emulation, whose sleeps count as compute (a slow device)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from ..runtime import rank_context
+
+    return rank_context().straggler
+
+
 class LayerTimer:
     """What a layer holds: ``begin(device)`` before its compute, ``end(token, work)`` after."""
 
@@ -66,11 +92,18 @@ class LayerTimer:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             return start
-        return time.perf_counter()
+        straggler = _straggler()
+        clock = compute_clock(device)
+        return _CPUToken(clock, clock(), straggler, straggler.delayed_s if straggler else 0.0)
+
+    def count(self, work: float) -> None:
+        """Work done in regions timed piece by piece (counted once, not per piece)."""
+        self.monitor._add(self.key, 0.0, work)
 
     def end(self, token, work: float = 0.0) -> None:
-        if isinstance(token, float):
-            self.monitor._add(self.key, time.perf_counter() - token, work)
+        if isinstance(token, _CPUToken):
+            delayed = token.straggler.delayed_s - token.delayed if token.straggler else 0.0
+            self.monitor._add(self.key, token.clock() - token.start + delayed, work)
         else:  # CUDA: read the pair at the next exchange, after one synchronize
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()
@@ -101,6 +134,7 @@ class SpeedMonitor:
         self.steps = 0
         self.shares = 0
         self.overhead_s = 0.0
+        self.compute_s = 0.0  # this rank's timed compute, all layers, since it was made
 
     # --- wiring -------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> list[str]:
@@ -120,6 +154,13 @@ class SpeedMonitor:
     def _add(self, key: str, seconds: float, work: float) -> None:
         self._seconds[key] += seconds
         self._work[key] += work
+        self.compute_s += seconds
+
+    def discard(self) -> None:
+        """Forget this window's figures (a warm-up step); no collective."""
+        self._resolve_pending()
+        for key in self.keys:
+            self._seconds[key], self._work[key] = 0.0, 0.0
 
     # --- the exchange ---------------------------------------------------------
     def step(self) -> bool:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..plan import ShardPlan
 
-__all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "shard_of", "unshard", "mark_partial_grad",
+__all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "pieces", "shard_of", "unshard", "mark_partial_grad",
            "replace_data", "resolve_plan", "check_full"]
 
 
@@ -104,6 +104,29 @@ def straggled(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.
     with compute_scope(x.device, timer, work):
         y = compute(x)
     return y if scope is None else _BackwardMark.apply(y, scope.open)
+
+
+class _PieceRegion:
+    """A layer's compute region entered once per piece of a fused operator
+    (``plait.ops.compute``): straggler emulation and timing around each local GEMM only."""
+
+    def __init__(self, device, timer):
+        self.device, self.timer = device, timer
+
+    def piece(self):
+        return compute_scope(self.device, self.timer)
+
+
+def pieces(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.Tensor:
+    """``compute(x)``, a fused operator, with the layer's compute region around each of its
+    local pieces, forward and backward, and not around its waits for other ranks: a fast
+    rank waiting on a slow one is not measured (or emulated) slow. ``work`` counted once."""
+    from ..ops.compute import compute_region
+
+    if timer is not None:
+        timer.count(work)
+    with compute_region(_PieceRegion(x.device, timer)):
+        return compute(x)
 
 
 def resolve_plan(plan: ShardPlan | None, units: int, info: GroupInfo, *, what: str, layer: str,

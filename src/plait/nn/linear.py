@@ -30,11 +30,24 @@ overlap=True: ``matmul_all_reduce`` or ``matmul_reduce_scatter``; overlap=False:
 ``F.linear`` then ``reduce_from_region`` / ``reduce_scatter_region``.
 
 Straggler emulation and the speed monitor's timing wrap each layer's compute,
-forward and backward, as one region (``_shard.straggled``); the fused
-operators interleave their compute with their transfers, so there the whole
-operator is wrapped (its measured time includes the exposed part of the wire),
-while the plain path wraps only ``F.linear`` and leaves the region collectives
-outside.
+forward and backward: on the plain path ``F.linear`` as one region
+(``_shard.straggled``), on the fused non-sequence-parallel path each local
+GEMM piece inside the operator (``_shard.pieces``), so waiting for other ranks
+is never counted as compute. The sequence-parallel fused operators are wrapped
+whole (their exposed wire is counted).
+
+ZERO-resizing (``resize(keep)``, set by ``plait.balance``): the layer computes
+only ``keep`` of its reduction dim K (the input features its weight reads:
+all of them for a column-parallel layer, its shard for a row-parallel one),
+forward and backward. *Priority*: it keeps the K columns whose weights changed
+most between the last two ``refresh_priority()`` calls (before the first
+change is known, the largest in magnitude); a skipped column keeps its last
+score, so it returns once the kept ones settle. *Imputation*: outputs and
+gradients stay full-shape; a skipped column contributes nothing to the output
+and gets a zero gradient (the optimizer still sees the whole tensor). Lossy by
+design: the balancer resizes a rank only while it is slow. A resized
+column-parallel layer takes the plain path (its input gradient's all_reduce
+needs the full K on every rank).
 """
 
 from __future__ import annotations
@@ -50,8 +63,8 @@ from ..ops import all_gather_matmul, column_parallel_matmul, matmul_all_reduce, 
 from ..ops.pieces import even_sizes
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
-from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, replace_data,
-                     resolve_plan, shard_of, straggled, unshard)
+from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, pieces,
+                     replace_data, resolve_plan, shard_of, straggled, unshard)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -101,6 +114,12 @@ class _ParallelLinear(nn.Module):
                                  layer=name)
         self.overlap, self.chunks = overlap, chunks
         self.compute_timer = None  # set by plait.balance.SpeedMonitor.attach
+        self.keep = 1.0  # ZERO-resizing: the share of K this rank computes (resize)
+        self._kept: torch.Tensor | None = None  # the K columns computed, sorted; None: all
+        self._snapshot: torch.Tensor | None = None  # the weight at the last priority refresh
+        self._scores: torch.Tensor | None = None  # per K column: how much it changed
+        self._scored_by_change = False
+        self._group_resized = False  # some rank of the group is resized: plain column path
         self.sequence_parallel, self.seq_dim, self.seq_plan = sequence_parallel, seq_dim, seq_plan
         if full_weight is None:
             full_weight, made_bias = _full_linear(in_features, out_features, bias, seed, dtype, device)
@@ -128,8 +147,61 @@ class _ParallelLinear(nn.Module):
 
     def _region(self, compute, x: torch.Tensor) -> torch.Tensor:
         """``compute(x)`` as this layer's compute region: straggler emulation and timing,
-        forward and backward; the work counted is the shard's weight elements."""
-        return straggled(compute, x, self.compute_timer, self.weight.numel())
+        forward and backward; the work counted is the weight elements multiplied."""
+        return straggled(compute, x, self.compute_timer, self._work())
+
+    def _pieces(self, compute, x: torch.Tensor) -> torch.Tensor:
+        """A fused operator whose local pieces are this layer's compute region."""
+        return pieces(compute, x, self.compute_timer, self._work())
+
+    def _work(self) -> int:
+        return self.weight.numel() if self._kept is None else self.weight.shape[0] * len(self._kept)
+
+    # --- ZERO-resizing --------------------------------------------------------
+    def resize(self, keep: float, *, anyone: bool | None = None) -> None:
+        """Compute only ``keep`` (0 < keep ≤ 1) of the reduction dim from the next forward on,
+        the highest-priority columns (see the module docstring); 1 computes everything.
+
+        ``anyone``: whether any rank of the group is resized (default: this one is). Every
+        rank must pass the same value: a resized column-parallel layer takes the plain path,
+        and all ranks must then take it, or their collectives would not match.
+        """
+        if not (isinstance(keep, (int, float)) and 0.0 < keep <= 1.0):
+            raise ValueError(f"{type(self).__name__}: keep must be in (0, 1], got {keep!r}")
+        k = self.weight.shape[1]
+        n = min(k, max(1, round(keep * k)))
+        self._group_resized = (n < k) if anyone is None else bool(anyone)
+        if n == k:
+            self._kept, self.keep = None, 1.0
+            return
+        if not self._scored_by_change:
+            self.refresh_priority()
+        order = torch.argsort(self._scores, descending=True, stable=True)
+        self._kept = order[:n].sort().values.to(self.weight.device)
+        self.keep = n / k
+
+    @torch.no_grad()
+    def refresh_priority(self) -> None:
+        """Score each K column by how much its weights changed since the last refresh (the
+        columns computed since; a skipped one keeps its score) and take a new snapshot."""
+        w = self.weight.detach()
+        if self._snapshot is None or self._snapshot.shape != w.shape:
+            self._scores = w.abs().sum(dim=0).float()  # no history yet: magnitude
+            self._scored_by_change = False
+        else:
+            change = (w - self._snapshot).norm(dim=0).float()  # [K]
+            if self._kept is None or self._scores is None:
+                self._scores = change
+            else:
+                self._scores[self._kept] = change[self._kept]
+            self._scored_by_change = True
+        self._snapshot = w.clone()
+
+    def _selected(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, weight) restricted to the kept K columns; both whole when not resized."""
+        if self._kept is None:
+            return x, self.weight
+        return x.index_select(-1, self._kept), self.weight.index_select(1, self._kept)
 
     def _cut(self, full: torch.Tensor) -> torch.Tensor:
         return shard_of(full, self.plan, self.info.rank, self.shard_dim, blocks=self.blocks,
@@ -164,6 +236,8 @@ class _ParallelLinear(nn.Module):
         full = self.full_state_dict()
         full_grads = self.full_state_dict(grads=True)  # always: every rank joins the same gathers
         self.plan = plan
+        self._kept, self.keep, self._snapshot, self._scores = None, 1.0, None, None
+        self._scored_by_change = self._group_resized = False
         for key, value in full.items():
             param = getattr(self, key)
             had_grad = param.grad is not None
@@ -245,20 +319,21 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t()  # [K, N_r]
         if self.info.world == 1:
-            with compute_scope(x.device, self.compute_timer, self.weight.numel()):
-                return F.linear(x, self.weight, self.bias)
+            with compute_scope(x.device, self.compute_timer, self._work()):
+                return F.linear(*self._selected(x), self.bias)
+        resized = self._group_resized  # every rank the same path
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=True)
-            if self.overlap:  # the fused op: compute and wire interleaved
+            if self.overlap and not resized:  # the fused op: compute and wire interleaved
                 y = self._region(lambda x: self._gather_matmul(x, w, sizes), x)  # [B, S, N_r]
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
-                y = self._region(lambda x: F.linear(x, self.weight), x)
-        elif self.overlap:
-            y = self._region(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
+                y = self._region(lambda x: F.linear(*self._selected(x)), x)
+        elif self.overlap and not resized:
+            y = self._pieces(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
         else:
             x = copy_to_region(x, self.group)
-            y = self._region(lambda x: F.linear(x, self.weight), x)
+            y = self._region(lambda x: F.linear(*self._selected(x)), x)
         return y if self.bias is None else y + self.bias
 
 
@@ -308,22 +383,23 @@ class RowParallelLinear(_ParallelLinear):
         return local.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.t()  # [K_r, N]
+        x, weight = self._selected(x)  # [B, S, K_kept], [N, K_kept]: whole unless resized
+        w = weight.t()  # [K_r, N]
         if self.info.world == 1:
-            with compute_scope(x.device, self.compute_timer, self.weight.numel()):
-                return F.linear(x, self.weight, self.bias)
+            with compute_scope(x.device, self.compute_timer, self._work()):
+                return F.linear(x, weight, self.bias)
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
             if self.overlap:
                 y = self._region(lambda x: matmul_reduce_scatter(
                     x, w, self.group, self.seq_dim, sizes=sizes, chunks=self.chunks), x)  # [B, S_r, N]
             else:
-                y = self._region(lambda x: F.linear(x, self.weight), x)
+                y = self._region(lambda x: F.linear(x, weight), x)
                 y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
         elif self.overlap:
-            y = self._region(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks), x)
+            y = self._pieces(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks), x)
         else:
-            y = self._region(lambda x: F.linear(x, self.weight), x)
+            y = self._region(lambda x: F.linear(x, weight), x)
             y = reduce_from_region(y, self.group)
         return y if self.bias is None else y + self.bias
 

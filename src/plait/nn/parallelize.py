@@ -81,12 +81,14 @@ def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool =
     seq = plans.get("seq")
     common = dict(overlap=overlap, chunks=chunks, sequence_parallel=sequence_parallel,
                   seq_plan=seq)
+    dims: dict[str, tuple[str, ...]] = {}  # a sharded dim → the layers its plan splits together
     for i, block in enumerate(model.blocks):
         attn, heads = block.attn, plans.get(f"blocks.{i}.attn", plans.get("heads"))
         attn.qkv = ColumnParallelLinear.from_module(attn.qkv, group, plan=heads, blocks=3,
                                                     unit=attn.head_dim, unit_name="heads", **common)
         attn.proj = RowParallelLinear.from_module(attn.proj, group, plan=heads, unit=attn.head_dim,
                                                   unit_name="heads", **common)
+        dims[f"blocks.{i}.attn"] = (f"blocks.{i}.attn.qkv", f"blocks.{i}.attn.proj")
         mlp = block.mlp
         if hasattr(mlp, "router"):
             block.mlp = MoE.from_module(mlp, group, plan=plans.get(f"blocks.{i}.mlp",
@@ -97,9 +99,11 @@ def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool =
             cols = plans.get(f"blocks.{i}.mlp", plans.get("mlp"))
             mlp.fc = ColumnParallelLinear.from_module(mlp.fc, group, plan=cols, **common)
             mlp.proj = RowParallelLinear.from_module(mlp.proj, group, plan=cols, **common)
+            dims[f"blocks.{i}.mlp"] = (f"blocks.{i}.mlp.fc", f"blocks.{i}.mlp.proj")
         if sequence_parallel:
             for param in _unsharded_params(block):
                 mark_partial_grad(param, group)
+    model._plait_dims = dims
     if sequence_parallel and info.world > 1 and len(model.blocks):
         _split_sequence(model.blocks[0], model.blocks[-1], group, seq)
     moe = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]

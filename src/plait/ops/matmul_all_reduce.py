@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .agree import attempt, check_chunks
+from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, get_context
 from .pieces import DTYPE_CODES, check_float, offsets, tapered
 
@@ -67,7 +68,8 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision)
     """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce."""
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
-        out = x2 @ w
+        with piece():
+            out = x2 @ w
         dist.all_reduce(out, group=group)
         return out
     if m <= GEMV_ROWS:
@@ -76,7 +78,8 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision)
     out = x2.new_empty(m, n)  # the collective's buffer is the output
     works = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        torch.matmul(x2[lo:hi], w, out=out[lo:hi])
+        with piece():
+            torch.matmul(x2[lo:hi], w, out=out[lo:hi])
         works.append(dist.all_reduce(out[lo:hi], group=group, async_op=True))
     for work in works:
         work.wait()
@@ -94,7 +97,8 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int) -> torch
     blocks, works = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         block = flat[m * lo:m * hi].view(m, hi - lo)
-        torch.matmul(x2, w[:, lo:hi], out=block)
+        with piece():
+            torch.matmul(x2, w[:, lo:hi], out=block)
         works.append(dist.all_reduce(block, group=group, async_op=True))
         blocks.append(block)
     for work in works:
@@ -106,13 +110,15 @@ class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w, group, decision):
         ctx.save_for_backward(x2, w)
+        ctx.region = current_region()
         return _fused_forward(x2, w, group, decision)
 
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
-        dw = x2.t() @ dy if ctx.needs_input_grad[1] else None
+        with compute_region(ctx.region), piece():
+            dx = dy @ w.t() if ctx.needs_input_grad[0] else None
+            dw = x2.t() @ dy if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
 
 
@@ -135,18 +141,22 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x2, w, group, chunks, ops_ctx):
         ctx.save_for_backward(x2, w)
         ctx.group, ctx.chunks, ctx.ops_ctx = group, chunks, ops_ctx
-        return x2 @ w
+        ctx.region = current_region()
+        with piece():
+            return x2 @ w
 
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            wt = w.t()
-            decision = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks, ctx.ops_ctx)
-            dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision)
-        if ctx.needs_input_grad[1]:
-            dw = x2.t() @ dy
+        with compute_region(ctx.region):
+            if ctx.needs_input_grad[0]:
+                wt = w.t()
+                decision = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks, ctx.ops_ctx)
+                dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision)
+            if ctx.needs_input_grad[1]:
+                with piece():
+                    dw = x2.t() @ dy
         return dx, dw, None, None, None
 
 

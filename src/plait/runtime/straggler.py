@@ -2,6 +2,9 @@
 
 The delay is proportional to the compute the rank actually does: the work
 runs, its duration ``d`` is measured, then the rank waits ``(FACTOR − 1)·d``.
+On a CPU rank running one thread, ``d`` is the thread's CPU time, not wall
+time: ranks sharing cores (four ranks on two) wait for the scheduler in the
+middle of a GEMM, and that wait is not compute a slower device would stretch.
 Giving that rank less work therefore really shortens its delay, as on a slower
 device, which is what the balancer needs to be tested against. The wait is a
 sleep, so the emulated slowness does not steal CPU from other ranks.
@@ -17,7 +20,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["SlowSpec", "parse_slow", "validate_slow", "Straggler"]
+__all__ = ["SlowSpec", "parse_slow", "validate_slow", "Straggler", "compute_clock"]
+
+
+def compute_clock(device: torch.device | None = None):
+    """The clock compute is measured by: this thread's CPU time on a one-thread CPU rank (what
+    the compute cost, whoever else shares the core), wall time otherwise."""
+    if (device is None or device.type == "cpu") and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 _SLOW_RE = re.compile(r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+)?(?:-(\d+)?)?)?$")
 
@@ -93,10 +104,11 @@ class Straggler:
         cuda = device is not None and device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        clock = compute_clock(device)
+        start = clock()
         yield
         if cuda:
             torch.cuda.synchronize(device)
-        delay = (factor - 1.0) * (time.perf_counter() - start)
+        delay = (factor - 1.0) * (clock() - start)
         self.delayed_s += delay
         time.sleep(delay)

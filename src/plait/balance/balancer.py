@@ -1,0 +1,150 @@
+"""The balancer: speed monitor, one policy per sharded dim, and applying what they decide.
+
+``Balancer(model, optimizer, group, PolicyConfig(name="semi"))`` once after
+``apply_tp``; ``balancer.step(step)`` after every optimizer step (every rank:
+it holds collectives). A dim is what one plan splits: the heads of a block's
+attention (QKV and output projection together), the columns of its MLP (fc and
+proj). Each dim has its own :class:`SemiPolicy` fed the group's shared speeds;
+its actions are applied at the step boundary:
+
+- ``resize``: every layer of the dim computes ``fractions[rank]`` of its
+  reduction dim (ZERO-resizing, lossy, no data moves);
+- ``migrate``: the dim's layers move to the new plan with their gradients and
+  optimizer state (``plait.balance.migrate``, exact); resizing ends;
+- ``undo``: resizing ends.
+
+The first ``warmup`` steps are not measured (first calls allocate and warm
+caches on some ranks more than others). Every decision and its reason is kept in ``log`` (rank 0 also logs it at INFO
+on ``plait.balance``). Every ``refresh`` steps the layers refresh the priority
+scores ZERO-resizing uses. The speeds are identical on every rank after each
+exchange and the policies are deterministic, so every rank takes the same
+decision without another collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .migrate import MigrationReport, migrate
+from .policy import Action, PolicyConfig, SemiPolicy
+from .speed import SpeedMonitor
+
+__all__ = ["Balancer", "Decision"]
+
+log = logging.getLogger("plait.balance")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One applied action: the step, the dim, what was done and why, and a migration's cost."""
+
+    step: int
+    dim: str
+    kind: str
+    reason: str
+    sizes: tuple[int, ...]
+    fractions: tuple[float, ...] | None = None
+    migration: MigrationReport | None = None
+
+    def to_json(self) -> dict:
+        out = {"step": self.step, "dim": self.dim, "kind": self.kind, "reason": self.reason,
+               "sizes": list(self.sizes)}
+        if self.fractions is not None:
+            out["fractions"] = [round(f, 4) for f in self.fractions]
+        if self.migration is not None:
+            m = self.migration
+            out["migration"] = {"bytes_moved": m.bytes_moved, "bytes_sent": m.bytes_sent,
+                                "seconds": m.seconds}
+        return out
+
+
+class Balancer:
+    """Measure, decide and apply, per sharded dim of a plait-TP model (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 group=None, config: PolicyConfig | None = None, *, every: int = 2,
+                 alpha: float = 0.6, refresh: int = 200, warmup: int = 3):
+        if not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 1:
+            raise ValueError(f"refresh must be a positive number of steps, got {refresh!r}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"warmup must be a number of steps ≥ 0, got {warmup!r}")
+        self.warmup = warmup
+        self.model, self.optimizer, self.group = model, optimizer, group
+        self.config = config or PolicyConfig()
+        self.refresh = refresh
+        dims = getattr(model, "_plait_dims", None)
+        if dims is None:
+            raise TypeError(f"{type(model).__name__} has no sharded dims to balance: build it "
+                            "with plait.nn.apply_tp (a GPT; MoE experts and DLRM tables are not "
+                            "balanced yet)")
+        modules = dict(model.named_modules())
+        self.dims = {dim: [modules[name] for name in names] for dim, names in dims.items()}
+        self.names = dict(dims)
+        self.monitor = SpeedMonitor(group, every=every, alpha=alpha)
+        self.monitor.attach(model)
+        self.rank, self.world = self.monitor.rank, self.monitor.world
+        self.policies: dict[str, SemiPolicy] = {}
+        for dim, layers in self.dims.items():
+            plans = {layer.plan for layer in layers}
+            if len(plans) != 1:
+                raise ValueError(f"the layers of {dim} have different plans {plans}; one plan "
+                                 "must split them together")
+            policy = SemiPolicy(self.config, layers[0].plan.total, self.world)
+            policy.plan = layers[0].plan  # start from the plan it was built with
+            self.policies[dim] = policy
+        self.log: list[Decision] = []
+        self.steps = 0
+        for layers in self.dims.values():
+            for layer in layers:
+                layer.refresh_priority()
+
+    def step(self, step: int | None = None) -> list[Decision]:
+        """End of a training step: share speeds when due, decide per dim, apply."""
+        step = self.steps if step is None else step
+        self.steps += 1
+        if self.steps <= self.warmup:  # first calls (allocation, first-touch): not speeds
+            self.monitor.discard()
+            return []
+        self.monitor.step()
+        if self.steps % self.refresh == 0:
+            for layers in self.dims.values():
+                for layer in layers:
+                    layer.refresh_priority()
+        if self.config.name == "even":
+            return []
+        speeds = self.monitor.speeds()
+        done = []
+        for dim, policy in self.policies.items():
+            action = policy.step(speeds)
+            if action.kind != "none":
+                done.append(self._apply(step, dim, action))
+        return done
+
+    def _apply(self, step: int, dim: str, action: Action) -> Decision:
+        layers = self.dims[dim]
+        report = None
+        if action.kind == "migrate":
+            report = migrate(self.model, self.optimizer,
+                             {name: action.plan for name in self.names[dim]})
+        fractions = action.fractions if action.kind == "resize" else (1.0,) * self.world
+        anyone = any(f < 1.0 for f in fractions)
+        for layer in layers:
+            layer.resize(fractions[self.rank], anyone=anyone)
+        decision = Decision(step, dim, action.kind, action.reason, layers[0].plan.sizes,
+                            action.fractions, report)
+        self.log.append(decision)
+        if self.rank == 0:
+            log.info("step %d %s: %s %s", step, dim, action.kind, action.reason)
+        return decision
+
+    def state(self) -> dict:
+        """What each dim looks like now: its plan and this rank's kept share."""
+        return {dim: {"sizes": list(layers[0].plan.sizes), "keep": layers[0].keep}
+                for dim, layers in self.dims.items()}
+
+    def balanced(self) -> bool:
+        """Every dim on the even plan and nobody resized (on every rank: decisions agree)."""
+        return all(p.plan == p.even and p.fractions is None for p in self.policies.values())

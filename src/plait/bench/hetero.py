@@ -1,0 +1,332 @@
+"""``plait bench hetero``: tensor parallelism with a slow rank, under each balancing policy.
+
+Every rank trains the same small GPT (plait TP, fused operators) from the same
+seed on the same batches, once per (seed, scenario, policy), all in one
+launch. A scenario slows ranks through the runtime's straggler emulation (a
+rank ``F`` × slower sleeps ``(F − 1)`` × each of its compute pieces):
+
+- ``none``: no straggler, the reference;
+- ``straggler-2x``: the last rank 2 × slower throughout;
+- ``graded``: ranks 4 ×, 2 ×, 1 ×, 1 × slower (on 4 ranks; fewer ranks take the first ones);
+- ``spike``: the last rank 3 × slower for ``spike_len`` steps from ``spike_at``, then normal.
+
+Per run: every step's time (the slowest rank's: forward, backward, update and
+the balancer's own step, migrations included), the losses, the balancer's
+decisions, and the held-out loss and next-token accuracy at the end.
+
+The ideal: with per-step slowdowns ``F_r``, the capacity-proportional step
+spreads the tensor-parallel compute ``c`` (what the emulation slows: the
+``none`` run's measured compute per rank per step) in proportion to the speeds
+``1/F_r``, so ``t_ideal = t_none − c + c · p / Σ_r (1/F_r)``: total work over
+summed speeds, plus everything the emulation does not slow (communication,
+attention, the replicated embedding and head, the optimizer). Each run's
+``t_ideal_s`` is the median of that over its timed steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from ..balance import Balancer, PolicyConfig
+from ..balance.policy import POLICIES
+from ..data import CharCorpus
+from ..runtime import rank_context
+from ..runtime.straggler import SlowSpec, Straggler
+from ..runtime.timing import agreed_max
+from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
+
+__all__ = ["HeteroBenchConfig", "SCENARIOS", "QUICK_HETERO", "scenario_specs", "run_hetero",
+           "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced"]
+
+SCENARIOS = ("none", "straggler-2x", "graded", "spike")
+QUICK_HETERO = dict(steps=60, seeds=1)
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeteroBenchConfig:
+    """Scenarios, policies, the model and the steps; each field's help is its CLI flag's help."""
+
+    scenarios: tuple[str, ...] = field(default=SCENARIOS, metadata=_h(
+        "what to run: " + ", ".join(SCENARIOS)))
+    policies: tuple[str, ...] = field(default=POLICIES, metadata=_h(
+        "balancing policies: " + ", ".join(POLICIES)))
+    steps: int = field(default=100, metadata=_h("training steps per run"))
+    warmup: int = field(default=5, metadata=_h("first steps left out of the median step time"))
+    seeds: int = field(default=3, metadata=_h("seeds per run (held-out figures are their mean)"))
+    spike_at: int = field(default=20, metadata=_h("spike: the step the slowdown starts"))
+    spike_len: int = field(default=8, metadata=_h("spike: how many steps it lasts"))
+    n_layer: int = field(default=2, metadata=_h("transformer blocks"))
+    n_head: int = field(default=16, metadata=_h("attention heads (the unit heads migrate in)"))
+    n_embd: int = field(default=256, metadata=_h("model width"))
+    seq_len: int = field(default=64, metadata=_h("characters per sequence"))
+    batch_size: int = field(default=16, metadata=_h("sequences per step"))
+    lr: float = field(default=3e-3, metadata=_h("peak learning rate of AdamW"))
+    overlap: bool = field(default=True, metadata=_h("fused operators (--no-overlap: plain)"))
+    every: int = field(default=2, metadata=_h("steps between the speed monitor's exchanges"))
+    spike_steps: int = field(default=12, metadata=_h(
+        "semi: an imbalance lasting this many steps persists and is migrated (shorter ones "
+        "are resized, then undone)"))
+    eval_batches: int = field(default=8, metadata=_h("held-out batches at the end"))
+    extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
+
+    def __post_init__(self) -> None:
+        for name, known in (("scenarios", SCENARIOS), ("policies", POLICIES)):
+            values = getattr(self, name)
+            bad = [v for v in values if v not in known]
+            if bad or not values:
+                raise ValueError(f"--{name} {list(values)}: choose from {list(known)}")
+        for name in ("steps", "seeds", "spike_len", "n_layer", "n_head", "n_embd", "seq_len",
+                     "batch_size", "every", "spike_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(self, name)}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"--warmup must be in [0, --steps), got {self.warmup}")
+        if "spike" in self.scenarios and self.spike_at + self.spike_len > self.steps:
+            raise ValueError(f"the spike (steps {self.spike_at}–{self.spike_at + self.spike_len})"
+                             f" does not end within --steps {self.steps}")
+        self.train_config(0).gpt_config(97)  # n_embd a multiple of n_head
+
+    def train_config(self, seed: int) -> TrainConfig:
+        return TrainConfig(model="gpt", steps=self.steps, batch_size=self.batch_size, lr=self.lr,
+                           seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
+                           n_embd=self.n_embd, overlap=self.overlap, seed=seed,
+                           eval_batches=self.eval_batches)
+
+    def check_world(self, world: int) -> None:
+        if world < 2:
+            raise ValueError("bench hetero needs at least 2 ranks (one of them slowed)")
+        if self.n_head < world:
+            raise ValueError(f"--n-head {self.n_head} gives some of the {world} ranks no head")
+
+    def runs(self) -> list[tuple[int, str, str]]:
+        """(seed, scenario, policy) in the order they run; ``none`` runs only ``even`` and
+        ``semi`` (the reference, and whether the default policy leaves a balanced group be)."""
+        out = []
+        for seed in range(self.seeds):
+            for scenario in self.scenarios:
+                for policy in self.policies:
+                    if scenario == "none" and policy not in ("even", "semi"):
+                        continue
+                    out.append((seed, scenario, policy))
+        if "none" in self.scenarios and "even" not in self.policies:
+            out = [(s, "none", "even") for s in range(self.seeds)] + out
+        return out
+
+
+def scenario_specs(scenario: str, world: int, cfg: HeteroBenchConfig) -> list[SlowSpec]:
+    """The straggler specs of a scenario on ``world`` ranks."""
+    last = world - 1
+    if scenario == "none":
+        return []
+    if scenario == "straggler-2x":
+        return [SlowSpec(rank=last, factor=2.0)]
+    if scenario == "graded":
+        return [SlowSpec(rank=r, factor=f) for r, f in enumerate((4.0, 2.0)[:max(1, world - 1)])]
+    if scenario == "spike":
+        return [SlowSpec(rank=last, factor=3.0, from_step=cfg.spike_at,
+                         until_step=cfg.spike_at + cfg.spike_len)]
+    raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+
+
+def factors_at(specs: list[SlowSpec], world: int, step: int) -> list[float]:
+    factors = [1.0] * world
+    for spec in specs:
+        if spec.active(step):
+            factors[spec.rank] *= spec.factor
+    return factors
+
+
+def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec], corpus: CharCorpus, *,
+                   every: int = 2, on_step=None) -> dict:
+    """One run on this rank: build, train ``cfg.steps`` steps under ``policy`` with ``specs``
+    slowing ranks, evaluate. Per-step times are this rank's; the caller takes the max."""
+    import time
+
+    ctx = rank_context()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx.straggler = Straggler(specs, rank)
+    model = build_gpt(cfg, vocab_size=corpus.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    balancer = Balancer(model, optimizer, None, policy, every=every)
+    batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+    times, losses = [], []
+    try:
+        for step in range(cfg.steps):
+            batch = next(batches)
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(step, cfg.steps, cfg.lr)
+            ctx.straggler.set_step(step)
+            start = time.perf_counter()
+            loss = gpt_loss(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            balancer.step(step)
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(step)
+        final = evaluate_gpt(model, corpus, cfg)
+    finally:
+        ctx.straggler = Straggler([], rank)
+    return {"times": agreed_max(times), "losses": losses, "eval": final,
+            "compute_s_per_step": balancer.monitor.compute_s / cfg.steps,
+            "monitor_s": balancer.monitor.overhead_s, "decisions": [d.to_json() for d in balancer.log],
+            "final_state": balancer.state(), "world": world}
+
+
+def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
+    """What each rank runs: every (seed, scenario, policy); rank 0's records are the result."""
+    world = dist.get_world_size()
+    torch.set_num_threads(1)
+    corpus = CharCorpus.load()
+    report = rank_context().report
+    runs = cfg.runs()
+    out = []
+    for i, (seed, scenario, policy) in enumerate(runs):
+        specs = scenario_specs(scenario, world, cfg)
+        result = train_balanced(cfg.train_config(seed), PolicyConfig(
+            name=policy, spike_steps=cfg.spike_steps), specs, corpus, every=cfg.every)
+        compute = torch.tensor([result["compute_s_per_step"]], dtype=torch.float64)
+        dist.all_reduce(compute)  # the mean rank's compute per step
+        result["compute_s_per_step"] = float(compute) / world
+        times = result.pop("times")
+        timed = times[cfg.warmup:]
+        out.append({"seed": seed, "scenario": scenario, "policy": policy, "world_size": world,
+                    "t_step_s": statistics.median(timed), "step_times_s": times,
+                    "losses": result["losses"], "heldout_loss": result["eval"]["heldout_loss"],
+                    "heldout_acc": result["eval"]["heldout_accuracy"],
+                    "compute_s_per_step": result["compute_s_per_step"],
+                    "monitor_overhead": result["monitor_s"] / max(sum(times), 1e-12),
+                    "decisions": result["decisions"], "final_state": result["final_state"],
+                    "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
+                    "link": cfg.extra.get("link", "loopback"), "hosts": cfg.extra.get("hosts", 0),
+                    "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                              "seq_len": cfg.seq_len, "batch_size": cfg.batch_size},
+                    "overlap": cfg.overlap})
+        if dist.get_rank() == 0:
+            report({"run": i + 1, "of": len(runs), "scenario": scenario, "policy": policy,
+                    "seed": seed, "t_step_s": out[-1]["t_step_s"]})
+    return with_ideal(out, cfg.warmup)
+
+
+def with_ideal(records: list[dict], warmup: int) -> list[dict]:
+    """Add ``t_no_straggler_s``, ``t_ideal_s`` and ``ratio_to_ideal`` from each seed's
+    ``none``/``even`` run (see the module docstring)."""
+    reference = {r["seed"]: r for r in records if r["scenario"] == "none" and r["policy"] == "even"}
+    for r in records:
+        ref = reference.get(r["seed"])
+        if ref is None:
+            continue
+        t_none, c = ref["t_step_s"], ref["compute_s_per_step"]
+        ideal = [t_none - c + c * len(f) / sum(1.0 / x for x in f) for f in r["factors"]][warmup:]
+        r["t_no_straggler_s"] = t_none
+        r["t_ideal_s"] = statistics.median(ideal)
+        r["ratio_to_ideal"] = r["t_step_s"] / r["t_ideal_s"]
+        if len(ref["losses"]) == len(r["losses"]):
+            r["max_loss_diff_vs_none"] = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
+    return records
+
+
+def mean_over_seeds(records: list[dict]) -> list[dict]:
+    """One row per (scenario, policy): medians of step times, means and spreads of held-out."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["scenario"], r["policy"]), []).append(r)
+    rows = []
+    for (scenario, policy), rs in groups.items():
+        acc = [r["heldout_acc"] for r in rs]
+        row = {"scenario": scenario, "policy": policy, "seeds": len(rs),
+               "t_step_s": statistics.median(r["t_step_s"] for r in rs),
+               "heldout_loss": statistics.mean(r["heldout_loss"] for r in rs),
+               "heldout_acc": statistics.mean(acc), "heldout_acc_spread": max(acc) - min(acc),
+               "decisions": sum(len(r["decisions"]) for r in rs) / len(rs)}
+        for key in ("t_ideal_s", "t_no_straggler_s", "ratio_to_ideal", "max_loss_diff_vs_none"):
+            values = [r[key] for r in rs if key in r]
+            if values:
+                row[key] = statistics.median(values) if key != "max_loss_diff_vs_none" else max(values)
+        rows.append(row)
+    return rows
+
+
+def spike_reaction(record: dict, spike_at: int, spike_len: int) -> dict:
+    """Steps from the spike's start to the first decision, and from its end to the even plan
+    (the last ``undo`` or migrate-back at or after the end)."""
+    decisions = record["decisions"]
+    react = [d["step"] for d in decisions if d["step"] >= spike_at]
+    end = spike_at + spike_len
+    back = [d["step"] for d in decisions if d["step"] >= end and d["kind"] in ("undo", "migrate")]
+    balanced = record["final_state"]
+    even = all(len(set(v["sizes"])) == 1 and v["keep"] == 1.0 for v in balanced.values())
+    return {"react_steps": (react[0] - spike_at + 1) if react else None,
+            "return_steps": (back[-1] - end + 1) if back and even else (0 if not decisions else None)}
+
+
+def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
+    rows = {(r["scenario"], r["policy"]): r for r in mean_over_seeds(records)}
+    out: dict = {}
+    for policy in ("even", "semi"):
+        row = rows.get(("straggler-2x", policy))
+        if row and "ratio_to_ideal" in row:
+            out[f"straggler-2x_{policy}_ratio_to_ideal"] = row["ratio_to_ideal"]
+    row = rows.get(("straggler-2x", "migrate"))
+    if row and "max_loss_diff_vs_none" in row:
+        out["migrate_max_loss_diff_vs_none"] = row["max_loss_diff_vs_none"]
+    base = rows.get(("none", "even"))
+    for policy in ("resize", "semi"):
+        row = rows.get(("straggler-2x", policy))
+        if row and base:
+            out[f"{policy}_acc_loss_pp"] = 100 * (base["heldout_acc"] - row["heldout_acc"])
+    spikes = [spike_reaction(r, cfg.spike_at, cfg.spike_len) for r in records
+              if r["scenario"] == "spike" and r["policy"] == "semi"]
+    if spikes:
+        out["spike_semi_react_steps"] = [s["react_steps"] for s in spikes]
+        out["spike_semi_return_steps"] = [s["return_steps"] for s in spikes]
+    out["max_monitor_overhead"] = max(r["monitor_overhead"] for r in records)
+    return out
+
+
+def plot_hetero(records: list[dict], path: str, scenario: str | None = None) -> None:
+    """Step time per step per policy, one panel per scenario (seed 0): the policies reacting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed0 = [r for r in records if r["seed"] == 0 and (scenario is None or r["scenario"] == scenario)]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in seed0))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], scenarios):
+        for r in (r for r in seed0 if r["scenario"] == name):
+            ax.plot([t * 1e3 for t in r["step_times_s"]], label=r["policy"], lw=1.2)
+        ideal = next((r.get("t_ideal_s") for r in seed0 if r["scenario"] == name), None)
+        if ideal:
+            ax.axhline(ideal * 1e3, color="k", ls=":", lw=1, label="ideal (median)")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("step time (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
+                 link: str | None = "1gbit", timeout_s: float | None = None,
+                 on_progress=None) -> tuple[list[dict], str]:
+    from .placement import run_placed
+
+    cfg = replace(cfg)
+    cfg.check_world(ranks)
+    return run_placed(run_hetero, cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=timeout_s,
+                      on_progress=on_progress)

@@ -1,0 +1,163 @@
+"""ZERO-resizing in the linear layers, the Balancer driving it, and the hetero benchmark's sums.
+
+Resizing is checked against a single-device reference whose skipped weights are zero: the
+output and the input gradient equal it, and the weight gradients equal its gradients at the
+kept weights and are zero (imputed) at the skipped ones.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.balance import Balancer, PolicyConfig
+from plait.bench.hetero import HeteroBenchConfig, scenario_specs, with_ideal
+from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
+from plait.runtime.straggler import SlowSpec
+from plait.runtime.testing import run_ranks
+
+
+def _resized_mlp(overlap, keep, plan_sizes):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    fc_ref, proj_ref = nn.Linear(16, 24, dtype=torch.float64), nn.Linear(24, 16, dtype=torch.float64)
+    plan = ShardPlan(tuple(plan_sizes))
+    fc = ColumnParallelLinear.from_module(fc_ref, plan=plan, overlap=overlap, chunks=2)
+    proj = RowParallelLinear.from_module(proj_ref, plan=plan, overlap=overlap, chunks=2)
+    for layer in (fc, proj):
+        layer.resize(keep[rank], anyone=True)
+    # the reference: every rank's skipped weights zeroed
+    fc_mask, proj_mask = torch.ones_like(fc_ref.weight), torch.ones_like(proj_ref.weight)
+    kept = [None] * world
+    dist.all_gather_object(kept, (fc._kept.tolist() if fc._kept is not None else None,
+                                  proj._kept.tolist() if proj._kept is not None else None))
+    for r, (fc_kept, proj_kept) in enumerate(kept):
+        rows, cols = plan.slice_of(r), plan.slice_of(r)
+        if fc_kept is not None:
+            skip = sorted(set(range(16)) - set(fc_kept))
+            fc_mask[rows.start:rows.stop, skip] = 0
+        if proj_kept is not None:
+            skip = [cols.start + k for k in sorted(set(range(plan.sizes[r])) - set(proj_kept))]
+            proj_mask[:, skip] = 0
+    with torch.no_grad():
+        fc_ref.weight *= fc_mask
+        proj_ref.weight *= proj_mask
+    x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = proj(F.gelu(fc(xs)))
+    y_ref = proj_ref(F.gelu(fc_ref(xr)))
+    (y ** 2).sum().backward()
+    (y_ref ** 2).sum().backward()
+    fc_grad = fc.full_state_dict(grads=True)["weight"]
+    proj_grad = proj.full_state_dict(grads=True)["weight"]
+    return {"y": (y - y_ref).abs().max().item(), "dx": (xs.grad - xr.grad).abs().max().item(),
+            "fc_dw": (fc_grad - fc_ref.weight.grad * fc_mask).abs().max().item(),
+            "proj_dw": (proj_grad - proj_ref.weight.grad * proj_mask).abs().max().item(),
+            "fc_skipped_zero": bool((fc_grad[fc_mask == 0] == 0).all()),
+            "skipped": int((fc_mask == 0).sum() + (proj_mask == 0).sum()),
+            "work": (fc._work(), fc.weight.numel())}
+
+
+@pytest.mark.parametrize("world,keep,sizes,overlap", [
+    (2, (1.0, 0.5), (12, 12), True),
+    (2, (0.5, 0.75), (16, 8), False),
+    (4, (1.0, 0.25, 1.0, 0.5), (6, 6, 4, 8), True),
+])
+def test_resized_layers_equal_masked_reference(world, keep, sizes, overlap):
+    results = run_ranks(_resized_mlp, world, overlap, keep, sizes)
+    for rank, r in enumerate(results):
+        assert r["skipped"] > 0
+        for key in ("y", "dx", "fc_dw", "proj_dw"):
+            assert r[key] < 1e-10, (rank, key, r)
+        assert r["fc_skipped_zero"]
+        work, full = r["work"]
+        assert work == round(keep[rank] * 16) * full // 16
+
+
+def test_resize_refuses_bad_fraction_and_priority_keeps_changed_columns():
+    layer = ColumnParallelLinear(8, 4, seed=0)
+    for bad in (0.0, 1.5, -1, "half"):
+        with pytest.raises(ValueError, match="keep must be in"):
+            layer.resize(bad)
+    layer.refresh_priority()  # the snapshot
+    with torch.no_grad():
+        layer.weight[:, 3] += 1.0
+        layer.weight[:, 5] -= 2.0
+    layer.refresh_priority()
+    layer.resize(0.25)  # 2 of 8 input columns: the two that changed
+    assert layer._kept.tolist() == [3, 5]
+    with torch.no_grad():  # the kept settle (no change); skipped column 7 moves, unseen
+        layer.weight[:, 7] += 0.1
+    layer.refresh_priority()  # 3 and 5 rescored 0; the skipped keep their last score (0)
+    layer.resize(0.25)
+    assert layer._kept.tolist() == [0, 1]  # all tied: the skipped return, in index order
+    layer.resize(1.0)
+    with torch.no_grad():
+        layer.weight[:, 7] += 0.1
+    layer.refresh_priority()  # nobody skipped: every column rescored, and 7 moved
+    layer.resize(0.125)
+    assert layer._kept.tolist() == [7]
+    layer.resize(1.0)
+    assert layer._kept is None and layer.keep == 1.0
+
+
+def _balanced_run(policy, slow, steps):
+    from plait.bench.hetero import train_balanced
+    from plait.data import CharCorpus
+    from plait.train import TrainConfig
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(model="gpt", steps=steps, batch_size=4, seq_len=32, n_layer=1, n_head=4,
+                      n_embd=64, lr=3e-3, eval_batches=1)
+    specs = [SlowSpec(rank=1, factor=slow)] if slow > 1 else []
+    out = train_balanced(cfg, PolicyConfig(name=policy, spike_steps=6), specs, CharCorpus.load(),
+                         every=2)
+    return {k: out[k] for k in ("losses", "decisions", "final_state")}
+
+
+def test_balancer_migrates_a_persistent_straggler_exactly():
+    """2 ranks, rank 1 2× slower: ``migrate`` moves work off it and keeps the losses of the
+    run without a straggler (exact migration); ``semi`` resizes first, then migrates."""
+    ref = run_ranks(_balanced_run, 2, "even", 1.0, 16)[0]
+    mig = run_ranks(_balanced_run, 2, "migrate", 2.0, 16)[0]
+    semi = run_ranks(_balanced_run, 2, "semi", 2.0, 16)[0]
+    assert ref["decisions"] == []
+    kinds = [d["kind"] for d in mig["decisions"]]
+    assert "migrate" in kinds and "resize" not in kinds
+    for dim, state in mig["final_state"].items():
+        assert state["sizes"][1] < state["sizes"][0], (dim, state)
+    assert max(abs(a - b) for a, b in zip(ref["losses"], mig["losses"])) < 1e-5
+    semi_kinds = [d["kind"] for d in semi["decisions"]]
+    assert semi_kinds and semi_kinds[0] == "resize" and "migrate" in semi_kinds
+    assert all(d["migration"]["bytes_moved"] > 0 for d in mig["decisions"] if d["kind"] == "migrate")
+
+
+def test_balancer_and_hetero_config_refuse_what_cannot_work():
+    with pytest.raises(TypeError, match="no sharded dims"):
+        Balancer(nn.Linear(2, 2), None)
+    with pytest.raises(ValueError, match="warmup"):
+        Balancer(nn.Linear(2, 2), None, warmup=-1)
+    with pytest.raises(ValueError, match="--scenarios"):
+        HeteroBenchConfig(scenarios=("slow",))
+    with pytest.raises(ValueError, match="--policies"):
+        HeteroBenchConfig(policies=("fast",))
+    with pytest.raises(ValueError, match="does not end within"):
+        HeteroBenchConfig(steps=20, spike_at=15, spike_len=10)
+    with pytest.raises(ValueError, match="no head"):
+        HeteroBenchConfig(n_head=2, n_embd=64).check_world(4)
+
+
+def test_ideal_is_work_over_summed_speeds_plus_the_rest():
+    cfg = HeteroBenchConfig(steps=10, warmup=0, spike_at=2, spike_len=4)
+    assert [s.factor for s in scenario_specs("graded", 4, cfg)] == [4.0, 2.0]
+    spike = scenario_specs("spike", 4, cfg)[0]
+    assert (spike.rank, spike.from_step, spike.until_step) == (3, 2, 6)
+    none = {"seed": 0, "scenario": "none", "policy": "even", "t_step_s": 1.0,
+            "compute_s_per_step": 0.6, "losses": [1.0], "factors": [[1.0] * 4] * 10}
+    slow = {"seed": 0, "scenario": "straggler-2x", "policy": "even", "t_step_s": 1.6,
+            "compute_s_per_step": 0.9, "losses": [1.0], "factors": [[1, 1, 1, 2.0]] * 10}
+    with_ideal([none, slow], 0)
+    assert slow["t_ideal_s"] == pytest.approx(0.4 + 0.6 * 4 / 3.5)
+    assert slow["ratio_to_ideal"] == pytest.approx(1.6 / slow["t_ideal_s"])
+    assert none["ratio_to_ideal"] == pytest.approx(1.0)
