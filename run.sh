@@ -3,7 +3,6 @@
 source "$(dirname "$0")/scripts/env.sh"
 cd "$PLAIT_ROOT"
 if [ $# -eq 0 ]; then
-  set -- bench collectives --hosts 2 --link 1gbit --quick \
-    --json reports/bench/collectives.json --plot reports/bench/collectives.png
+  set -- demo
 fi
 exec "$PLAIT_ROOT/.venv/bin/python" -m plait "$@"

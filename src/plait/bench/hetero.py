@@ -43,7 +43,7 @@ __all__ = ["HeteroBenchConfig", "SCENARIOS", "QUICK_HETERO", "scenario_specs", "
            "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike")
-QUICK_HETERO = dict(steps=60, seeds=1)
+QUICK_HETERO = dict(steps=50, seeds=1)
 
 
 def _h(text: str) -> dict:

@@ -7,6 +7,8 @@ import argparse
 from ..bench.collectives import CollectiveBenchConfig, bench_collectives, plot_bandwidth
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
 from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
+from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_over_seeds,
+                            plot_hetero, summarize_hetero)
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..runtime import parse_rate
 from .args import add_dataclass_args, dataclass_from_args
@@ -35,6 +37,11 @@ def register(subparsers) -> None:
          "The same GPT, weights, batches and optimizer under plait (fused and plain) and "
          "torch.distributed.tensor.parallel; median step time, tokens/s and the largest loss "
          "difference.")
+    _add(which, "hetero", HeteroBenchConfig, run_hetero,
+         "a slow rank under each balancing policy (even, static, resize, migrate, semi)",
+         "Scenarios none, straggler-2x, graded and spike on 4 ranks (--ranks to change); per "
+         "scenario and policy the median step time, the capacity-proportional ideal, the "
+         "no-straggler time and the held-out loss and accuracy.")
 
 
 def _add(which, name: str, config: type, func, help_text: str, description: str) -> None:
@@ -176,3 +183,45 @@ def run_tp(args: argparse.Namespace) -> int:
         write_json(args.json, records, {"command": "bench tp", "where": where, "summary": summary})
         console.print(f"wrote {args.json}")
     return 0 if summary.get("losses_agree_1e-4", True) else 1
+
+
+def run_hetero(args: argparse.Namespace) -> int:
+    args.default_ranks = 4
+    ranks, hosts, link = resolve_placement(args)
+    cfg = dataclass_from_args(HeteroBenchConfig, args, defaults=QUICK_HETERO if args.quick else None)
+    cfg.check_world(ranks)
+    runs = len(cfg.runs())
+    with progress_bar("bench hetero", runs, enabled=not args.no_progress) as advance:
+        records, where = bench_hetero(cfg, ranks=ranks, hosts=hosts, link=link,
+                                      timeout_s=args.timeout,
+                                      on_progress=lambda rank, p: rank == 0 and advance(
+                                          note=f"{p['scenario']}/{p['policy']} seed {p['seed']}"))
+    console.print(f"[dim]{where}[/dim]")
+    rows = mean_over_seeds(records)
+
+    def ms(row, key):
+        return _ms(row[key]) if key in row else "–"
+
+    print_table(f"heterogeneity on {ranks} ranks ({records[0]['link'] if records else ''}), "
+                f"GPT {cfg.n_layer}×{cfg.n_embd}, {cfg.steps} steps, {cfg.seeds} seed(s)",
+                ["scenario", "policy", "step (ms)", "ideal", "no straggler", "× ideal",
+                 "held-out loss", "held-out acc (spread)", "decisions"],
+                [[r["scenario"], r["policy"], ms(r, "t_step_s"), ms(r, "t_ideal_s"),
+                  ms(r, "t_no_straggler_s"),
+                  f"{r['ratio_to_ideal']:.2f}" if "ratio_to_ideal" in r else "–",
+                  f"{r['heldout_loss']:.3f}",
+                  f"{100 * r['heldout_acc']:.1f} % (±{50 * r['heldout_acc_spread']:.1f})",
+                  f"{r['decisions']:.0f}"] for r in rows],
+                caption=f"median step time after {cfg.warmup} warm-up steps, slowest rank; held-"
+                        "out figures the mean over seeds (spread: half the range)")
+    summary = summarize_hetero(records, cfg)
+    for key, value in summary.items():
+        console.print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    if args.json:
+        write_json(args.json, records, {"command": "bench hetero", "where": where,
+                                        "summary": summary, "table": rows})
+        console.print(f"wrote {args.json}")
+    if args.plot and records:
+        plot_hetero(records, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0

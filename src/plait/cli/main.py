@@ -10,14 +10,14 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, cluster, simulate, train
+    from . import bench, cluster, demo, simulate, train
 
     parser = argparse.ArgumentParser(
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
                                   "tensor parallelism for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (bench, cluster, simulate, train):
+    for module in (demo, bench, cluster, simulate, train):
         module.register(sub)
     return parser
 
