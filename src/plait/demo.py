@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .balance import PolicyConfig
-from .bench.hetero import factors_at, train_balanced
+from .bench.hetero import factors_at, ideal_step, train_balanced
 from .data import CharCorpus
 from .runtime import rank_context
 from .runtime.straggler import SlowSpec
@@ -109,8 +109,7 @@ def summarize_demo(records: list[dict], cfg: DemoConfig) -> list[dict]:
         after = slice(cfg.slow_from + 3, cfg.steps)
         t_none = statistics.median(none["times"][3:])
         c = none["compute_s_per_step"]
-        ideal = statistics.median(t_none - c + c * len(f) / sum(1 / x for x in f)
-                                  for f in slow["factors"][after])
+        ideal = statistics.median(ideal_step(t_none, c, f) for f in slow["factors"][after])
         t_slow = statistics.median(slow["times"][after])
         rows.append({"system": system, "policy": slow["policy"], "overlap": slow["overlap"],
                      "t_step_no_straggler_s": t_none, "t_step_s": t_slow, "t_ideal_s": ideal,

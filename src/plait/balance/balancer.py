@@ -144,7 +144,3 @@ class Balancer:
         """What each dim looks like now: its plan and this rank's kept share."""
         return {dim: {"sizes": list(layers[0].plan.sizes), "keep": layers[0].keep}
                 for dim, layers in self.dims.items()}
-
-    def balanced(self) -> bool:
-        """Every dim on the even plan and nobody resized (on every rank: decisions agree)."""
-        return all(p.plan == p.even and p.fractions is None for p in self.policies.values())

@@ -26,6 +26,7 @@ attention, the replicated embedding and head, the optimizer). Each run's
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -39,7 +40,7 @@ from ..runtime.straggler import SlowSpec, Straggler
 from ..runtime.timing import agreed_max
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
-__all__ = ["HeteroBenchConfig", "SCENARIOS", "QUICK_HETERO", "scenario_specs", "run_hetero",
+__all__ = ["HeteroBenchConfig", "SCENARIOS", "ideal_step", "QUICK_HETERO", "scenario_specs", "run_hetero",
            "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike")
@@ -148,9 +149,7 @@ def factors_at(specs: list[SlowSpec], world: int, step: int) -> list[float]:
 def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec], corpus: CharCorpus, *,
                    every: int = 2, on_step=None) -> dict:
     """One run on this rank: build, train ``cfg.steps`` steps under ``policy`` with ``specs``
-    slowing ranks, evaluate. Per-step times are this rank's; the caller takes the max."""
-    import time
-
+    slowing ranks, evaluate. Per-step times are the slowest rank's."""
     ctx = rank_context()
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx.straggler = Straggler(specs, rank)
@@ -219,6 +218,13 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
     return with_ideal(out, cfg.warmup)
 
 
+def ideal_step(t_none: float, compute: float, factors) -> float:
+    """The capacity-proportional step under per-rank slowdowns ``factors``: the
+    tensor-parallel ``compute`` spread in proportion to the speeds ``1/F_r``, the rest as in
+    the no-straggler step ``t_none``."""
+    return t_none - compute + compute * len(factors) / sum(1.0 / f for f in factors)
+
+
 def with_ideal(records: list[dict], warmup: int) -> list[dict]:
     """Add ``t_no_straggler_s``, ``t_ideal_s`` and ``ratio_to_ideal`` from each seed's
     ``none``/``even`` run (see the module docstring)."""
@@ -228,7 +234,7 @@ def with_ideal(records: list[dict], warmup: int) -> list[dict]:
         if ref is None:
             continue
         t_none, c = ref["t_step_s"], ref["compute_s_per_step"]
-        ideal = [t_none - c + c * len(f) / sum(1.0 / x for x in f) for f in r["factors"]][warmup:]
+        ideal = [ideal_step(t_none, c, f) for f in r["factors"]][warmup:]
         r["t_no_straggler_s"] = t_none
         r["t_ideal_s"] = statistics.median(ideal)
         r["ratio_to_ideal"] = r["t_step_s"] / r["t_ideal_s"]
