@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ._fields import help_meta as _h
 from .balance import PolicyConfig
 from .bench.hetero import factors_at, ideal_step, train_balanced
 from .data import CharCorpus
@@ -33,9 +34,6 @@ __all__ = ["DemoConfig", "SYSTEMS", "run_demo", "demo", "summarize_demo", "write
 
 SYSTEMS = {"plain": (False, "even"), "plait": (True, "semi")}  # overlap, policy
 
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass(frozen=True, kw_only=True)

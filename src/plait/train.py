@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from ._fields import help_meta as _h
 from .data import CharCorpus, ClickLog
 from .models import DLRM, GPT, DLRMConfig, GPTConfig
 from .nn import apply_tp
@@ -39,9 +40,6 @@ PRESETS = {
     "dlrm": dict(steps=600, batch_size=256, lr=1e-2),
 }
 
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass(frozen=True, kw_only=True)

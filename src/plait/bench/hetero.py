@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from .._fields import help_meta as _h
 from ..balance import Balancer, PolicyConfig
 from ..balance.policy import POLICIES
 from ..data import CharCorpus
@@ -46,9 +47,6 @@ __all__ = ["HeteroBenchConfig", "SCENARIOS", "ideal_step", "QUICK_HETERO", "scen
 SCENARIOS = ("none", "straggler-2x", "graded", "spike")
 QUICK_HETERO = dict(steps=50, seeds=1)
 
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass(frozen=True, kw_only=True)

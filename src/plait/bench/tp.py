@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._fields import help_meta as _h
 from ..data import CharCorpus
 from ..models import GPT
 from ..ops import explain, get_context
@@ -64,9 +65,6 @@ NOTES = {
                   "plait-plain, plus DTensor's per-op dispatch and sharding propagation",
 }
 
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass(frozen=True, kw_only=True)
