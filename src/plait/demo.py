@@ -82,12 +82,10 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
                 {"system": s, "scenario": sc, "step": step, "run": done, "of": total})
             result = train_balanced(cfg.train_config(overlap), PolicyConfig(
                 name=name, spike_steps=cfg.spike_steps), specs, corpus, on_step=step_note)
-            compute = torch.tensor([result["compute_s_per_step"]], dtype=torch.float64)
-            dist.all_reduce(compute)
             out.append({"system": system, "scenario": scenario, "policy": name,
                         "overlap": overlap, "world_size": world, "times": result["times"],
                         "losses": result["losses"], "eval": result["eval"],
-                        "compute_s_per_step": float(compute) / world,
+                        "compute_s_per_step": result["compute_s_per_step"],
                         "decisions": result["decisions"], "final_state": result["final_state"],
                         "monitor_s": result["monitor_s"],
                         "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],

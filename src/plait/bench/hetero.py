@@ -147,7 +147,8 @@ def factors_at(specs: list[SlowSpec], world: int, step: int) -> list[float]:
 def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec], corpus: CharCorpus, *,
                    every: int = 2, on_step=None) -> dict:
     """One run on this rank: build, train ``cfg.steps`` steps under ``policy`` with ``specs``
-    slowing ranks, evaluate. Per-step times are the slowest rank's."""
+    slowing ranks, evaluate. Per-step times are the slowest rank's; the tensor-parallel
+    compute per step is the mean rank's."""
     ctx = rank_context()
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx.straggler = Straggler(specs, rank)
@@ -175,8 +176,10 @@ def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec]
         final = evaluate_gpt(model, corpus, cfg)
     finally:
         ctx.straggler = Straggler([], rank)
+    compute = torch.tensor([balancer.monitor.compute_s / cfg.steps], dtype=torch.float64)
+    dist.all_reduce(compute)
     return {"times": agreed_max(times), "losses": losses, "eval": final,
-            "compute_s_per_step": balancer.monitor.compute_s / cfg.steps,
+            "compute_s_per_step": float(compute) / world,  # the mean rank's
             "monitor_s": balancer.monitor.overhead_s, "decisions": [d.to_json() for d in balancer.log],
             "final_state": balancer.state(), "world": world}
 
@@ -193,9 +196,6 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
         specs = scenario_specs(scenario, world, cfg)
         result = train_balanced(cfg.train_config(seed), PolicyConfig(
             name=policy, spike_steps=cfg.spike_steps), specs, corpus, every=cfg.every)
-        compute = torch.tensor([result["compute_s_per_step"]], dtype=torch.float64)
-        dist.all_reduce(compute)  # the mean rank's compute per step
-        result["compute_s_per_step"] = float(compute) / world
         times = result.pop("times")
         timed = times[cfg.warmup:]
         out.append({"seed": seed, "scenario": scenario, "policy": policy, "world_size": world,
