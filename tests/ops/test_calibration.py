@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from plait.ops.calibration import CURVE_BYTES, Calibration, measure
+from plait.ops.calibration import CURVE_BYTES, GEMM_ROWS, GEMM_WIDTHS, Calibration, measure
 from plait.perf.calibrate import DEFAULT_PROFILE
 from plait.runtime.testing import run_ranks
 
@@ -23,6 +23,8 @@ def test_measured_on_the_group_and_the_same_everywhere():
         sizes = [b for b, _ in a.curves[kind]]
         assert sizes == list(CURVE_BYTES)
         assert all(t > 0 for _, t in a.curves[kind])
+    assert len(a.gemm) == len(GEMM_ROWS) and all(len(r) == len(GEMM_WIDTHS) for r in a.gemm)
+    assert all(rate > 1e7 for r in a.gemm for rate in r)
 
 
 def test_curve_interpolates_and_extrapolates():
@@ -33,7 +35,12 @@ def test_curve_interpolates_and_extrapolates():
     assert cal.comm_time("all_gather", 1e6) > 0  # an unmeasured kind: α–β from the profile
 
 
-def test_one_piece_is_compute_then_collective():
-    cal = Calibration(DEFAULT_PROFILE, curves={"all_reduce": ((1e4, 1e-4), (1e6, 1e-2), (1e7, 0.1))})
-    assert cal.pipeline_time(0.05, "all_reduce", 1e7, 1) == pytest.approx(0.15)
-    assert cal.pipeline_time(0.05, "all_reduce", 1e7, 4) < 0.15
+def test_gemm_rate_reads_the_table_between_and_beyond_its_points():
+    rows = [[1e9 * (1 + i) for _ in GEMM_WIDTHS] for i in range(len(GEMM_ROWS))]
+    cal = Calibration(DEFAULT_PROFILE, gemm=tuple(map(tuple, rows)))
+    assert cal.gemm_rate(GEMM_ROWS[1], GEMM_WIDTHS[2]) == pytest.approx(2e9)
+    assert cal.gemm_rate(1, 10**6) == pytest.approx(1e9)  # held at the edges
+    assert cal.gemm_rate(10**6, 1) == pytest.approx(1e9 * len(GEMM_ROWS))
+    between = cal.gemm_rate((GEMM_ROWS[1] * GEMM_ROWS[2]) ** 0.5, GEMM_WIDTHS[0])
+    assert between == pytest.approx((2e9 * 3e9) ** 0.5)  # halfway in log rows
+    assert Calibration(DEFAULT_PROFILE).gemm_rate(64, 64) == DEFAULT_PROFILE.compute_flops

@@ -1,6 +1,6 @@
 """Benchmark cases for the all-to-all operators: DLRM embeddings and MoE dispatch/combine.
 
-Each case has the interface of :class:`plait.bench.ops.Case`: ``compute`` (the
+Each case is a :class:`plait.bench.case.Case`: ``compute`` (the
 operator's local work alone), ``comm`` (its plain-path all_to_all alone, on
 ready buffers) and ``run(chunks)``; ``flops`` and ``comm_bytes`` per rank.
 Routing is uneven and the same on every rank (one shared seed).
@@ -12,22 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .case import Case
 from ..ops import all_to_all_matmul, embedding_all_to_all, matmul_all_to_all
 
 __all__ = ["SPARSE_CASES", "SPARSE_QUICK_SHAPES", "SPARSE_FULL_SHAPES", "EmbeddingCase",
            "DispatchCase", "CombineCase"]
 
 
-class _Base:
-    op = ""
-
-    def __init__(self, shape: dict, dtype: torch.dtype):
-        self.shape, self.dtype = shape, dtype
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.gen = torch.Generator().manual_seed(4321 + self.rank)
-
-    def tolerance(self) -> float:
-        return 1e-4
+class _Base(Case):
+    seed = 4321
 
 
 class EmbeddingCase(_Base):

@@ -1,20 +1,17 @@
 """What ``chunks="auto"`` knows about the running group: measured once, the same on every rank.
 
 A :class:`Calibration` holds the machine profile (compute rate, memory
-bandwidth, α, per-piece overhead o, overlap slowdown k) and, per collective
-kind, the time of one call at a few sizes. Collective time is not linear in
+bandwidth, α, per-piece overhead o, overlap slowdown k), per collective
+kind, the time of one call at a few sizes, and the GEMM rate by output
+shape: small pieces run slower than the whole (on this machine's CPU a
+128-row piece of a 2048-wide GEMM at half the rate of a 512-row one), which
+is what makes too many pieces lose. Collective time is not linear in
 size on every transport: gloo's all_to_all of one 4 MiB message runs at about
 half the link rate while 1 MiB pieces run near it (README, bench collectives),
 so the curve is interpolated rather than fitted with one α–β line.
 
-The pipeline it predicts, for p pieces of compute C and wire bytes V:
-
-    c = C / p,   m = t_comm(V / p)
-    T(p) = c + m + (p − 1)·(max(c + k·min(c, m), m) + o),   T(1) = C + t_comm(V)
-
-(the same pipeline as :func:`plait.perf.pipeline.fused_time`, with the piece's
-transfer read off the measured curve instead of an α–β line; k slows compute
-only while a transfer runs beside it).
+:mod:`plait.ops.cost` walks an operator's pieces through compute and wire
+with these figures.
 """
 
 from __future__ import annotations
@@ -31,10 +28,14 @@ from ..perf.calibrate import MachineProfile
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max, median, sync, time_repeated
 from .agree import meta_device
+from .cost import Work, predict
 
-__all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES"]
+__all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES", "GEMM_ROWS", "GEMM_WIDTHS"]
 
 CURVE_BYTES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # wire bytes a rank sends
+GEMM_ROWS = (4, 16, 64, 128, 192, 256, 512)  # output rows of the timed GEMMs ([rows, 512] @ [512, width])
+GEMM_WIDTHS = (256, 1024, 2048, 4096)
+GEMM_K = 512
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Calibration:
     profile: MachineProfile
     memory_Bps: float = 10e9
     curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    gemm: tuple[tuple[float, ...], ...] = ()  # FLOP/s, [rows in GEMM_ROWS][width in GEMM_WIDTHS]
 
     def comm_time(self, kind: str, wire_bytes: float) -> float:
         """Seconds for one ``kind`` call moving ``wire_bytes`` per rank."""
@@ -63,12 +65,23 @@ class Calibration:
     def compute_time(self, flops: float, memory_bytes: float = 0.0) -> float:
         return flops / max(self.profile.compute_flops, 1.0) + memory_bytes / self.memory_Bps
 
-    def pipeline_time(self, t_compute: float, kind: str, wire_bytes: float, pieces: int) -> float:
-        if pieces == 1:
-            return t_compute + self.comm_time(kind, wire_bytes)
-        c, m = t_compute / pieces, self.comm_time(kind, wire_bytes / pieces)
-        k, o = self.profile.overlap_slowdown, self.profile.per_piece_overhead_s
-        return c + m + (pieces - 1) * (max(c + k * min(c, m), m) + o)
+    def gemm_rate(self, rows: int, width: int) -> float:
+        """FLOP/s of a GEMM with a [rows, width] output: the measured table, interpolated
+        in log rows and log width, held at its edges; the flat rate without a table."""
+        if not self.gemm:
+            return max(self.profile.compute_flops, 1.0)
+        i, fi = _between(GEMM_ROWS, rows)
+        j, fj = _between(GEMM_WIDTHS, width)
+        g = [[math.log(self.gemm[a][b]) for b in (j, j + 1)] for a in (i, i + 1)]
+        top, bottom = g[0][0] + fj * (g[0][1] - g[0][0]), g[1][0] + fj * (g[1][1] - g[1][0])
+        return math.exp(top + fi * (bottom - top))
+
+
+def _between(grid: tuple[int, ...], value: float) -> tuple[int, float]:
+    """(i, f): ``value`` sits a fraction f (in log scale) of the way from grid[i] to grid[i+1]."""
+    value = min(max(value, grid[0]), grid[-1])
+    i = min(max(bisect.bisect_right(grid, value) - 1, 0), len(grid) - 2)
+    return i, (math.log(value) - math.log(grid[i])) / (math.log(grid[i + 1]) - math.log(grid[i]))
 
 
 def from_profile(profile: MachineProfile) -> Calibration:
@@ -91,10 +104,26 @@ def measure(group=None) -> Calibration:
     cal = Calibration(MachineProfile(latency_s=alpha, bandwidth_Bps=CURVE_BYTES[-1] / curves["all_reduce"][-1][1],
                                      compute_flops=2 * 512 * 2048 * 1024 / compute_s, world_size=n,
                                      source="measured on the running group (plait.ops.calibration)"),
-                      memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves)
+                      memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves,
+                      gemm=_gemm_table(group, dev))
     k, o = _pipeline_overheads(cal, x, w, out, compute_s, group)
     profile = MachineProfile(**{**cal.profile.to_dict(), "per_piece_overhead_s": o, "overlap_slowdown": k})
-    return _agree(Calibration(profile, cal.memory_Bps, cal.curves), group)
+    return _agree(replace(cal, profile=profile), group)
+
+
+def _gemm_table(group, dev) -> tuple[tuple[float, ...], ...]:
+    """FLOP/s of [rows, GEMM_K] @ [GEMM_K, width] for the grid (≈ 0.3 s on one core)."""
+    x = torch.randn(GEMM_ROWS[-1], GEMM_K, device=dev)
+    out = torch.empty(GEMM_ROWS[-1] * GEMM_WIDTHS[-1], device=dev)
+    table = []
+    for rows in GEMM_ROWS:
+        row = []
+        for width in GEMM_WIDTHS:
+            w, y = torch.randn(GEMM_K, width, device=dev), out[:rows * width].view(rows, width)
+            row.append(2 * rows * GEMM_K * width / _median(lambda: torch.matmul(x[:rows], w, out=y),
+                                                            group, 3))
+        table.append(tuple(row))
+    return tuple(table)
 
 
 def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
@@ -117,25 +146,27 @@ def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
 
 def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) -> tuple[float, float]:
     """k: how much slower the matmul runs while a transfer shares its cores (timed alone and
-    under a 4 MiB all_reduce in flight); o: what a real 4-piece matmul + all_reduce
-    pipeline takes beyond the model's prediction with that k and no overhead."""
+    under a 4 MiB all_reduce in flight, in turns, so drift hits both alike); o: what a
+    real 4-piece matmul + all_reduce pipeline takes beyond the model with that k."""
     dev = meta_device(group)
     big = torch.empty(int(CURVE_BYTES[-1] / 4), device=dev)
 
-    def under_transfer() -> float:
-        work = dist.all_reduce(big, group=group, async_op=True)
+    def matmul(beside: bool) -> float:
+        work = dist.all_reduce(big, group=group, async_op=True) if beside else None
         start = time.perf_counter()
         torch.matmul(x, w, out=out)
         sync(dev)
         elapsed = time.perf_counter() - start
-        work.wait()
+        if work is not None:
+            work.wait()
         return elapsed
 
-    shared = sorted(_fastest_value(under_transfer, group) for _ in range(5))[2]
+    ratios = [_fastest_value(lambda: matmul(True), group) / _fastest_value(lambda: matmul(False), group)
+              for _ in range(7)]
     # at most 1: the transport cannot take more than the core the GEMM runs on
-    k = min(1.0, max(0.0, shared / compute_s - 1.0))
+    k = min(1.0, max(0.0, median(ratios) - 1.0))
     n = dist.get_world_size(group)
-    fitted = Calibration(replace(cal.profile, overlap_slowdown=k), cal.memory_Bps, cal.curves)
+    fitted = replace(cal, profile=replace(cal.profile, overlap_slowdown=k))
 
     def pipeline(pieces: int = 4) -> None:
         works, rows = [], out.shape[0] // pieces
@@ -145,12 +176,15 @@ def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) ->
         for work in works:
             work.wait()
 
-    # o: what a real 4-piece pipeline takes beyond the model with o = 0, per extra piece
-    ideal = fitted.pipeline_time(compute_s, "all_reduce", out.numel() * 4 * 2 * (n - 1) / n, 4)
-    o = max(0.0, (_fastest(pipeline, group, 5) - ideal) / 3)
-    # at most one small (256 KiB) call: one more piece costs one more call, not more;
-    # a larger residue is a scheduling accident during calibration, not a per-piece cost
-    return k, min(o, cal.comm_time("all_reduce", CURVE_BYTES[1]))
+    piece_work = Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[1], kind="all_reduce",
+                      wire_bytes=out.numel() * 4 * 2 * (n - 1) / n, length=out.shape[0],
+                      width=out.shape[1], taper=False)
+    o = max(0.0, (_median(pipeline, group, 5) - predict(fitted, piece_work, 4)) / 3)
+    # at most one call's latency α: the small GEMMs' slowness is in the rate table and the
+    # transfers' latency in the curves, so what is left per piece is launching one more
+    # call; a larger residue is this machine's noise during calibration (it swung 0-2 ms
+    # between runs when the cap was a 256 KiB call), not a cost every piece pays
+    return k, min(o, cal.profile.latency_s)
 
 
 def _times(fn, group, repeats: int) -> list[float]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..perf.calibrate import MachineProfile, default_profile_path
 from .agree import gather_checked
 from .calibration import Calibration, from_profile, measure
+from .cost import Work, predict
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain"]
 
@@ -25,6 +26,7 @@ log = logging.getLogger("plait.ops")
 
 MIN_PIECE_BYTES = 64 * 1024  # below this a piece is all latency on every link
 MIN_GAIN = 0.05  # fuse only when the model predicts at least this much: "never slower by surprise"
+FLAT = 0.02  # piece counts predicted within this of the best are a tie: fewer pieces win
 
 
 @dataclass(frozen=True)
@@ -64,12 +66,11 @@ class OpsContext:
         return self.calibrated
 
     # --- decisions ---------------------------------------------------------
-    def decide(self, op: str, chunks, *, comm_bytes: float, rows: int, flops: float = 0.0,
-               memory_bytes: float = 0.0, collective: str = "all_to_all") -> Decision:
+    def decide(self, op: str, chunks, *, work: Work, rows: int) -> Decision:
         """Fused with N pieces, or fallback and why. Same inputs on every rank → same answer.
 
-        ``comm_bytes``: wire bytes the busiest rank sends; ``flops`` / ``memory_bytes``:
-        the busiest rank's compute (GEMMs / gathers); ``rows``: the most pieces allowed.
+        ``work``: the busiest rank's compute and wire bytes, as :mod:`plait.ops.cost`
+        prices them; ``rows``: the most pieces allowed.
         """
         world = dist.get_world_size(self.group)
         if world == 1:
@@ -83,29 +84,28 @@ class OpsContext:
                 why = "chunks=1 asked for" if chunks == 1 else f"only {rows} rows to split"
                 return self._record(Decision(op, "fallback", 1, why))
             return self._record(Decision(op, "fused", n, f"chunks={chunks} asked for"))
-        return self._record(self._auto(op, flops, memory_bytes, comm_bytes, collective,
-                                       min(self.max_chunks, most)))
+        return self._record(self._auto(op, work, min(self.max_chunks, most)))
 
-    def _auto(self, op, flops, memory_bytes, comm_bytes, kind, most) -> Decision:
+    def _auto(self, op, work: Work, most) -> Decision:
         cal = self.calibration()
-        t_compute = cal.compute_time(flops, memory_bytes)
-        unfused = cal.pipeline_time(t_compute, kind, comm_bytes, 1)
-        if comm_bytes <= 0:
+        if work.wire_bytes <= 0:
             return Decision(op, "fallback", 1, "auto: nothing to send")
-        most = min(most, max(1, int(comm_bytes // MIN_PIECE_BYTES)))
+        most = min(most, max(1, int(work.wire_bytes // MIN_PIECE_BYTES)))
         if most < 2:
             return Decision(op, "fallback", 1, f"auto: pieces would be under {MIN_PIECE_BYTES} B "
-                                               f"({comm_bytes:.0f} B to send)")
-        times = {p: cal.pipeline_time(t_compute, kind, comm_bytes, p) for p in range(2, most + 1)}
-        best = min(times, key=times.get)
-        gain = 1.0 - times[best] / unfused
+                                               f"({work.wire_bytes:.0f} B to send)")
+        plain = predict(cal, work, 1)
+        times = {p: predict(cal, work, p) for p in range(2, most + 1)}
+        floor = min(times.values()) * (1 + FLAT)  # a flat optimum: the fewest pieces on it
+        best = min(p for p, t in times.items() if t <= floor)
+        gain = 1.0 - times[best] / plain
         if gain < MIN_GAIN:
             return Decision(op, "fallback", 1,
                             f"auto: predicted gain {gain:.0%} at {best} pieces is under "
-                            f"{MIN_GAIN:.0%} (compute {t_compute * 1e3:.1f} ms, comm "
-                            f"{cal.comm_time(kind, comm_bytes) * 1e3:.1f} ms)")
+                            f"{MIN_GAIN:.0%} (plain path {plain * 1e3:.1f} ms, comm "
+                            f"{cal.comm_time(work.kind, work.wire_bytes) * 1e3:.1f} ms)")
         return Decision(op, "fused", best, f"auto: {best} pieces, predicted {gain:.0%} faster "
-                                           f"({times[best] * 1e3:.1f} vs {unfused * 1e3:.1f} ms)")
+                                           f"({times[best] * 1e3:.1f} vs {plain * 1e3:.1f} ms)")
 
     def _record(self, decision: Decision) -> Decision:
         self.decisions[decision.op] = decision

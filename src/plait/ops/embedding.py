@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from .agree import attempt, check_chunks, chunks_code, gather_checked
 from .context import OpsContext, get_context
+from .cost import Work
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, row_parts
 
@@ -349,9 +350,9 @@ class _EmbeddingAllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):
         plan, weights = ctx.plan, ctx.saved_tensors
         flops, wire, rows = plan.estimate
-        decision = ctx.ops_ctx.decide("embedding_all_to_all.wgrad", ctx.chunks,
-                                      memory_bytes=flops * weights[0].element_size(),
-                                      comm_bytes=wire, rows=rows)
+        decision = ctx.ops_ctx.decide("embedding_all_to_all.wgrad", ctx.chunks, rows=rows,
+                                      work=Work(flops=0.0, wire_bytes=wire, receive=True,
+                                                memory_bytes=flops * weights[0].element_size()))
         grads = _Grads(weights, plan, decision.chunks)
         if decision.path == "fallback":
             _wgrad_plain(grad_out, grads, ctx.group)
@@ -378,7 +379,7 @@ def embedding_all_to_all(tables: Sequence[torch.Tensor], indices: Sequence[torch
     op = "embedding_all_to_all"
     plan = _plan(op, tables, indices, offsets, group, batch_sizes, mode, chunks, ctx)
     flops, wire, rows = plan.estimate
-    decision = ctx.decide(op, chunks, memory_bytes=flops * tables[0].element_size(),
-                          comm_bytes=wire, rows=rows)  # gathers: memory-bound
+    decision = ctx.decide(op, chunks, rows=rows, work=Work(  # gathers: memory-bound
+        flops=0.0, wire_bytes=wire, memory_bytes=flops * tables[0].element_size()))
     out = _EmbeddingAllToAll.apply(plan, decision, chunks, group, ctx, *tables)
     return out.transpose(0, 1)

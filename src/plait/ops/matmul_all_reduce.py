@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .agree import attempt, check_chunks
 from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, get_context
+from .cost import Work
 from .pieces import DTYPE_CODES, check_float, offsets, tapered
 
 __all__ = ["matmul_all_reduce", "column_parallel_matmul", "GEMV_ROWS"]
@@ -59,9 +60,10 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -
     world, m, n = len(metas), metas[0][1], metas[0][2]
     k_max = max(meta[3] for meta in metas)
     wire = 2 * (world - 1) / world * m * n * x2.element_size()
-    rows = n if m <= GEMV_ROWS else m
-    return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire, rows=rows,
-                      collective="all_reduce")
+    gemv = m <= GEMV_ROWS  # pieces cut N: [M, N_j] each
+    work = Work(flops=2.0 * m * k_max * n, wire_bytes=wire, kind="all_reduce",
+                length=n if gemv else m, width=m if gemv else n, columns=gemv)
+    return ctx.decide(op, chunks, work=work, rows=work.length)
 
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision) -> torch.Tensor:

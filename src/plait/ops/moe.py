@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .context import OpsContext, get_context
+from .cost import Work
 from .agree import attempt, check_chunks, chunks_code, gather_checked
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, offsets, row_parts
@@ -333,7 +334,8 @@ def _explain_mismatch(op, group, counts, experts):
 
 def _decide(ctx: OpsContext, op, chunks, routes: _Routes, k, n, element, combine):
     flops, wire, rows = routes.estimate(k, n, element, combine)
-    return ctx.decide(op, chunks, flops=flops, comm_bytes=wire, rows=rows)
+    # dispatch: blocks arrive, then are multiplied; combine: multiplied, then sent back
+    return ctx.decide(op, chunks, rows=rows, work=Work(flops=flops, wire_bytes=wire, receive=not combine))
 
 
 # --- autograd ------------------------------------------------------------------

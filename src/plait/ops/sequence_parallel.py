@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from .agree import attempt, check_chunks
 from .context import Decision, OpsContext, get_context
+from .cost import Work
 from .exchange import start_all_to_all, start_gather
 from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, tapered
 
@@ -139,19 +140,22 @@ def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decisi
         _chain(op, x, w, "_r, K")
         if sizes is not None:
             check_sizes(op, "sizes", sizes, world, x.shape[0], rank)
-        return (x.shape[0], DTYPE_CODES[x.dtype], x.shape[1],
+        # w's width N_r may differ per rank (an uneven column plan): the busiest prices auto
+        return (x.shape[0], w.shape[1], DTYPE_CODES[x.dtype], x.shape[1],
                 *([int(v) for v in sizes] if sizes is not None else [-1] * world))
     row, problem = attempt(local)
-    metas = ctx.gather_meta(op, 3 + world, row, problem)
-    if any(m[1:] != metas[0][1:] for m in metas):
-        raise ValueError(f"{op}: ranks disagree on (dtype, K, sizes): {[m[1:] for m in metas]}")
+    metas = ctx.gather_meta(op, 4 + world, row, problem)
+    if any(m[2:] != metas[0][2:] for m in metas):
+        raise ValueError(f"{op}: ranks disagree on (dtype, K, sizes): {[m[2:] for m in metas]}")
     rows = [m[0] for m in metas]
     if sizes is not None and list(map(int, sizes)) != rows:
         raise ValueError(f"{op}: sizes {list(sizes)} do not match the ranks' rows {rows}")
-    m, k, n = sum(rows), x.shape[1], w.shape[1]
-    wire = (world - 1) / world * m * k * x.element_size()
-    return rows, ctx.decide(op, chunks, flops=2.0 * m * k * n, comm_bytes=wire, rows=min(rows) or 1,
-                            collective="all_gather")
+    m, k, n = sum(rows), x.shape[1], max(meta[1] for meta in metas)
+    own = min(rows)  # the busiest rank: fewest own rows, most to wait for
+    work = Work(flops=2.0 * (m - own) * k * n, lead_flops=2.0 * own * k * n, receive=True,
+                wire_bytes=(world - 1) / world * m * k * x.element_size(), kind="all_gather",
+                length=max(1, m // world), width=n)
+    return rows, ctx.decide(op, chunks, work=work, rows=own or 1)
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -256,9 +260,9 @@ def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
                          f"{[meta[:3] + meta[4:] for meta in metas]}")
     m, n = x.shape[0], w.shape[1]
     k_max = max(meta[3] for meta in metas)
-    wire = (world - 1) / world * m * n * x.element_size()
-    return ctx.decide(op, chunks, flops=2.0 * m * k_max * n, comm_bytes=wire,
-                      rows=max(min(sizes), 1))
+    work = Work(flops=2.0 * m * k_max * n, wire_bytes=(world - 1) / world * m * n * x.element_size(),
+                length=max(1, m // world), width=n)  # each piece: one GEMM per destination
+    return ctx.decide(op, chunks, work=work, rows=max(min(sizes), 1))
 
 
 class _MatmulReduceScatter(torch.autograd.Function):

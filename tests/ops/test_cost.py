@@ -1,0 +1,51 @@
+"""The cost model chunks="auto" decides with: pure, no processes."""
+
+from dataclasses import replace
+
+import pytest
+
+from plait.ops.calibration import GEMM_ROWS, GEMM_WIDTHS, Calibration
+from plait.ops.cost import Work, predict
+from plait.perf.calibrate import DEFAULT_PROFILE
+
+# a wire of 1e8 B/s with no latency, compute of 1e10 FLOP/s, no overheads
+LINE = ((1e3, 1e-5), (1e6, 1e-2), (1e7, 0.1))
+FLAT = Calibration(replace(DEFAULT_PROFILE, compute_flops=1e10, per_piece_overhead_s=0.0,
+                           overlap_slowdown=0.0), curves={"all_reduce": LINE, "all_gather": LINE})
+
+
+def test_one_piece_is_the_plain_path():
+    work = Work(flops=5e8, wire_bytes=1e7, kind="all_reduce")
+    assert predict(FLAT, work, 1) == pytest.approx(0.05 + 0.1)
+    gather = Work(flops=5e8, wire_bytes=1e7, kind="all_gather", receive=True)
+    assert predict(FLAT, gather, 1) == pytest.approx(0.15)
+
+
+def test_pieces_approach_the_slower_resource():
+    work = Work(flops=5e8, wire_bytes=1e7, kind="all_reduce", length=1024, width=1024, taper=False)
+    times = [predict(FLAT, work, p) for p in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+    # first piece's compute, then the wire throughout: 0.05/8 + 0.1
+    assert times[-1] == pytest.approx(0.05 / 8 + 0.1)
+
+
+def test_a_gathers_own_rows_hide_behind_the_first_transfer():
+    plain = Work(flops=5e8, wire_bytes=1e7, kind="all_gather", receive=True)
+    own = replace(plain, flops=2.5e8, lead_flops=2.5e8)  # half the rows need no wire
+    assert predict(FLAT, own, 1) == pytest.approx(0.1 + 0.025)
+    assert predict(FLAT, own, 1) < predict(FLAT, plain, 1)
+
+
+def test_slow_small_gemms_make_many_pieces_lose():
+    # 128 rows and fewer at a quarter of the rate: the shape where fixed 8 pieces lost here
+    table = tuple(tuple(2.5e9 if rows <= 128 else 1e10 for _ in GEMM_WIDTHS) for rows in GEMM_ROWS)
+    cliff = replace(FLAT, gemm=table)
+    work = Work(flops=2e9, wire_bytes=1e6, kind="all_reduce", length=1024, width=2048)
+    assert predict(cliff, work, 8) > predict(cliff, work, 2)  # 128-row pieces at a quarter rate
+    assert predict(FLAT, work, 8) < predict(FLAT, work, 2)  # the flat-rate model misses it
+
+
+def test_overheads_cost_per_piece():
+    slow = replace(FLAT, profile=replace(FLAT.profile, per_piece_overhead_s=0.01))
+    work = Work(flops=5e8, wire_bytes=1e5, kind="all_reduce")  # compute-bound
+    assert predict(slow, work, 4) - predict(FLAT, work, 4) == pytest.approx(3 * 0.01)
