@@ -11,8 +11,10 @@ a record with constants fitted on that record:
 * fused ops: each fused record's time is predicted from its own measured compute
   and comm times through the piece pipeline, with the per-piece overhead fitted
   on the *other* operator/shape groups (leave-one-group-out);
-* chunks="auto": per group with several chunk counts measured, the measured time
-  at the count the model picks, against the best measured count.
+* chunks="auto": where ``plait bench ops`` timed fixed piece counts beside auto, the
+  operator's own auto (its calibrated cost model, :mod:`plait.ops.cost`) against
+  the best of them; for older records with one count per record, the measured
+  time at the count this module's pipeline model picks.
 """
 
 from __future__ import annotations
@@ -225,6 +227,19 @@ def _op_rows(coll: list[dict], ops: list[dict]) -> list[Row]:
 
 
 def _auto_row(key, recs, prof, o, shape) -> list[Row]:
+    timed = [r for r in recs if r.get("t_fixed_s") and r.get("t_fused_s", 0) > 0]
+    if timed:  # plait bench ops: the operators' own auto, timed beside fixed piece counts
+        fixed = defaultdict(list)
+        for r in timed:
+            for p, t in r["t_fixed_s"].items():
+                fixed[int(p)].append(float(t))
+        meas = {p: statistics.median(v) for p, v in fixed.items()}
+        best = min(meas, key=meas.get)
+        auto = statistics.median(float(r["t_fused_s"]) for r in timed)
+        return [Row(f"local chunks=auto vs best fixed: {key[0]} [{shape}] n={key[2]}",
+                    f"{_files(timed)}: plait bench ops sweep", auto * 1e3, meas[best] * 1e3, "ms",
+                    "local-auto", note=f"the operator's auto ({timed[0].get('chunks')} pieces) "
+                                       f"measured; best fixed {best}")]
     fused = [r for r in recs if r.get("path") == "fused" and r.get("t_fused_s", 0) > 0]
     by_p = defaultdict(list)
     for r in fused:
