@@ -106,7 +106,7 @@ def measure(group=None) -> Calibration:
                                      source="measured on the running group (plait.ops.calibration)"),
                       memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves,
                       gemm=_gemm_table(group, dev))
-    k, o = _pipeline_overheads(cal, x, w, out, compute_s, group)
+    k, o = _pipeline_overheads(cal, x, w, out, group)
     profile = MachineProfile(**{**cal.profile.to_dict(), "per_piece_overhead_s": o, "overlap_slowdown": k})
     return _agree(replace(cal, profile=profile), group)
 
@@ -144,7 +144,7 @@ def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
     return tuple(points)
 
 
-def _pipeline_overheads(cal: Calibration, x, w, out, compute_s: float, group) -> tuple[float, float]:
+def _pipeline_overheads(cal: Calibration, x, w, out, group) -> tuple[float, float]:
     """k: how much slower the matmul runs while a transfer shares its cores (timed alone and
     under a 4 MiB all_reduce in flight, in turns, so drift hits both alike); o: what a
     real 4-piece matmul + all_reduce pipeline takes beyond the model with that k."""
