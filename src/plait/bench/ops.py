@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import all_gather_matmul, get_context, matmul_all_reduce, matmul_reduce_scatter
+from ..ops.matmul_all_reduce import GEMV_ROWS
 from ..ops.pieces import even_sizes
 from ..runtime import rank_context
 from ..runtime.compat import all_gather_into
@@ -44,15 +45,18 @@ class MatmulAllReduceCase(Case):
         super().__init__(shape, dtype)
         m, k, n = shape["m"], shape["k"], shape["n"]
         k_r = even_sizes(k, self.world)[self.rank]
-        self.x, self.w = self.randn(m, k_r), self.randn(k_r, n)
-        self.buf = self.x @ self.w
+        # the weight as a row-parallel layer holds it ([N, K_r], like nn.Linear) and passes it
+        self.x, self.w = self.randn(m, k_r), self.randn(n, k_r).t()
+        # the output in the layout the operator computes it: a GEMV's is held transposed
+        self.wire = self.x.new_empty(n, m) if m <= GEMV_ROWS else self.x.new_empty(m, n)
+        self.buf = self.wire.t() if m <= GEMV_ROWS else self.wire
         self.flops, self.comm_bytes = 2 * m * k_r * n, 2 * (self.world - 1) / self.world * m * n * 4
 
     def compute(self):
-        torch.matmul(self.x, self.w, out=self.buf)
+        torch.mm(self.x, self.w, out=self.buf)
 
     def comm(self):
-        dist.all_reduce(self.buf)
+        dist.all_reduce(self.wire)
 
     def run(self, chunks):
         return matmul_all_reduce(self.x, self.w, chunks=chunks)
