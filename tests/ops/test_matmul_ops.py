@@ -27,11 +27,14 @@ def _err(a, b):
     return float((a.detach() - b).abs().max()) if a.numel() else 0.0
 
 
-def _matmul_all_reduce_case(m, k_sizes, n, chunks):
+def _matmul_all_reduce_case(m, k_sizes, n, chunks, column_major=False):
     r = dist.get_rank()
     X, W, G = _full(1, m, sum(k_sizes)), _full(2, sum(k_sizes), n), _full(3, m, n)
     ks = _cut(k_sizes, r)
-    x, w = X[:, ks].clone().requires_grad_(), W[ks].clone().requires_grad_()
+    x = X[:, ks].clone().requires_grad_()
+    # column-major: as a row-parallel layer passes weight.t() (the GEMV then holds its
+    # output transposed)
+    w = (W[ks].t().contiguous().t() if column_major else W[ks].clone()).requires_grad_()
     y = matmul_all_reduce(x, w, chunks=chunks)
     y.backward(G)
     again = matmul_all_reduce(x.detach(), w.detach(), chunks=chunks)
@@ -49,6 +52,14 @@ def test_matmul_all_reduce_even_and_uneven(world, m, chunks):
             assert out["repeat_bitwise"]
             if chunks == 3:
                 assert "fused (3 pieces)" in out["path"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gemv_with_a_column_major_weight(world):
+    for k_sizes in ([8] * world, [3, 13, 1, 7][:world]):
+        for out in run_ranks(_matmul_all_reduce_case, world, 4, k_sizes, 24, 3, True):
+            assert max(out["y"], out["dx"], out["dw"]) < TOL, out
+            assert out["repeat_bitwise"] and "fused (3 pieces)" in out["path"]
 
 
 def _column_parallel_case(m, k, n_sizes, chunks):

@@ -47,12 +47,20 @@ def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor) -> tuple[int, int, in
     if w.dim() != 2 or w.shape[0] != x2.shape[1]:
         raise ValueError(f"{op}: x has K={x2.shape[1]} columns but w is {tuple(w.shape)}; "
                          "w must be [K, N]")
-    return DTYPE_CODES[x2.dtype], x2.shape[0], w.shape[1], x2.shape[1]
+    return DTYPE_CODES[x2.dtype], x2.shape[0], w.shape[1], x2.shape[1], int(_column_major(w))
 
 
-def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -> Decision:
+def _column_major(w: torch.Tensor) -> bool:
+    """w laid out as ``weight.t()`` of a contiguous [N, K] (what row-parallel layers pass)."""
+    return w.stride(0) == 1 and (w.shape[1] == 1 or w.stride(1) >= w.shape[0])
+
+
+def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks,
+          ctx: OpsContext) -> tuple[Decision, bool]:
+    """The decision, and whether a GEMV holds its output transposed: only when every
+    rank's w is column-major, since all ranks must reduce buffers of the same layout."""
     row, problem = attempt(lambda: (check_chunks(op, chunks), _local_row(op, x2, w))[1])
-    metas = ctx.gather_meta(op, 4, row, problem)
+    metas = ctx.gather_meta(op, 5, row, problem)
     for r, meta in enumerate(metas):
         if meta[:3] != metas[0][:3]:
             raise ValueError(f"{op}: ranks disagree on (dtype, M, N): rank 0 has {metas[0][:3]}, "
@@ -63,10 +71,11 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext) -
     gemv = m <= GEMV_ROWS  # pieces cut N: [M, N_j] each
     work = Work(flops=2.0 * m * k_max * n, wire_bytes=wire, kind="all_reduce",
                 length=n if gemv else m, width=m if gemv else n, columns=gemv)
-    return ctx.decide(op, chunks, work=work, rows=work.length)
+    return ctx.decide(op, chunks, work=work, rows=work.length), all(meta[4] for meta in metas)
 
 
-def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision) -> torch.Tensor:
+def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
+                   transposed: bool) -> torch.Tensor:
     """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce."""
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
@@ -75,7 +84,7 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision)
         dist.all_reduce(out, group=group)
         return out
     if m <= GEMV_ROWS:
-        return _gemv_pieces(x2, w, group, decision.chunks)
+        return _gemv_pieces(x2, w, group, decision.chunks, transposed)
     bounds = offsets(tapered(m, decision.chunks))
     out = x2.new_empty(m, n)  # the collective's buffer is the output
     works = []
@@ -88,12 +97,13 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision)
     return out
 
 
-def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int) -> torch.Tensor:
+def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
+                 transposed: bool) -> torch.Tensor:
     """GEMV: pieces are column blocks [M, N_j], each reduced as soon as it is computed.
 
     A column block of a row-major [M, N] is not contiguous (gloo sends contiguous
     buffers). When w is column-major (a row-parallel layer passes ``weight.t()`` of its
-    [N, K_r] weight) the output is held transposed: block j is rows [lo, hi) of one
+    [N, K_r] weight) on every rank, the output is held transposed: block j is rows [lo, hi) of one
     [N, M] buffer, the result is that buffer's transpose (a view), and nothing is held
     beyond the output; BLAS also runs this orientation about 2x faster here than x2 @ w.
     A row-major w runs the transposed orientation 2x slower, so its blocks go into
@@ -101,7 +111,6 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int) -> torch
     """
     m, n = x2.shape[0], w.shape[1]
     bounds = offsets(tapered(n, chunks))
-    transposed = w.stride(0) == 1 and n > 1
     buf = x2.new_empty(n, m) if transposed else x2.new_empty(m * n)
     blocks, works = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -117,10 +126,10 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int) -> torch
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, group, decision):
+    def forward(ctx, x2, w, group, decision, transposed):
         ctx.save_for_backward(x2, w)
         ctx.region = current_region()
-        return _fused_forward(x2, w, group, decision)
+        return _fused_forward(x2, w, group, decision, transposed)
 
     @staticmethod
     def backward(ctx, dy):
@@ -128,7 +137,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         with compute_region(ctx.region), piece():
             dx = dy @ w.t() if ctx.needs_input_grad[0] else None
             dw = x2.t() @ dy if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -140,8 +149,8 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="a
     """
     ctx = ctx or get_context(group)
     x2 = x.reshape(-1, x.shape[-1])
-    decision = _plan("matmul_all_reduce", x2, w, chunks, ctx)
-    out = _MatmulAllReduce.apply(x2, w, group, decision)
+    decision, transposed = _plan("matmul_all_reduce", x2, w, chunks, ctx)
+    out = _MatmulAllReduce.apply(x2, w, group, decision, transposed)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
 
 
@@ -161,8 +170,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         with compute_region(ctx.region):
             if ctx.needs_input_grad[0]:
                 wt = w.t()
-                decision = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks, ctx.ops_ctx)
-                dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision)
+                decision, transposed = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks,
+                                             ctx.ops_ctx)
+                dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision, transposed)
             if ctx.needs_input_grad[1]:
                 with piece():
                     dw = x2.t() @ dy
