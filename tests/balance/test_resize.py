@@ -18,7 +18,9 @@ from plait.runtime.straggler import SlowSpec
 from plait.runtime.testing import run_ranks
 
 
-def _resized_mlp(overlap, keep, plan_sizes):
+def _resized_mlp(overlap, keep, plan_sizes, shared):
+    from plait.balance.balancer import _shared_features
+
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     fc_ref, proj_ref = nn.Linear(16, 24, dtype=torch.float64), nn.Linear(24, 16, dtype=torch.float64)
@@ -26,22 +28,32 @@ def _resized_mlp(overlap, keep, plan_sizes):
     fc = ColumnParallelLinear.from_module(fc_ref, plan=plan, overlap=overlap, chunks=2)
     proj = RowParallelLinear.from_module(proj_ref, plan=plan, overlap=overlap, chunks=2)
     for layer in (fc, proj):
-        layer.resize(keep[rank], anyone=True)
-    # the reference: every rank's skipped weights zeroed
+        layer.refresh_priority()
+    with torch.no_grad():  # a history, so the layers' own priorities differ
+        fc.weight[::2] += 0.5
+        proj.weight[:, 1::2] += 0.5
+    for layer in (fc, proj):
+        layer.refresh_priority()
+    kept = _shared_features([fc, proj], keep[rank]) if shared else None
+    for layer in (fc, proj):
+        layer.resize(keep[rank], kept=kept)
+    # the reference: every rank's skipped features zeroed (fc: output rows and bias, proj: columns)
+    with torch.no_grad():
+        fc_ref.weight.copy_(fc.full_state_dict()["weight"])
+        proj_ref.weight.copy_(proj.full_state_dict()["weight"])
     fc_mask, proj_mask = torch.ones_like(fc_ref.weight), torch.ones_like(proj_ref.weight)
-    kept = [None] * world
-    dist.all_gather_object(kept, (fc._kept.tolist() if fc._kept is not None else None,
-                                  proj._kept.tolist() if proj._kept is not None else None))
-    for r, (fc_kept, proj_kept) in enumerate(kept):
-        rows, cols = plan.slice_of(r), plan.slice_of(r)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (fc._kept.tolist() if fc._kept is not None else None,
+                                      proj._kept.tolist() if proj._kept is not None else None))
+    for r, (fc_kept, proj_kept) in enumerate(everyone):
+        start = plan.slice_of(r).start
         if fc_kept is not None:
-            skip = sorted(set(range(16)) - set(fc_kept))
-            fc_mask[rows.start:rows.stop, skip] = 0
+            fc_mask[[start + k for k in sorted(set(range(plan.sizes[r])) - set(fc_kept))]] = 0
         if proj_kept is not None:
-            skip = [cols.start + k for k in sorted(set(range(plan.sizes[r])) - set(proj_kept))]
-            proj_mask[:, skip] = 0
+            proj_mask[:, [start + k for k in sorted(set(range(plan.sizes[r])) - set(proj_kept))]] = 0
     with torch.no_grad():
         fc_ref.weight *= fc_mask
+        fc_ref.bias *= fc_mask[:, 0]
         proj_ref.weight *= proj_mask
     x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -49,45 +61,58 @@ def _resized_mlp(overlap, keep, plan_sizes):
     y_ref = proj_ref(F.gelu(fc_ref(xr)))
     (y ** 2).sum().backward()
     (y_ref ** 2).sum().backward()
-    fc_grad = fc.full_state_dict(grads=True)["weight"]
+    fc_grad = fc.full_state_dict(grads=True)
     proj_grad = proj.full_state_dict(grads=True)["weight"]
     return {"y": (y - y_ref).abs().max().item(), "dx": (xs.grad - xr.grad).abs().max().item(),
-            "fc_dw": (fc_grad - fc_ref.weight.grad * fc_mask).abs().max().item(),
+            "fc_dw": (fc_grad["weight"] - fc_ref.weight.grad * fc_mask).abs().max().item(),
+            "fc_db": (fc_grad["bias"] - fc_ref.bias.grad * fc_mask[:, 0]).abs().max().item(),
             "proj_dw": (proj_grad - proj_ref.weight.grad * proj_mask).abs().max().item(),
-            "fc_skipped_zero": bool((fc_grad[fc_mask == 0] == 0).all()),
+            "skipped_zero": bool((fc_grad["weight"][fc_mask == 0] == 0).all()
+                                 and (proj_grad[proj_mask == 0] == 0).all()),
+            "same": bool((fc_mask[:, 0] == proj_mask[0]).all()),
             "skipped": int((fc_mask == 0).sum() + (proj_mask == 0).sum()),
-            "work": (fc._work(), fc.weight.numel())}
+            "work": (fc._work(), fc.weight.numel(), proj._work(), proj.weight.numel())}
 
 
-@pytest.mark.parametrize("world,keep,sizes,overlap", [
-    (2, (1.0, 0.5), (12, 12), True),
-    (2, (0.5, 0.75), (16, 8), False),
-    (4, (1.0, 0.25, 1.0, 0.5), (6, 6, 4, 8), True),
+@pytest.mark.parametrize("world,keep,sizes,overlap,shared", [
+    (2, (1.0, 0.5), (12, 12), True, True),
+    (2, (0.5, 0.75), (16, 8), False, True),
+    (2, (0.5, 1.0), (12, 12), True, False),
+    (4, (1.0, 0.25, 1.0, 0.5), (6, 6, 4, 8), True, True),
+    (4, (0.5, 1.0, 0.5, 1.0), (6, 6, 4, 8), False, False),
 ])
-def test_resized_layers_equal_masked_reference(world, keep, sizes, overlap):
-    results = run_ranks(_resized_mlp, world, overlap, keep, sizes)
+def test_resized_layers_equal_masked_reference(world, keep, sizes, overlap, shared):
+    """Both layers of an MLP resized, fused and plain, the same features (as the balancer
+    resizes a dim) or each its own: output, input gradient and weight gradients equal the
+    single-device MLP with the skipped features zeroed, whose gradients are zero."""
+    results = run_ranks(_resized_mlp, world, overlap, keep, sizes, shared)
+    assert sum(r["skipped"] for r in results) > 0
     for rank, r in enumerate(results):
-        assert r["skipped"] > 0
-        for key in ("y", "dx", "fc_dw", "proj_dw"):
+        for key in ("y", "dx", "fc_dw", "fc_db", "proj_dw"):
             assert r[key] < 1e-10, (rank, key, r)
-        assert r["fc_skipped_zero"]
-        work, full = r["work"]
-        assert work == round(keep[rank] * 16) * full // 16
+        assert r["skipped_zero"]
+        assert r["same"] == shared, (rank, r)  # skipped the same features or not
+        fc_work, fc_full, proj_work, proj_full = r["work"]
+        n = round(keep[rank] * sizes[rank])
+        assert fc_work * sizes[rank] == n * fc_full and proj_work * sizes[rank] == n * proj_full
 
 
-def test_resize_refuses_bad_fraction_and_priority_keeps_changed_columns():
-    layer = ColumnParallelLinear(8, 4, seed=0)
+def test_resize_refuses_bad_input_and_priority_keeps_changed_features():
+    layer = RowParallelLinear(8, 4, seed=0)
     for bad in (0.0, 1.5, -1, "half"):
         with pytest.raises(ValueError, match="keep must be in"):
             layer.resize(bad)
+    for kept in ([0, 1, 2], [1, 1], [0, 8]):
+        with pytest.raises(ValueError, match="kept must name 2 distinct"):
+            layer.resize(0.25, kept=kept)
     layer.refresh_priority()  # the snapshot
     with torch.no_grad():
         layer.weight[:, 3] += 1.0
         layer.weight[:, 5] -= 2.0
     layer.refresh_priority()
-    layer.resize(0.25)  # 2 of 8 input columns: the two that changed
+    layer.resize(0.25)  # 2 of 8 input features: the two that changed
     assert layer._kept.tolist() == [3, 5]
-    with torch.no_grad():  # the kept settle (no change); skipped column 7 moves, unseen
+    with torch.no_grad():  # the kept settle (no change); skipped feature 7 moves, unseen
         layer.weight[:, 7] += 0.1
     layer.refresh_priority()  # 3 and 5 rescored 0; the skipped keep their last score (0)
     layer.resize(0.25)
@@ -95,11 +120,20 @@ def test_resize_refuses_bad_fraction_and_priority_keeps_changed_columns():
     layer.resize(1.0)
     with torch.no_grad():
         layer.weight[:, 7] += 0.1
-    layer.refresh_priority()  # nobody skipped: every column rescored, and 7 moved
+    layer.refresh_priority()  # nobody skipped: every feature rescored, and 7 moved
     layer.resize(0.125)
     assert layer._kept.tolist() == [7]
     layer.resize(1.0)
     assert layer._kept is None and layer.keep == 1.0
+    qkv = ColumnParallelLinear(4, 12, blocks=3, seed=0)  # a column layer scores output rows
+    qkv.refresh_priority()
+    with torch.no_grad():
+        qkv.weight[2 + 4] += 1.0  # feature 2 of the second block
+    qkv.refresh_priority()
+    qkv.resize(0.25)
+    assert qkv._kept.tolist() == [2] and qkv._rows().tolist() == [2, 6, 10]
+    y = qkv(torch.randn(3, 4))
+    assert y.shape == (3, 12) and (y[:, [0, 1, 3, 4, 5, 7, 8, 9, 11]] == 0).all()
 
 
 def _balanced_run(policy, slow, steps):

@@ -7,8 +7,9 @@ attention (QKV and output projection together), the columns of its MLP (fc and
 proj). Each dim has its own :class:`SemiPolicy` fed the group's shared speeds;
 its actions are applied at the step boundary:
 
-- ``resize``: every layer of the dim computes ``fractions[rank]`` of its
-  reduction dim (ZERO-resizing, lossy, no data moves);
+- ``resize``: every layer of the dim computes ``fractions[rank]`` of the
+  features its plan splits, the same features in each (ZERO-resizing, lossy,
+  no data moves);
 - ``migrate``: the dim's layers move to the new plan with their gradients and
   optimizer state (``plait.balance.migrate``, exact); resizing ends;
 - ``undo``: resizing ends.
@@ -92,6 +93,10 @@ class Balancer:
             if len(plans) != 1:
                 raise ValueError(f"the layers of {dim} have different plans {plans}; one plan "
                                  "must split them together")
+            features = {layer.features() for layer in layers}
+            if len(features) != 1:
+                raise ValueError(f"the layers of {dim} split {sorted(features)} features on "
+                                 "this rank; resizing skips the same features in each")
             policy = SemiPolicy(self.config, layers[0].plan.total, self.world)
             policy.plan = layers[0].plan  # start from the plan it was built with
             self.policies[dim] = policy
@@ -129,10 +134,10 @@ class Balancer:
         if action.kind == "migrate":
             report = migrate(self.model, self.optimizer,
                              {name: action.plan for name in self.names[dim]})
-        fractions = action.fractions if action.kind == "resize" else (1.0,) * self.world
-        anyone = any(f < 1.0 for f in fractions)
+        keep = action.fractions[self.rank] if action.kind == "resize" else 1.0
+        kept = _shared_features(layers, keep)
         for layer in layers:
-            layer.resize(fractions[self.rank], anyone=anyone)
+            layer.resize(keep, kept=kept)
         decision = Decision(step, dim, action.kind, action.reason, layers[0].plan.sizes,
                             action.fractions, report)
         self.log.append(decision)
@@ -144,3 +149,14 @@ class Balancer:
         """What each dim looks like now: its plan and this rank's kept share."""
         return {dim: {"sizes": list(layers[0].plan.sizes), "keep": layers[0].keep}
                 for dim, layers in self.dims.items()}
+
+
+def _shared_features(layers, keep: float) -> torch.Tensor | None:
+    """The features every layer of a dim keeps: the top ``keep`` by their summed priority
+    (so the column-parallel layer skips what the row-parallel one after it skips)."""
+    features = layers[0].features()
+    n = min(features, max(1, round(keep * features)))
+    if n == features:
+        return None
+    score = sum(layer.priority() for layer in layers)
+    return torch.argsort(score, descending=True, stable=True)[:n]

@@ -37,17 +37,23 @@ is never counted as compute. The sequence-parallel fused operators are wrapped
 whole (their exposed wire is counted).
 
 ZERO-resizing (``resize(keep)``, set by ``plait.balance``): the layer computes
-only ``keep`` of its reduction dim K (the input features its weight reads:
-all of them for a column-parallel layer, its shard for a row-parallel one),
-forward and backward. *Priority*: it keeps the K columns whose weights changed
-most between the last two ``refresh_priority()`` calls (before the first
-change is known, the largest in magnitude); a skipped column keeps its last
-score, so it returns once the kept ones settle. *Imputation*: outputs and
-gradients stay full-shape; a skipped column contributes nothing to the output
-and gets a zero gradient (the optimizer still sees the whole tensor). Lossy by
-design: the balancer resizes a rank only while it is slow. A resized
-column-parallel layer takes the plain path (its input gradient's all_reduce
-needs the full K on every rank).
+only ``keep`` of the features its plan splits, forward and backward: a
+row-parallel layer ``keep`` of its reduction slice K_r (the features its shard
+reads), a column-parallel one the same share of its output features (in every
+block). The balancer resizes the layers of a dim together over the *same*
+features (``resize(keep, kept=...)``): the hidden units of an MLP shard, the
+head features of an attention shard, so the column-parallel layer skips exactly
+the outputs the row-parallel one after it would not read, and the slow rank's
+shard shrinks as a whole (the reduction dim of the pair). *Priority*: kept are
+the features whose weights changed most between the last two
+``refresh_priority()`` calls (before the first change is known, the largest in
+magnitude); a skipped feature keeps its last score, so it returns once the kept
+ones settle. *Imputation*: outputs and gradients stay full-shape; a skipped
+feature contributes nothing to a row-parallel output, is zero in a
+column-parallel output, and gets a zero gradient (the optimizer still sees the
+whole tensor). Lossy by design: the balancer resizes a rank only while it is
+slow. Both layers keep their fused path while resized (shards may differ per
+rank).
 """
 
 from __future__ import annotations
@@ -115,11 +121,10 @@ class _ParallelLinear(nn.Module):
         self.overlap, self.chunks = overlap, chunks
         self.compute_timer = None  # set by plait.balance.SpeedMonitor.attach
         self.keep = 1.0  # ZERO-resizing: the share of K this rank computes (resize)
-        self._kept: torch.Tensor | None = None  # the K columns computed, sorted; None: all
+        self._kept: torch.Tensor | None = None  # the split features computed, sorted; None: all
         self._snapshot: torch.Tensor | None = None  # the weight at the last priority refresh
-        self._scores: torch.Tensor | None = None  # per K column: how much it changed
+        self._scores: torch.Tensor | None = None  # per split feature: how much it changed
         self._scored_by_change = False
-        self._group_resized = False  # some rank of the group is resized: plain column path
         self.sequence_parallel, self.seq_dim, self.seq_plan = sequence_parallel, seq_dim, seq_plan
         if full_weight is None:
             full_weight, made_bias = _full_linear(in_features, out_features, bias, seed, dtype, device)
@@ -155,53 +160,68 @@ class _ParallelLinear(nn.Module):
         return pieces(compute, x, self.compute_timer, self._work())
 
     def _work(self) -> int:
-        return self.weight.numel() if self._kept is None else self.weight.shape[0] * len(self._kept)
+        if self._kept is None:
+            return self.weight.numel()
+        return self.weight.numel() * len(self._kept) // self.features()
 
     # --- ZERO-resizing --------------------------------------------------------
-    def resize(self, keep: float, *, anyone: bool | None = None) -> None:
-        """Compute only ``keep`` (0 < keep ≤ 1) of the reduction dim from the next forward on,
-        the highest-priority columns (see the module docstring); 1 computes everything.
+    def features(self) -> int:
+        """The features of this rank's shard that the plan splits (per block)."""
+        return self.weight.shape[self.shard_dim] // (self.blocks if self.shard_dim == 0 else 1)
 
-        ``anyone``: whether any rank of the group is resized (default: this one is). Every
-        rank must pass the same value: a resized column-parallel layer takes the plain path,
-        and all ranks must then take it, or their collectives would not match.
+    def resize(self, keep: float, *, kept: torch.Tensor | None = None) -> None:
+        """Compute only ``keep`` (0 < keep ≤ 1) of the split features from the next forward
+        on; 1 computes everything. ``kept``: which features (indices into ``features()``,
+        as many as ``keep`` rounds to), as the balancer gives the layers of one dim; default
+        this layer's own highest-priority ones (see the module docstring).
         """
         if not (isinstance(keep, (int, float)) and 0.0 < keep <= 1.0):
             raise ValueError(f"{type(self).__name__}: keep must be in (0, 1], got {keep!r}")
-        k = self.weight.shape[1]
-        n = min(k, max(1, round(keep * k)))
-        self._group_resized = (n < k) if anyone is None else bool(anyone)
-        if n == k:
+        f = self.features()
+        n = min(f, max(1, round(keep * f)))
+        if n == f:
             self._kept, self.keep = None, 1.0
             return
+        if kept is None:
+            kept = self.priority_order()[:n]
+        kept = torch.as_tensor(kept, dtype=torch.long).sort().values
+        if kept.numel() != n or kept.unique().numel() != n or kept[0] < 0 or kept[-1] >= f:
+            raise ValueError(f"{type(self).__name__}: kept must name {n} distinct features of "
+                             f"0..{f - 1} (keep {keep}), got {kept.tolist()}")
+        self._kept, self.keep = kept.to(self.weight.device), n / f
+
+    def priority(self) -> torch.Tensor:
+        """Per split feature, its score (higher: keep first); summed over a dim's layers."""
         if not self._scored_by_change:
             self.refresh_priority()
-        order = torch.argsort(self._scores, descending=True, stable=True)
-        self._kept = order[:n].sort().values.to(self.weight.device)
-        self.keep = n / k
+        return self._scores
+
+    def priority_order(self) -> torch.Tensor:
+        """The split features, highest priority first (ties in index order)."""
+        return torch.argsort(self.priority(), descending=True, stable=True)
+
+    def _per_feature(self, t: torch.Tensor) -> torch.Tensor:
+        """A weight-shaped tensor's squared norm per split feature (summed over blocks)."""
+        t = t.movedim(self.shard_dim, 0).float()
+        return t.reshape(self.blocks if self.shard_dim == 0 else 1, self.features(), -1) \
+            .pow(2).sum(dim=(0, 2))
 
     @torch.no_grad()
     def refresh_priority(self) -> None:
-        """Score each K column by how much its weights changed since the last refresh (the
-        columns computed since; a skipped one keeps its score) and take a new snapshot."""
+        """Score each split feature by how much its weights changed since the last refresh
+        (those computed since; a skipped one keeps its score) and take a new snapshot."""
         w = self.weight.detach()
         if self._snapshot is None or self._snapshot.shape != w.shape:
-            self._scores = w.abs().sum(dim=0).float()  # no history yet: magnitude
+            self._scores = self._per_feature(w)  # no history yet: magnitude
             self._scored_by_change = False
         else:
-            change = (w - self._snapshot).norm(dim=0).float()  # [K]
+            change = self._per_feature(w - self._snapshot)
             if self._kept is None or self._scores is None:
                 self._scores = change
             else:
                 self._scores[self._kept] = change[self._kept]
             self._scored_by_change = True
         self._snapshot = w.clone()
-
-    def _selected(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, weight) restricted to the kept K columns; both whole when not resized."""
-        if self._kept is None:
-            return x, self.weight
-        return x.index_select(-1, self._kept), self.weight.index_select(1, self._kept)
 
     def _cut(self, full: torch.Tensor) -> torch.Tensor:
         return shard_of(full, self.plan, self.info.rank, self.shard_dim, blocks=self.blocks,
@@ -237,7 +257,7 @@ class _ParallelLinear(nn.Module):
         full_grads = self.full_state_dict(grads=True)  # always: every rank joins the same gathers
         self.plan = plan
         self._kept, self.keep, self._snapshot, self._scores = None, 1.0, None, None
-        self._scored_by_change = self._group_resized = False
+        self._scored_by_change = False
         for key, value in full.items():
             param = getattr(self, key)
             had_grad = param.grad is not None
@@ -317,25 +337,41 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._gather(local, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.t()  # [K, N_r]
+        rows = self._rows()  # the output features computed: None (all) unless resized
+        weight, bias = self.weight, self.bias
+        if rows is not None:
+            weight = weight.index_select(0, rows)
+            bias = None if bias is None else bias.index_select(0, rows)
+        w = weight.t()  # [K, N_r] (N_r kept)
         if self.info.world == 1:
             with compute_scope(x.device, self.compute_timer, self._work()):
-                return F.linear(*self._selected(x), self.bias)
-        resized = self._group_resized  # every rank the same path
+                return self._impute(F.linear(x, weight, bias), rows)
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=True)
-            if self.overlap and not resized:  # the fused op: compute and wire interleaved
+            if self.overlap:  # the fused op: compute and wire interleaved
                 y = self._region(lambda x: self._gather_matmul(x, w, sizes), x)  # [B, S, N_r]
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
-                y = self._region(lambda x: F.linear(*self._selected(x)), x)
-        elif self.overlap and not resized:
+                y = self._region(lambda x: F.linear(x, weight), x)
+        elif self.overlap:
             y = self._pieces(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
         else:
             x = copy_to_region(x, self.group)
-            y = self._region(lambda x: F.linear(*self._selected(x)), x)
-        return y if self.bias is None else y + self.bias
+            y = self._region(lambda x: F.linear(x, weight), x)
+        return self._impute(y if bias is None else y + bias, rows)
 
+    def _rows(self) -> torch.Tensor | None:
+        """The weight rows of the kept features, in every block; None when not resized."""
+        if self._kept is None:
+            return None
+        starts = torch.arange(self.blocks, device=self._kept.device) * self.features()
+        return (starts[:, None] + self._kept[None, :]).reshape(-1)
+
+    def _impute(self, y: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The full-shape output: the kept features where they belong, zeros elsewhere."""
+        if rows is None:
+            return y
+        return y.new_zeros(*y.shape[:-1], self.weight.shape[0]).index_copy(-1, rows, y)
 
     def _gather_matmul(self, x: torch.Tensor, w: torch.Tensor, sizes) -> torch.Tensor:
         """``all_gather_matmul`` along the sequence, given rows with the sequence leading: the
@@ -383,7 +419,9 @@ class RowParallelLinear(_ParallelLinear):
         return local.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, weight = self._selected(x)  # [B, S, K_kept], [N, K_kept]: whole unless resized
+        weight = self.weight  # [N, K_r]; K_r kept only, when resized
+        if self._kept is not None:
+            x, weight = x.index_select(-1, self._kept), weight.index_select(1, self._kept)
         w = weight.t()  # [K_r, N]
         if self.info.world == 1:
             with compute_scope(x.device, self.compute_timer, self._work()):
