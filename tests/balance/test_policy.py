@@ -183,3 +183,19 @@ def test_semi_migrates_a_long_slowdown_and_returns_to_even_within_20_steps(world
     back = acts[-1]
     assert back[1].plan == policy.even and back[0] < start + length + 20, acts
     assert policy.fractions is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), noise=st.floats(0.0, 0.05))
+def test_semi_leaves_a_migrated_plans_quantization_alone(seed, noise):
+    """16 heads on 4 ranks, one 2× slower: no plan in whole heads balances it (the
+    proportional one leaves ~1.25), but that residual is the plan's, not a new slowdown: semi
+    migrates once and then neither resizes the fast ranks nor migrates again."""
+    base = [1.0, 1.0, 1.0, 0.5]
+    policy = SemiPolicy(PolicyConfig(spike_steps=12), total=16, world=4)
+    acts = _drive(policy, _noisy(base, 150, noise, seed))
+    assert [a.kind for _, a in acts] == ["resize", "migrate"], acts
+    assert imbalance(base, policy.plan) >= policy.config.trigger  # the residual is real
+    # and a real departure from the migrated plan's speeds is still bridged
+    spike = _drive(policy, [[1.0, 0.4, 1.0, 0.5]] * 3)
+    assert spike and spike[0][1].kind == "resize"

@@ -151,6 +151,12 @@ class SemiPolicy:
     it is migrated to a proportional plan (exact) and the resizing ends; once the
     speeds are balanced (below ``release``) for ``settle_steps`` the resizing is
     undone, or the plan returns to even. The other names use the parts they say.
+
+    Every plan remembers the speeds it was made for (its *basis*: equal speeds
+    for the even plan). A plan in whole quanta cannot match its basis exactly, so
+    the imbalance left on a migrated plan is not a new slowdown: only speeds that
+    move away from the basis by ``trigger`` (``departure``) are resized or, if they
+    persist, migrated again.
     """
 
     def __init__(self, config: PolicyConfig, total: int, world: int):
@@ -158,9 +164,11 @@ class SemiPolicy:
         self.even = ShardPlan.even(total, world, config.quantum)
         static_plan(total, [1.0] * world, config.quantum)  # refuse a dim too small for the group
         self.plan: ShardPlan = self.even
+        self.basis: tuple[float, ...] = (1.0,) * world  # the speeds the plan was made for
         self.fractions: tuple[float, ...] | None = None
         self.imbalanced_steps = 0  # consecutive steps the current plan was out of balance
         self.balanced_steps = 0  # consecutive steps the speeds were balanced
+        self.back_steps = 0  # consecutive steps the speeds were back at the plan's basis
         self.done_static = False
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
@@ -170,17 +178,20 @@ class SemiPolicy:
         cfg = self.config
         raw = imbalance(speeds)  # the speeds themselves, whatever the plan
         on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
-        self.imbalanced_steps = self.imbalanced_steps + 1 if on_plan >= cfg.trigger else 0
+        departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
+        moved = on_plan >= cfg.trigger and departure >= cfg.trigger
+        self.imbalanced_steps = self.imbalanced_steps + 1 if moved else 0
         self.balanced_steps = self.balanced_steps + 1 if raw < cfg.release else 0
-        action = self._decide(speeds, raw, on_plan)
-        self._apply(action)
+        self.back_steps = self.back_steps + 1 if departure < cfg.release else 0
+        action = self._decide(speeds, raw, on_plan, moved)
+        self._apply(action, speeds)
         if action.kind != "none":
             self.log.append((self.steps, action))
         self.steps += 1
         return action
 
     # --- the rules, in priority order --------------------------------------
-    def _decide(self, speeds, raw: float, on_plan: float) -> Action:
+    def _decide(self, speeds, raw: float, on_plan: float, moved: bool) -> Action:
         cfg, name = self.config, self.config.name
         figures = f"speeds {_fmt(speeds)}, imbalance {on_plan:.2f} on plan {list(self.plan.sizes)}"
         if name == "even":
@@ -191,13 +202,14 @@ class SemiPolicy:
             self.done_static = True
             return self._migrate(speeds, f"static: one proportional plan for {figures}")
         settled = self.balanced_steps >= cfg.settle_steps
-        if self.fractions is not None and settled:
-            return Action("undo", f"balanced for {self.balanced_steps} steps "
-                                  f"(< {cfg.release}): {figures}")
+        if self.fractions is not None and (settled or self.back_steps >= cfg.settle_steps):
+            why = "balanced" if settled else "back at the plan's speeds"
+            return Action("undo", f"{why} for {cfg.settle_steps} steps (< {cfg.release}): "
+                                  f"{figures}")
         if self.plan != self.even and settled and name in ("migrate", "semi"):
             return Action("migrate", f"slowdown over for {self.balanced_steps} steps: back to "
                                      f"the even plan; {figures}", plan=self.even)
-        out = on_plan >= cfg.trigger and raw >= cfg.release  # past the hysteresis band
+        out = moved and raw >= cfg.release  # past the hysteresis band, away from the basis
         persisted = name == "semi" and self.imbalanced_steps >= cfg.spike_steps
         if out and (name == "migrate" or persisted):
             why = "persisted" if name == "semi" else "policy migrate"
@@ -227,14 +239,16 @@ class SemiPolicy:
 
     def _migrate(self, speeds, reason: str) -> Action:
         plan = static_plan(self.total, speeds, self.config.quantum)
-        if plan == self.plan:
+        if plan == self.plan:  # the plan already fits these speeds: they are its basis now
+            self.basis, self.imbalanced_steps = tuple(speeds), 0
             return Action("none", f"proportional plan {list(plan.sizes)} is the current one; "
                                   f"{reason}")
         return Action("migrate", f"to {list(plan.sizes)}: {reason}", plan=plan)
 
-    def _apply(self, action: Action) -> None:
+    def _apply(self, action: Action, speeds: tuple[float, ...]) -> None:
         if action.kind == "migrate":
             self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
+            self.basis = (1.0,) * self.world if action.plan == self.even else speeds
         elif action.kind == "resize":
             self.fractions = action.fractions
         elif action.kind == "undo":
