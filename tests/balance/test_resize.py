@@ -195,3 +195,26 @@ def test_ideal_is_work_over_summed_speeds_plus_the_rest():
     assert slow["t_ideal_s"] == pytest.approx(0.4 + 0.6 * 4 / 3.5)
     assert slow["ratio_to_ideal"] == pytest.approx(1.6 / slow["t_ideal_s"])
     assert none["ratio_to_ideal"] == pytest.approx(1.0)
+
+
+def test_balancer_resizes_a_dims_layers_together_and_rotates_them_at_refresh():
+    """One process: the balancer's resize picks the same features in fc and proj, and at each
+    priority refresh a resized dim chooses anew, so skipped features (whose weights did not
+    move) return in place of kept ones that settled."""
+    from plait.balance.policy import Action
+
+    model = nn.Sequential(ColumnParallelLinear(8, 16, seed=0), RowParallelLinear(16, 8, seed=1))
+    model._plait_dims = {"mlp": ("0", "1")}
+    balancer = Balancer(model, None, None, PolicyConfig(name="even"), refresh=2, warmup=0)
+    fc, proj = model
+    x = torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).square().mean().backward()  # one step: every feature moves, by its own amount
+    opt.step()
+    balancer._apply(0, "mlp", Action("resize", "test", fractions=(0.5,)))
+    first = fc._kept.tolist()
+    assert len(first) == 8 and proj._kept.tolist() == first
+    balancer.step(0)
+    balancer.step(1)  # a refresh: the kept did not move since (score 0), the skipped keep theirs
+    assert proj._kept.tolist() == fc._kept.tolist() and fc.keep == proj.keep == 0.5
+    assert set(fc._kept.tolist()) == set(range(16)) - set(first)

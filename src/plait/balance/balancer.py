@@ -17,7 +17,8 @@ its actions are applied at the step boundary:
 The first ``warmup`` steps are not measured (first calls allocate and warm
 caches on some ranks more than others). Every decision and its reason is kept in ``log`` (rank 0 also logs it at INFO
 on ``plait.balance``). Every ``refresh`` steps the layers refresh the priority
-scores ZERO-resizing uses. The speeds are identical on every rank after each
+scores ZERO-resizing uses, and a resized dim chooses its features anew (so
+skipped ones return once the kept ones settle). The speeds are identical on every rank after each
 exchange and the policies are deterministic, so every rank takes the same
 decision without another collective.
 """
@@ -118,6 +119,10 @@ class Balancer:
             for layers in self.dims.values():
                 for layer in layers:
                     layer.refresh_priority()
+                if layers[0].keep < 1.0:  # resized: the new scores choose anew, so the
+                    kept = _shared_features(layers, layers[0].keep)  # skipped can return
+                    for layer in layers:
+                        layer.resize(layers[0].keep, kept=kept)
         if self.config.name == "even":
             return []
         speeds = self.monitor.speeds()

@@ -70,6 +70,9 @@ class HeteroBenchConfig:
     lr: float = field(default=3e-3, metadata=_h("peak learning rate of AdamW"))
     overlap: bool = field(default=True, metadata=_h("fused operators (--no-overlap: plain)"))
     every: int = field(default=2, metadata=_h("steps between the speed monitor's exchanges"))
+    refresh: int = field(default=200, metadata=_h(
+        "steps between ZERO-resizing's priority refreshes (a resized dim then chooses its "
+        "skipped features anew, so they return)"))
     spike_steps: int = field(default=12, metadata=_h(
         "semi: an imbalance lasting this many steps persists and is migrated (shorter ones "
         "are resized, then undone)"))
@@ -83,7 +86,7 @@ class HeteroBenchConfig:
             if bad or not values:
                 raise ValueError(f"--{name} {list(values)}: choose from {list(known)}")
         for name in ("steps", "seeds", "spike_len", "n_layer", "n_head", "n_embd", "seq_len",
-                     "batch_size", "every", "spike_steps"):
+                     "batch_size", "every", "refresh", "spike_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(self, name)}")
@@ -145,7 +148,7 @@ def factors_at(specs: list[SlowSpec], world: int, step: int) -> list[float]:
 
 
 def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec], corpus: CharCorpus, *,
-                   every: int = 2, on_step=None) -> dict:
+                   every: int = 2, refresh: int = 200, on_step=None) -> dict:
     """One run on this rank: build, train ``cfg.steps`` steps under ``policy`` with ``specs``
     slowing ranks, evaluate. Per-step times are the slowest rank's; the tensor-parallel
     compute per step is the mean rank's."""
@@ -154,7 +157,7 @@ def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec]
     ctx.straggler = Straggler(specs, rank)
     model = build_gpt(cfg, vocab_size=corpus.vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    balancer = Balancer(model, optimizer, None, policy, every=every)
+    balancer = Balancer(model, optimizer, None, policy, every=every, refresh=refresh)
     batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
     times, losses = [], []
     try:
@@ -195,7 +198,8 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
     for i, (seed, scenario, policy) in enumerate(runs):
         specs = scenario_specs(scenario, world, cfg)
         result = train_balanced(cfg.train_config(seed), PolicyConfig(
-            name=policy, spike_steps=cfg.spike_steps), specs, corpus, every=cfg.every)
+            name=policy, spike_steps=cfg.spike_steps), specs, corpus, every=cfg.every,
+            refresh=cfg.refresh)
         times = result.pop("times")
         timed = times[cfg.warmup:]
         out.append({"seed": seed, "scenario": scenario, "policy": policy, "world_size": world,
