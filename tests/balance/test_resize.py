@@ -125,6 +125,15 @@ def test_resize_refuses_bad_input_and_priority_keeps_changed_features():
     assert layer._kept.tolist() == [7]
     layer.resize(1.0)
     assert layer._kept is None and layer.keep == 1.0
+    heads = RowParallelLinear(8, 4, unit=2, seed=0)  # 4 units of 2: resized in whole units
+    heads.refresh_priority()
+    with torch.no_grad():
+        heads.weight[:, 3] += 1.0
+    heads.refresh_priority()
+    heads.resize(0.3)
+    assert heads._kept.tolist() == [2, 3] and heads.keep == 0.25
+    with pytest.raises(ValueError, match="in whole units of 2"):
+        heads.resize(0.25, kept=[1, 2])
     qkv = ColumnParallelLinear(4, 12, blocks=3, seed=0)  # a column layer scores output rows
     qkv.refresh_priority()
     with torch.no_grad():

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..nn.linear import select_features
 from .migrate import MigrationReport, migrate
 from .policy import Action, PolicyConfig, SemiPolicy
 from .speed import SpeedMonitor
@@ -94,10 +95,10 @@ class Balancer:
             if len(plans) != 1:
                 raise ValueError(f"the layers of {dim} have different plans {plans}; one plan "
                                  "must split them together")
-            features = {layer.features() for layer in layers}
+            features = {(layer.features(), layer.unit) for layer in layers}
             if len(features) != 1:
-                raise ValueError(f"the layers of {dim} split {sorted(features)} features on "
-                                 "this rank; resizing skips the same features in each")
+                raise ValueError(f"the layers of {dim} split (features, unit) {sorted(features)}"
+                                 " on this rank; resizing skips the same features in each")
             policy = SemiPolicy(self.config, layers[0].plan.total, self.world)
             policy.plan = layers[0].plan  # start from the plan it was built with
             self.policies[dim] = policy
@@ -157,11 +158,7 @@ class Balancer:
 
 
 def _shared_features(layers, keep: float) -> torch.Tensor | None:
-    """The features every layer of a dim keeps: the top ``keep`` by their summed priority
-    (so the column-parallel layer skips what the row-parallel one after it skips)."""
-    features = layers[0].features()
-    n = min(features, max(1, round(keep * features)))
-    if n == features:
-        return None
-    score = sum(layer.priority() for layer in layers)
-    return torch.argsort(score, descending=True, stable=True)[:n]
+    """The features every layer of a dim keeps: the top ``keep`` of whole units (heads) by
+    their summed priority (so the column-parallel layer skips what the row-parallel one
+    after it skips)."""
+    return select_features(sum(layer.priority() for layer in layers), keep, layers[0].unit)

@@ -37,7 +37,8 @@ is never counted as compute. The sequence-parallel fused operators are wrapped
 whole (their exposed wire is counted).
 
 ZERO-resizing (``resize(keep)``, set by ``plait.balance``): the layer computes
-only ``keep`` of the features its plan splits, forward and backward: a
+only ``keep`` of the features its plan splits, in whole plan units (an
+attention layer skips whole heads), forward and backward: a
 row-parallel layer ``keep`` of its reduction slice K_r (the features its shard
 reads), a column-parallel one the same share of its output features (in every
 block). The balancer resizes the layers of a dim together over the *same*
@@ -72,7 +73,7 @@ from ..plan import ShardPlan
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, pieces,
                      replace_data, resolve_plan, shard_of, straggled, unshard)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "select_features"]
 
 
 def _full_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype, device):
@@ -81,6 +82,19 @@ def _full_linear(in_features: int, out_features: int, bias: bool, seed: int, dty
         torch.manual_seed(seed)
         layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     return layer.weight.detach().to(device), None if layer.bias is None else layer.bias.detach().to(device)
+
+
+def select_features(score: torch.Tensor, keep: float, unit: int = 1) -> torch.Tensor | None:
+    """The features ZERO-resizing keeps: the ``keep`` share of whole units (``unit``
+    consecutive features: a head) with the highest summed ``score``, sorted; ties in index
+    order; None when everything is kept."""
+    units = score.numel() // unit
+    n = min(units, max(1, round(keep * units)))
+    if n == units:
+        return None
+    per_unit = score.reshape(units, unit).sum(dim=1)
+    top = torch.argsort(per_unit, descending=True, stable=True)[:n].sort().values
+    return (top[:, None] * unit + torch.arange(unit, device=top.device)).reshape(-1)
 
 
 class _ParallelLinear(nn.Module):
@@ -171,23 +185,28 @@ class _ParallelLinear(nn.Module):
 
     def resize(self, keep: float, *, kept: torch.Tensor | None = None) -> None:
         """Compute only ``keep`` (0 < keep ≤ 1) of the split features from the next forward
-        on; 1 computes everything. ``kept``: which features (indices into ``features()``,
-        as many as ``keep`` rounds to), as the balancer gives the layers of one dim; default
-        this layer's own highest-priority ones (see the module docstring).
+        on, in whole plan units (heads of an attention layer); 1 computes everything.
+        ``kept``: which features (indices into ``features()``), as the balancer gives the
+        layers of one dim; default this layer's own highest-priority units (see the module
+        docstring).
         """
         if not (isinstance(keep, (int, float)) and 0.0 < keep <= 1.0):
             raise ValueError(f"{type(self).__name__}: keep must be in (0, 1], got {keep!r}")
-        f = self.features()
-        n = min(f, max(1, round(keep * f)))
+        f, units = self.features(), self.features() // self.unit
+        n = min(units, max(1, round(keep * units))) * self.unit
         if n == f:
             self._kept, self.keep = None, 1.0
             return
         if kept is None:
-            kept = self.priority_order()[:n]
+            kept = select_features(self.priority(), keep, self.unit)
         kept = torch.as_tensor(kept, dtype=torch.long).sort().values
-        if kept.numel() != n or kept.unique().numel() != n or kept[0] < 0 or kept[-1] >= f:
+        whole = kept.view(-1, self.unit) if kept.numel() % self.unit == 0 else None
+        if kept.numel() != n or kept.unique().numel() != n or kept[0] < 0 or kept[-1] >= f \
+                or whole is None or not (whole - whole[:, :1] == torch.arange(self.unit)).all() \
+                or (whole[:, 0] % self.unit).any():
             raise ValueError(f"{type(self).__name__}: kept must name {n} distinct features of "
-                             f"0..{f - 1} (keep {keep}), got {kept.tolist()}")
+                             f"0..{f - 1} in whole units of {self.unit} (keep {keep}), got "
+                             f"{kept.tolist()}")
         self._kept, self.keep = kept.to(self.weight.device), n / f
 
     def priority(self) -> torch.Tensor:
@@ -195,10 +214,6 @@ class _ParallelLinear(nn.Module):
         if not self._scored_by_change:
             self.refresh_priority()
         return self._scores
-
-    def priority_order(self) -> torch.Tensor:
-        """The split features, highest priority first (ties in index order)."""
-        return torch.argsort(self.priority(), descending=True, stable=True)
 
     def _per_feature(self, t: torch.Tensor) -> torch.Tensor:
         """A weight-shaped tensor's squared norm per split feature (summed over blocks)."""
