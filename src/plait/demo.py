@@ -48,6 +48,9 @@ class DemoConfig:
     batch_size: int = field(default=16, metadata=_h("sequences per step"))
     lr: float = field(default=3e-3, metadata=_h("peak learning rate of AdamW"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
+    confirm_steps: int = field(default=3, metadata=_h(
+        "act on an imbalance once it has lasted this many steps (3: two of the monitor's "
+        "readings, so one noisy reading of a shared machine passes)"))
     spike_steps: int = field(default=12, metadata=_h(
         "semi: steps an imbalance must last to be migrated (before that: resized)"))
     out: str = field(default="reports/demo", metadata=_h("report folder"))
@@ -60,6 +63,7 @@ class DemoConfig:
         if not self.factor > 1.0:
             raise ValueError(f"--factor must be above 1 (a slower rank), got {self.factor}")
         self.train_config(True).gpt_config(97)
+        PolicyConfig(spike_steps=self.spike_steps, confirm_steps=self.confirm_steps)  # refuse early
 
     def train_config(self, overlap: bool) -> TrainConfig:
         return TrainConfig(model="gpt", steps=self.steps, batch_size=self.batch_size, lr=self.lr,
@@ -81,7 +85,8 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
             step_note = lambda step, s=system, sc=scenario: rank == 0 and report(
                 {"system": s, "scenario": sc, "step": step, "run": done, "of": total})
             result = train_balanced(cfg.train_config(overlap), PolicyConfig(
-                name=name, spike_steps=cfg.spike_steps), specs, corpus, on_step=step_note)
+                name=name, spike_steps=cfg.spike_steps,
+                confirm_steps=cfg.confirm_steps), specs, corpus, on_step=step_note)
             out.append({"system": system, "scenario": scenario, "policy": name,
                         "overlap": overlap, "world_size": world, "times": result["times"],
                         "losses": result["losses"], "eval": result["eval"],

@@ -199,3 +199,35 @@ def test_semi_leaves_a_migrated_plans_quantization_alone(seed, noise):
     # and a real departure from the migrated plan's speeds is still bridged
     spike = _drive(policy, [[1.0, 0.4, 1.0, 0.5]] * 3)
     assert spike and spike[0][1].kind == "resize"
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), length=st.integers(9, 10))
+def test_semi_does_not_migrate_a_spike_the_monitor_stretches(seed, length):
+    """A 3× spike of 9–10 steps seen through the monitor (every 2 steps, EMA 0.5) reads as
+    imbalanced for longer than spike_steps=12; it is receding by then, so it is resized and
+    undone, never migrated; a 2× slowdown that stays is still migrated."""
+    cfg = PolicyConfig(spike_steps=12)
+    trace = _noisy([1.0, 1.0], 80, 0.03, seed)
+    for t in range(20, 20 + length):
+        trace[t][1] /= 3.0
+    seen = _monitored(trace, every=2, alpha=0.5)
+    assert sum(imbalance(s) >= cfg.trigger for s in seen) >= cfg.spike_steps  # looks long
+    kinds = [a.kind for _, a in _drive(SemiPolicy(cfg, total=64, world=2), seen)]
+    assert "resize" in kinds and "migrate" not in kinds and kinds[-1] == "undo", kinds
+    stays = _noisy([1.0, 1.0], 80, 0.03, seed)
+    for t in range(20, 80):
+        stays[t][1] /= 2.0
+    kinds = [a.kind for _, a in _drive(SemiPolicy(cfg, total=64, world=2),
+                                       _monitored(stays, every=2, alpha=0.5))]
+    assert kinds[:1] == ["resize"] and "migrate" in kinds, kinds
+
+
+def test_confirm_steps_lets_one_noisy_reading_pass():
+    trace = [[1.0, 1.0]] * 5 + [[1.0, 0.7]] * 2 + [[1.0, 1.0]] * 10 + [[1.0, 0.5]] * 6
+    eager = _drive(SemiPolicy(PolicyConfig(), total=64, world=2), trace)
+    assert eager[0][0] == 5 and eager[0][1].kind == "resize"
+    patient = _drive(SemiPolicy(PolicyConfig(confirm_steps=3), total=64, world=2), trace)
+    assert [(t, a.kind) for t, a in patient] == [(19, "resize")]
+    with pytest.raises(ValueError, match="confirm_steps must be a positive integer"):
+        PolicyConfig(confirm_steps=0)

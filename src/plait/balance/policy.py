@@ -45,6 +45,9 @@ class PolicyConfig:
     spike_steps: int = 30
     """semi: an imbalance lasting fewer steps is a spike (resized, then undone); one that
     lasts this long persists and is migrated."""
+    confirm_steps: int = 1
+    """Act on an imbalance only once it has lasted this many steps (1: at once); more
+    ignores a single noisy reading of the speeds on a shared machine."""
     settle_steps: int = 5
     """Steps of balance before resizing is undone or a migrated plan returns to even."""
     max_skip: float = 0.5
@@ -53,7 +56,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise ValueError(f"unknown balancing policy {self.name!r}; known: {', '.join(POLICIES)}")
-        for field in ("quantum", "spike_steps", "settle_steps"):
+        for field in ("quantum", "spike_steps", "confirm_steps", "settle_steps"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
@@ -156,7 +159,9 @@ class SemiPolicy:
     for the even plan). A plan in whole quanta cannot match its basis exactly, so
     the imbalance left on a migrated plan is not a new slowdown: only speeds that
     move away from the basis by ``trigger`` (``departure``) are resized or, if they
-    persist, migrated again.
+    persist, migrated again. An imbalance that has already given back over half its height
+    (in log) is a spike ending, not persisting, and is not migrated however long the
+    monitor's smoothing stretches it; ``confirm_steps`` lets one noisy reading pass.
     """
 
     def __init__(self, config: PolicyConfig, total: int, world: int):
@@ -169,6 +174,7 @@ class SemiPolicy:
         self.imbalanced_steps = 0  # consecutive steps the current plan was out of balance
         self.balanced_steps = 0  # consecutive steps the speeds were balanced
         self.back_steps = 0  # consecutive steps the speeds were back at the plan's basis
+        self.peak = self.departure = 1.0  # the departure at its height this episode, and now
         self.done_static = False
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
@@ -181,6 +187,8 @@ class SemiPolicy:
         departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
         moved = on_plan >= cfg.trigger and departure >= cfg.trigger
         self.imbalanced_steps = self.imbalanced_steps + 1 if moved else 0
+        self.peak = max(self.peak, departure) if moved else 1.0
+        self.departure = departure
         self.balanced_steps = self.balanced_steps + 1 if raw < cfg.release else 0
         self.back_steps = self.back_steps + 1 if departure < cfg.release else 0
         action = self._decide(speeds, raw, on_plan, moved)
@@ -209,8 +217,11 @@ class SemiPolicy:
         if self.plan != self.even and settled and name in ("migrate", "semi"):
             return Action("migrate", f"slowdown over for {self.balanced_steps} steps: back to "
                                      f"the even plan; {figures}", plan=self.even)
-        out = moved and raw >= cfg.release  # past the hysteresis band, away from the basis
-        persisted = name == "semi" and self.imbalanced_steps >= cfg.spike_steps
+        out = moved and raw >= cfg.release and self.imbalanced_steps >= cfg.confirm_steps
+        # a slowdown that has given back over half its height (in log) is a spike ending, not
+        # one that persists: the monitor's smoothing only makes it look long
+        receding = math.log(self.departure) < 0.5 * math.log(self.peak)
+        persisted = name == "semi" and self.imbalanced_steps >= cfg.spike_steps and not receding
         if out and (name == "migrate" or persisted):
             why = "persisted" if name == "semi" else "policy migrate"
             action = self._migrate(speeds, f"{why} ({self.imbalanced_steps} steps): {figures}")
@@ -240,7 +251,7 @@ class SemiPolicy:
     def _migrate(self, speeds, reason: str) -> Action:
         plan = static_plan(self.total, speeds, self.config.quantum)
         if plan == self.plan:  # the plan already fits these speeds: they are its basis now
-            self.basis, self.imbalanced_steps = tuple(speeds), 0
+            self.basis, self.imbalanced_steps, self.peak = tuple(speeds), 0, 1.0
             return Action("none", f"proportional plan {list(plan.sizes)} is the current one; "
                                   f"{reason}")
         return Action("migrate", f"to {list(plan.sizes)}: {reason}", plan=plan)
@@ -248,6 +259,7 @@ class SemiPolicy:
     def _apply(self, action: Action, speeds: tuple[float, ...]) -> None:
         if action.kind == "migrate":
             self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
+            self.peak = 1.0
             self.basis = (1.0,) * self.world if action.plan == self.even else speeds
         elif action.kind == "resize":
             self.fractions = action.fractions

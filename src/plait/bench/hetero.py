@@ -73,6 +73,9 @@ class HeteroBenchConfig:
     refresh: int = field(default=200, metadata=_h(
         "steps between ZERO-resizing's priority refreshes (a resized dim then chooses its "
         "skipped features anew, so they return)"))
+    confirm_steps: int = field(default=3, metadata=_h(
+        "act on an imbalance once it has lasted this many steps (3: two of the monitor's "
+        "readings, so one noisy reading of a shared machine passes)"))
     spike_steps: int = field(default=12, metadata=_h(
         "semi: an imbalance lasting this many steps persists and is migrated (shorter ones "
         "are resized, then undone)"))
@@ -86,7 +89,7 @@ class HeteroBenchConfig:
             if bad or not values:
                 raise ValueError(f"--{name} {list(values)}: choose from {list(known)}")
         for name in ("steps", "seeds", "spike_len", "n_layer", "n_head", "n_embd", "seq_len",
-                     "batch_size", "every", "refresh", "spike_steps"):
+                     "batch_size", "every", "refresh", "spike_steps", "confirm_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(self, name)}")
@@ -197,9 +200,10 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
     out = []
     for i, (seed, scenario, policy) in enumerate(runs):
         specs = scenario_specs(scenario, world, cfg)
-        result = train_balanced(cfg.train_config(seed), PolicyConfig(
-            name=policy, spike_steps=cfg.spike_steps), specs, corpus, every=cfg.every,
-            refresh=cfg.refresh)
+        policy_cfg = PolicyConfig(name=policy, spike_steps=cfg.spike_steps,
+                                  confirm_steps=cfg.confirm_steps)
+        result = train_balanced(cfg.train_config(seed), policy_cfg, specs, corpus,
+                                every=cfg.every, refresh=cfg.refresh)
         times = result.pop("times")
         timed = times[cfg.warmup:]
         out.append({"seed": seed, "scenario": scenario, "policy": policy, "world_size": world,
