@@ -318,8 +318,12 @@ def plot_hetero(records: list[dict], path: str, scenario: str | None = None) -> 
     scenarios = list(dict.fromkeys(r["scenario"] for r in seed0))
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 3.6), squeeze=False)
     for ax, name in zip(axes[0], scenarios):
+        top = 0.0
         for r in (r for r in seed0 if r["scenario"] == name):
             ax.plot([t * 1e3 for t in r["step_times_s"]], label=r["policy"], lw=1.2)
+            top = max([top] + [t * 1e3 for t in r["step_times_s"][1:]])
+        if top:  # the first step (allocation, first touch) may run off the top
+            ax.set_ylim(0, 1.1 * top)
         ideal = next((r.get("t_ideal_s") for r in seed0 if r["scenario"] == name), None)
         if ideal:
             ax.axhline(ideal * 1e3, color="k", ls=":", lw=1, label="ideal (median)")
