@@ -17,13 +17,15 @@ Schedule: the M = prod(...) rows are cut into pieces (the first and last half
 size: they are the pipeline's exposed ends); each piece is computed straight
 into its rows of the output with ``matmul(out=)`` and its all_reduce starts at
 once, while the next piece is computed. For GEMV (M ≤ 8, decoding) rows cannot
-be cut, so pieces are column blocks of N, each computed into a contiguous slot
-and laid side by side at the end (a copy of the few output rows; computing
-``yᵀ`` instead would avoid it but runs a transposed GEMV 5–9 × slower here).
+be cut, so pieces are column blocks of N, each computed into a contiguous slot:
+rows of one transposed output when every rank's w is column-major (as
+row-parallel layers pass it; nothing is copied), else a flat buffer laid side
+by side at the end (a copy of the few output rows).
 
 ``column_parallel_matmul``: ``y_r = x @ w_r`` (x replicated, w [K, N_r]); its
 backward's dgrad ``dx = Σ_r dy_r @ w_rᵀ`` is exactly a ``matmul_all_reduce``
-and runs fused; wgrad ``dw_r = xᵀ @ dy_r`` is local.
+and runs fused; wgrad ``dw_r = xᵀ @ dy_r`` is local and runs once the last dgrad
+piece is on the wire, under its all_reduce.
 """
 
 from __future__ import annotations
@@ -75,16 +77,20 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks,
 
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
-                   transposed: bool) -> torch.Tensor:
-    """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce."""
+                   transposed: bool, meanwhile=None) -> torch.Tensor:
+    """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce.
+
+    ``meanwhile``: called once every piece is on the wire, before waiting for them (a
+    backward computes its weight gradient there, under the last pieces' all_reduce).
+    """
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
         with piece():
             out = x2 @ w
-        dist.all_reduce(out, group=group)
-        return out
+        return _waited(out, [dist.all_reduce(out, group=group, async_op=meanwhile is not None)],
+                       meanwhile)
     if m <= GEMV_ROWS:
-        return _gemv_pieces(x2, w, group, decision.chunks, transposed)
+        return _gemv_pieces(x2, w, group, decision.chunks, transposed, meanwhile)
     bounds = offsets(tapered(m, decision.chunks))
     out = x2.new_empty(m, n)  # the collective's buffer is the output
     works = []
@@ -92,13 +98,21 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
         with piece():
             torch.matmul(x2[lo:hi], w, out=out[lo:hi])
         works.append(dist.all_reduce(out[lo:hi], group=group, async_op=True))
+    return _waited(out, works, meanwhile)
+
+
+def _waited(out: torch.Tensor, works, meanwhile) -> torch.Tensor:
+    """Run ``meanwhile`` (if any) while ``works`` are in flight, wait for them, give ``out``."""
+    if meanwhile is not None:
+        meanwhile()
     for work in works:
-        work.wait()
+        if work is not None:
+            work.wait()
     return out
 
 
 def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
-                 transposed: bool) -> torch.Tensor:
+                 transposed: bool, meanwhile=None) -> torch.Tensor:
     """GEMV: pieces are column blocks [M, N_j], each reduced as soon as it is computed.
 
     A column block of a row-major [M, N] is not contiguous (gloo sends contiguous
@@ -119,8 +133,7 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
             torch.mm(x2, w[:, lo:hi], out=block.t() if transposed else block)
         works.append(dist.all_reduce(block, group=group, async_op=True))
         blocks.append(block)
-    for work in works:
-        work.wait()
+    _waited(buf, works, meanwhile)
     return buf.t() if transposed else torch.cat(blocks, dim=1)
 
 
@@ -168,15 +181,21 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         dx = dw = None
         with compute_region(ctx.region):
+            grads = {}
+
+            def wgrad():  # under the dgrad's last all_reduces
+                if ctx.needs_input_grad[1]:
+                    with piece():
+                        grads["dw"] = x2.t() @ dy
             if ctx.needs_input_grad[0]:
                 wt = w.t()
                 decision, transposed = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks,
                                              ctx.ops_ctx)
-                dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision, transposed)
-            if ctx.needs_input_grad[1]:
-                with piece():
-                    dw = x2.t() @ dy
-        return dx, dw, None, None, None
+                dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision, transposed,
+                                    meanwhile=wgrad)
+            else:
+                wgrad()
+        return dx, grads.get("dw"), None, None, None
 
 
 def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
