@@ -172,15 +172,19 @@ class _AllGatherMatmul(torch.autograd.Function):
         (w,) = ctx.saved_tensors
         gathered = ctx.gathered
         dy = dy.contiguous()
-        dx = dw = None
+        dx, grads = None, {}
+
+        def wgrad():  # under the dgrad's last piece
+            if ctx.needs_input_grad[1]:
+                grads["dw"] = gathered.t_matmul(dy)
         if ctx.needs_input_grad[0]:
             wt = w.t()
             decision = _scatter_plan("all_gather_matmul.dgrad", dy, wt, ctx.group, ctx.rows,
                                      ctx.chunks, ctx.ops_ctx)
-            dx = _scatter_forward(dy, wt, ctx.group, ctx.rows, decision)
-        if ctx.needs_input_grad[1]:
-            dw = gathered.t_matmul(dy)
-        return dx, dw, None, None, None, None, None
+            dx = _scatter_forward(dy, wt, ctx.group, ctx.rows, decision, meanwhile=wgrad)
+        else:
+            wgrad()
+        return dx, grads.get("dw"), None, None, None, None, None
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0, *,
@@ -203,8 +207,9 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0
 
 # --- matmul_reduce_scatter --------------------------------------------------
 
-def _scatter_forward(x, w, group, rows, decision):
-    """[M, K_r] @ [K_r, N] → this rank's rows [M_r, N] of the sum over ranks."""
+def _scatter_forward(x, w, group, rows, decision, meanwhile=None):
+    """[M, K_r] @ [K_r, N] → this rank's rows [M_r, N] of the sum over ranks; ``meanwhile``
+    runs while the last piece is on the wire (a backward's weight gradient)."""
     world, rank = len(rows), dist.get_rank(group)
     starts = offsets(rows)
     pieces = _row_pieces(rows, decision.chunks)
@@ -225,6 +230,8 @@ def _scatter_forward(x, w, group, rows, decision):
         if pending is not None:
             _reduce_into(y, *pending)  # sums the previous piece while this one is on the wire
         pending = (work, recv, piece_rows[rank], done[rank] - piece_rows[rank], world)
+    if meanwhile is not None:
+        meanwhile()
     _reduce_into(y, *pending)
     return y
 
