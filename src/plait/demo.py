@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ._fields import help_meta as _h
 from .balance import PolicyConfig
-from .bench.hetero import factors_at, ideal_step, train_balanced
+from .bench.hetero import BalancedRun, factors_at, ideal_step
 from .data import CharCorpus
 from .runtime import rank_context
 from .runtime.straggler import SlowSpec
@@ -72,30 +72,40 @@ class DemoConfig:
 
 
 def run_demo(cfg: DemoConfig) -> list[dict]:
-    """What each rank runs: per system, a run without and one with the straggler."""
+    """What each rank runs: per system, a run without and one with the straggler, the four
+    interleaved step by step (in a rotating order, each step started together), so that the
+    load of a shared machine drifting hits them alike."""
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     corpus = CharCorpus.load()
     report = rank_context().report
     slow = [SlowSpec(rank=world - 1, factor=cfg.factor, from_step=cfg.slow_from)]
-    out, total, done = [], 2 * len(SYSTEMS), 0
+    runs = []
     for system, (overlap, policy) in SYSTEMS.items():
         for scenario, specs in (("none", []), ("slow", slow)):
             name = policy if scenario == "slow" else "even"
-            step_note = lambda step, s=system, sc=scenario: rank == 0 and report(
-                {"system": s, "scenario": sc, "step": step, "run": done, "of": total})
-            result = train_balanced(cfg.train_config(overlap), PolicyConfig(
-                name=name, spike_steps=cfg.spike_steps,
-                confirm_steps=cfg.confirm_steps), specs, corpus, on_step=step_note)
-            out.append({"system": system, "scenario": scenario, "policy": name,
-                        "overlap": overlap, "world_size": world, "times": result["times"],
-                        "losses": result["losses"], "eval": result["eval"],
-                        "compute_s_per_step": result["compute_s_per_step"],
-                        "decisions": result["decisions"], "final_state": result["final_state"],
-                        "monitor_s": result["monitor_s"],
-                        "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
-                        "link": cfg.extra.get("link", "loopback")})
-            done += 1
+            policy_cfg = PolicyConfig(name=name, spike_steps=cfg.spike_steps,
+                                      confirm_steps=cfg.confirm_steps)
+            runs.append((system, scenario, name, overlap, specs,
+                         BalancedRun(cfg.train_config(overlap), policy_cfg, specs, corpus)))
+    for step in range(cfg.steps):
+        for i in range(len(runs)):
+            system, scenario, *_, run = runs[(i + step) % len(runs)]
+            run.step(step, barrier=True)
+            if rank == 0:
+                report({"system": system, "scenario": scenario, "step": step,
+                        "run": step * len(runs) + i, "of": cfg.steps * len(runs)})
+    out = []
+    for system, scenario, name, overlap, specs, run in runs:
+        result = run.finish()
+        out.append({"system": system, "scenario": scenario, "policy": name,
+                    "overlap": overlap, "world_size": world, "times": result["times"],
+                    "losses": result["losses"], "eval": result["eval"],
+                    "compute_s_per_step": result["compute_s_per_step"],
+                    "decisions": result["decisions"], "final_state": result["final_state"],
+                    "monitor_s": result["monitor_s"],
+                    "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
+                    "link": cfg.extra.get("link", "loopback")})
     return out
 
 

@@ -42,7 +42,7 @@ from ..runtime.timing import agreed_max
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
 __all__ = ["HeteroBenchConfig", "SCENARIOS", "ideal_step", "QUICK_HETERO", "scenario_specs", "run_hetero",
-           "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced"]
+           "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike")
 QUICK_HETERO = dict(steps=50, seeds=1)
@@ -150,44 +150,78 @@ def factors_at(specs: list[SlowSpec], world: int, step: int) -> list[float]:
     return factors
 
 
+class BalancedRun:
+    """One training run under a balancing policy, a step at a time, so that several runs
+    can be interleaved step by step (``plait demo``) and load drift hits them alike. Each
+    run carries its own straggler emulation, active only while it steps."""
+
+    def __init__(self, cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec],
+                 corpus: CharCorpus, *, every: int = 2, refresh: int = 200):
+        self.cfg, self.corpus = cfg, corpus
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.straggler = Straggler(specs, self.rank)
+        self.model = build_gpt(cfg, vocab_size=corpus.vocab_size)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.balancer = Balancer(self.model, self.optimizer, None, policy, every=every,
+                                 refresh=refresh)
+        self.batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def _slowed(self, fn):
+        ctx = rank_context()
+        ctx.straggler = self.straggler
+        try:
+            return fn()
+        finally:
+            ctx.straggler = Straggler([], self.rank)
+
+    def step(self, step: int, *, barrier: bool = False) -> None:
+        """One training step (every rank); ``barrier``: start it together, so its time is
+        its own and not the wait for another run's step on a slower rank."""
+        batch = next(self.batches)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(step, self.cfg.steps, self.cfg.lr)
+        if barrier:
+            dist.barrier()
+
+        def run():
+            self.straggler.set_step(step)
+            start = time.perf_counter()
+            loss = gpt_loss(self.model, batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.balancer.step(step)
+            self.times.append(time.perf_counter() - start)
+            self.losses.append(loss.item())
+        self._slowed(run)
+
+    def finish(self) -> dict:
+        """Evaluate and gather the figures (collectives: every rank, runs in the same order).
+        Per-step times are the slowest rank's; the tensor-parallel compute per step is the
+        mean rank's."""
+        final = self._slowed(lambda: evaluate_gpt(self.model, self.corpus, self.cfg))
+        steps = max(len(self.times), 1)
+        compute = torch.tensor([self.balancer.monitor.compute_s / steps], dtype=torch.float64)
+        dist.all_reduce(compute)
+        return {"times": agreed_max(self.times), "losses": self.losses, "eval": final,
+                "compute_s_per_step": float(compute) / self.world,  # the mean rank's
+                "monitor_s": self.balancer.monitor.overhead_s,
+                "decisions": [d.to_json() for d in self.balancer.log],
+                "final_state": self.balancer.state(), "world": self.world}
+
+
 def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec], corpus: CharCorpus, *,
                    every: int = 2, refresh: int = 200, on_step=None) -> dict:
     """One run on this rank: build, train ``cfg.steps`` steps under ``policy`` with ``specs``
-    slowing ranks, evaluate. Per-step times are the slowest rank's; the tensor-parallel
-    compute per step is the mean rank's."""
-    ctx = rank_context()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ctx.straggler = Straggler(specs, rank)
-    model = build_gpt(cfg, vocab_size=corpus.vocab_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    balancer = Balancer(model, optimizer, None, policy, every=every, refresh=refresh)
-    batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
-    times, losses = [], []
-    try:
-        for step in range(cfg.steps):
-            batch = next(batches)
-            for g in optimizer.param_groups:
-                g["lr"] = lr_at(step, cfg.steps, cfg.lr)
-            ctx.straggler.set_step(step)
-            start = time.perf_counter()
-            loss = gpt_loss(model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            balancer.step(step)
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step(step)
-        final = evaluate_gpt(model, corpus, cfg)
-    finally:
-        ctx.straggler = Straggler([], rank)
-    compute = torch.tensor([balancer.monitor.compute_s / cfg.steps], dtype=torch.float64)
-    dist.all_reduce(compute)
-    return {"times": agreed_max(times), "losses": losses, "eval": final,
-            "compute_s_per_step": float(compute) / world,  # the mean rank's
-            "monitor_s": balancer.monitor.overhead_s, "decisions": [d.to_json() for d in balancer.log],
-            "final_state": balancer.state(), "world": world}
+    slowing ranks, evaluate (see :class:`BalancedRun`)."""
+    run = BalancedRun(cfg, policy, specs, corpus, every=every, refresh=refresh)
+    for step in range(cfg.steps):
+        run.step(step)
+        if on_step is not None:
+            on_step(step)
+    return run.finish()
 
 
 def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:

@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar("plait demo", 4 * cfg.steps, enabled=not args.no_progress) as advance:
         records, where = demo(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
                               on_progress=lambda rank, p: rank == 0 and advance(
-                                  note=f"{p['system']}, {'straggler' if p['scenario'] == 'slow' else 'no straggler'}"))
+                                  note=f"step {p['step'] + 1}/{cfg.steps}, {p['system']}, "
+                                       f"{'straggler' if p['scenario'] == 'slow' else 'no straggler'}"))
     wall = time.perf_counter() - start
     console.print(f"[dim]{where}[/dim]")
     rows = summarize_demo(records, cfg)
