@@ -19,7 +19,7 @@ from plait.runtime.testing import run_ranks
 
 
 def _resized_mlp(overlap, keep, plan_sizes, shared):
-    from plait.balance.balancer import _shared_features
+    from plait.balance.balancer import _resize_dim
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -34,9 +34,11 @@ def _resized_mlp(overlap, keep, plan_sizes, shared):
         proj.weight[:, 1::2] += 0.5
     for layer in (fc, proj):
         layer.refresh_priority()
-    kept = _shared_features([fc, proj], keep[rank]) if shared else None
-    for layer in (fc, proj):
-        layer.resize(keep[rank], kept=kept)
+    if shared:  # as the balancer resizes a dim
+        _resize_dim([fc, proj], keep[rank])
+    else:
+        for layer in (fc, proj):
+            layer.resize(keep[rank])
     # the reference: every rank's skipped features zeroed (fc: output rows and bias, proj: columns)
     with torch.no_grad():
         fc_ref.weight.copy_(fc.full_state_dict()["weight"])

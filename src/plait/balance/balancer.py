@@ -121,9 +121,7 @@ class Balancer:
                 for layer in layers:
                     layer.refresh_priority()
                 if layers[0].keep < 1.0:  # resized: the new scores choose anew, so the
-                    kept = _shared_features(layers, layers[0].keep)  # skipped can return
-                    for layer in layers:
-                        layer.resize(layers[0].keep, kept=kept)
+                    _resize_dim(layers, layers[0].keep)  # skipped can return
         if self.config.name == "even":
             return []
         speeds = self.monitor.speeds()
@@ -140,10 +138,7 @@ class Balancer:
         if action.kind == "migrate":
             report = migrate(self.model, self.optimizer,
                              {name: action.plan for name in self.names[dim]})
-        keep = action.fractions[self.rank] if action.kind == "resize" else 1.0
-        kept = _shared_features(layers, keep)
-        for layer in layers:
-            layer.resize(keep, kept=kept)
+        _resize_dim(layers, action.fractions[self.rank] if action.kind == "resize" else 1.0)
         decision = Decision(step, dim, action.kind, action.reason, layers[0].plan.sizes,
                             action.fractions, report)
         self.log.append(decision)
@@ -157,8 +152,11 @@ class Balancer:
                 for dim, layers in self.dims.items()}
 
 
-def _shared_features(layers, keep: float) -> torch.Tensor | None:
-    """The features every layer of a dim keeps: the top ``keep`` of whole units (heads) by
-    their summed priority (so the column-parallel layer skips what the row-parallel one
-    after it skips)."""
-    return select_features(sum(layer.priority() for layer in layers), keep, layers[0].unit)
+def _resize_dim(layers, keep: float) -> None:
+    """Every layer of a dim keeps the same features: the top ``keep`` of whole units (heads)
+    by their summed priority (so the column-parallel layer skips what the row-parallel one
+    after it skips); 1 ends the resizing without scoring anything."""
+    kept = None if keep >= 1.0 else select_features(
+        sum(layer.priority() for layer in layers), keep, layers[0].unit)
+    for layer in layers:
+        layer.resize(keep, kept=kept)
