@@ -79,6 +79,55 @@ def test_column_parallel_matmul_backward_is_a_fused_all_reduce(world):
             assert max(out.values()) < TOL, out
 
 
+def _deferred_wgrad_case(m, k, f_sizes, chunks):
+    """x → column_parallel_matmul → tanh → matmul_all_reduce(wgrad_into=p): an MLP shard.
+
+    The row-parallel weight's gradient is deferred: still pending when the backward reaches
+    the column-parallel layer, drained by the time that layer's input gradient exists (it
+    ran under the dgrad's all_reduce, not at the end), and equal to the reference."""
+    from plait.ops import deferred
+
+    r = dist.get_rank()
+    X, W1, W2, G = _full(1, m, k), _full(2, k, sum(f_sizes)), _full(3, sum(f_sizes), k), _full(4, m, k)
+    fs = _cut(f_sizes, r)
+    x, w1 = X.clone().requires_grad_(), W1[:, fs].clone().requires_grad_()
+    p = W2[fs].t().contiguous().requires_grad_()  # [K, F_r]: nn.Linear's layout
+    seen = {}
+    h = column_parallel_matmul(x, w1, chunks=chunks)
+    h.register_hook(lambda g: seen.update(pending_before_dgrad=deferred.pending()))
+    x.register_hook(lambda g: seen.update(pending_after_dgrad=deferred.pending()))
+    y = matmul_all_reduce(torch.tanh(h), p.t(), chunks=chunks, wgrad_into=p)
+    y.backward(G)
+    H = torch.tanh(X @ W1)
+    dh = (G @ W2.T) * (1 - H ** 2)
+    return {"y": _err(y, H @ W2), "dp": _err(p.grad, (H.T @ G)[fs].t()),
+            "dw1": _err(w1.grad, (X.T @ dh)[:, fs]), "dx": _err(x.grad, dh @ W1.T),
+            **seen, "pending_at_end": deferred.pending()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_row_parallel_weight_gradient_runs_under_the_next_dgrad(world):
+    for chunks in (1, 3):
+        for out in run_ranks(_deferred_wgrad_case, world, 24, 6, [4, 10, 2, 6][:world], chunks):
+            assert max(out["y"], out["dp"], out["dw1"], out["dx"]) < TOL, out
+            assert out["pending_before_dgrad"] == 1 and out["pending_after_dgrad"] == 0, out
+            assert out["pending_at_end"] == 0
+
+
+def _deferred_alone_case():
+    """No fused collective follows: the deferred gradient still lands, at the backward's end."""
+    r = dist.get_rank()
+    X, W, G = _full(1, 16, 8), _full(2, 8, 6), _full(3, 16, 6)
+    ks = _cut([3, 5], r)
+    p = W[ks].t().contiguous().requires_grad_()
+    matmul_all_reduce(X[:, ks], p.t(), chunks=2, wgrad_into=p).backward(G)
+    return _err(p.grad, (X.T @ G)[ks].t())
+
+
+def test_a_deferred_weight_gradient_lands_at_the_end_of_the_backward():
+    assert max(run_ranks(_deferred_alone_case, 2)) < TOL
+
+
 def _sequence_parallel_case(m_sizes, k, n, chunks, dim):
     r, p = dist.get_rank(), dist.get_world_size()
     # all_gather_matmul: x rows sharded (m_sizes), w is this rank's column shard

@@ -27,7 +27,11 @@ y                   [B, S, N]               replicated; [B, S_r, N] if sequence-
 ==================  ======================  ==================================
 
 overlap=True: ``matmul_all_reduce`` or ``matmul_reduce_scatter``; overlap=False:
-``F.linear`` then ``reduce_from_region`` / ``reduce_scatter_region``.
+``F.linear`` then ``reduce_from_region`` / ``reduce_scatter_region``. Fused and
+not sequence-parallel, its weight gradient (the backward sends nothing) is
+deferred to run under the next column-parallel layer's dgrad all-reduce
+(:mod:`plait.ops.deferred`): it reaches ``weight.grad`` by the end of
+``loss.backward()``, not through ``torch.autograd.grad``.
 
 Straggler emulation and the speed monitor's timing wrap each layer's compute,
 forward and backward: on the plain path ``F.linear`` as one region
@@ -450,7 +454,9 @@ class RowParallelLinear(_ParallelLinear):
                 y = self._region(lambda x: F.linear(x, weight), x)
                 y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
         elif self.overlap:
-            y = self._pieces(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks), x)
+            into = self.weight if self._kept is None else None  # a resized weight is a copy
+            y = self._pieces(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks,
+                                                         wgrad_into=into), x)
         else:
             y = self._region(lambda x: F.linear(x, weight), x)
             y = reduce_from_region(y, self.group)

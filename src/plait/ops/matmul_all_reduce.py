@@ -25,7 +25,8 @@ by side at the end (a copy of the few output rows).
 ``column_parallel_matmul``: ``y_r = x @ w_r`` (x replicated, w [K, N_r]); its
 backward's dgrad ``dx = Σ_r dy_r @ w_rᵀ`` is exactly a ``matmul_all_reduce``
 and runs fused; wgrad ``dw_r = xᵀ @ dy_r`` is local and runs once the last dgrad
-piece is on the wire, under its all_reduce.
+piece is on the wire, under its all_reduce, followed there by any weight
+gradient a ``matmul_all_reduce(wgrad_into=)`` deferred (:mod:`plait.ops.deferred`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .agree import attempt, check_chunks
 from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, get_context
 from .cost import Work
+from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, check_float, offsets, tapered
 
 __all__ = ["matmul_all_reduce", "column_parallel_matmul", "GEMV_ROWS"]
@@ -139,31 +141,46 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, group, decision, transposed):
+    def forward(ctx, x2, w, group, decision, transposed, wgrad_into):
         ctx.save_for_backward(x2, w)
-        ctx.region = current_region()
+        ctx.region, ctx.wgrad_into = current_region(), wgrad_into
         return _fused_forward(x2, w, group, decision, transposed)
 
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        with compute_region(ctx.region), piece():
+        region, param, dw = ctx.region, ctx.wgrad_into, None
+        with compute_region(region), piece():
             dx = dy @ w.t() if ctx.needs_input_grad[0] else None
-            dw = x2.t() @ dy if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+            if ctx.needs_input_grad[1] and param is None:
+                dw = x2.t() @ dy
+        if ctx.needs_input_grad[1] and param is not None:
+            def wgrad():  # in the parameter's [N, K_r] layout
+                with compute_region(region), piece():
+                    accumulate(param, dy.t() @ x2)
+            defer(wgrad)
+        return dx, dw, None, None, None, None
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
-                      ctx: OpsContext | None = None) -> torch.Tensor:
+                      ctx: OpsContext | None = None,
+                      wgrad_into: torch.Tensor | None = None) -> torch.Tensor:
     """``all_reduce(x @ w)`` with the all_reduce of each piece overlapping the next piece's compute.
 
     ``chunks``: "auto" (the calibrated cost model picks, or falls back to the
     plain path and records why: see ``plait.ops.explain``) or a piece count.
+    ``wgrad_into``: the parameter ``p`` that ``w`` is the transpose of (``w = p.t()``, as
+    a row-parallel layer passes it): the weight gradient is then deferred to run under
+    the backward's next fused collective and added to ``p.grad``
+    (:mod:`plait.ops.deferred`), instead of being returned through autograd.
     """
     ctx = ctx or get_context(group)
     x2 = x.reshape(-1, x.shape[-1])
+    if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
+        raise ValueError(f"matmul_all_reduce: wgrad_into {tuple(wgrad_into.shape)} is not the "
+                         f"transposed shape of w {tuple(w.shape)}")
     decision, transposed = _plan("matmul_all_reduce", x2, w, chunks, ctx)
-    out = _MatmulAllReduce.apply(x2, w, group, decision, transposed)
+    out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
 
 
@@ -183,10 +200,11 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         with compute_region(ctx.region):
             grads = {}
 
-            def wgrad():  # under the dgrad's last all_reduces
+            def wgrad():  # under the dgrad's last all_reduces, with what was deferred
                 if ctx.needs_input_grad[1]:
                     with piece():
                         grads["dw"] = x2.t() @ dy
+                run_deferred()
             if ctx.needs_input_grad[0]:
                 wt = w.t()
                 decision, transposed = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks,
