@@ -9,7 +9,7 @@ __all__ = ["Case"]
 
 
 class Case:
-    """One operator at one shape on this rank: ``compute``, ``comm``, ``run(chunks)``."""
+    """One operator at one shape on this rank: ``compute``, ``comm(async_op)``, ``run(chunks)``."""
 
     op = ""
     seed = 1234  # per case class: each draws its own inputs
@@ -24,6 +24,14 @@ class Case:
 
     def tolerance(self) -> float:
         return 1e-4
+
+    def beside(self):
+        """The compute and the plain path's transfer at once, neither waiting for the other
+        (no data dependency): the best any schedule of this operator can do on this machine,
+        where the transfer's own CPU work shares the cores with the compute."""
+        work = self.comm(async_op=True)
+        self.compute()
+        work.wait()
 
     def plain(self):
         """Compute, then the collective (or the collective, then compute): the reference."""

@@ -43,9 +43,9 @@ class EmbeddingCase(_Base):
         for t, table in enumerate(self.tables):
             self.pooled[t] = F.embedding_bag(self.indices[t], table, self.offsets[t], mode="sum")
 
-    def comm(self):  # [T, B, D] cut along B: each destination's rows of every table
+    def comm(self, async_op=False):  # [T, B, D] cut along B: each destination's rows of every table
         send = self.pooled.transpose(0, 1).contiguous()
-        dist.all_to_all_single(self.recv.view_as(send), send)
+        return dist.all_to_all_single(self.recv.view_as(send), send, async_op=async_op)
 
     def run(self, chunks):
         return embedding_all_to_all(self.tables, self.indices, self.offsets, chunks=chunks)
@@ -98,8 +98,9 @@ class DispatchCase(_MoE):
     def compute(self):
         self._expert_matmuls(self.arrived, self.w, self.y)
 
-    def comm(self):
-        dist.all_to_all_single(self.arrived, self.x, self.recv_rows, self.send_rows)
+    def comm(self, async_op=False):
+        return dist.all_to_all_single(self.arrived, self.x, self.recv_rows, self.send_rows,
+                                      async_op=async_op)
 
     def run(self, chunks):
         return all_to_all_matmul(self.x, self.w, self.send_counts, self.recv_counts, chunks=chunks)
@@ -123,8 +124,9 @@ class CombineCase(_MoE):
     def compute(self):
         self._expert_matmuls(self.y, self.w, self.out_local)
 
-    def comm(self):
-        dist.all_to_all_single(self.back, self.out_local, self.send_rows, self.recv_rows)
+    def comm(self, async_op=False):
+        return dist.all_to_all_single(self.back, self.out_local, self.send_rows, self.recv_rows,
+                                      async_op=async_op)
 
     def run(self, chunks):
         return matmul_all_to_all(self.y, self.w, self.send_counts, self.recv_counts, chunks=chunks)

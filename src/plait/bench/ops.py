@@ -55,8 +55,8 @@ class MatmulAllReduceCase(Case):
     def compute(self):
         torch.mm(self.x, self.w, out=self.buf)
 
-    def comm(self):
-        dist.all_reduce(self.wire)
+    def comm(self, async_op=False):
+        return dist.all_reduce(self.wire, async_op=async_op)
 
     def run(self, chunks):
         return matmul_all_reduce(self.x, self.w, chunks=chunks)
@@ -77,8 +77,8 @@ class AllGatherMatmulCase(Case):
     def compute(self):
         torch.matmul(self.gathered, self.w, out=self.y)
 
-    def comm(self):
-        all_gather_into(self.gathered, self.x)
+    def comm(self, async_op=False):
+        return all_gather_into(self.gathered, self.x, async_op=async_op)
 
     def run(self, chunks):
         return all_gather_matmul(self.x, self.w, chunks=chunks)
@@ -106,8 +106,8 @@ class MatmulReduceScatterCase(Case):
     def compute(self):
         torch.matmul(self.x, self.w, out=self.partial)
 
-    def comm(self):  # the plain path's transfer: one all_to_all of the partial sums
-        dist.all_to_all_single(self.recv, self.partial)
+    def comm(self, async_op=False):  # the plain path's transfer: one all_to_all of the partial sums
+        return dist.all_to_all_single(self.recv, self.partial, async_op=async_op)
 
     def run(self, chunks):
         return matmul_reduce_scatter(self.x, self.w, chunks=chunks)
@@ -145,6 +145,7 @@ class OpsBenchConfig:
     fixed_chunks: tuple[int, ...] = field(default=(1, 2, 4, 8), metadata={
         "help": "fixed piece counts timed beside auto"})
     quick: bool = field(default=True, metadata={"help": None})
+    sweep: dict | None = field(default=None, metadata={"help": None})  # {op: [shape]}, for tests
     extra: dict = field(default_factory=dict, metadata={"help": None})
 
     def __post_init__(self) -> None:
@@ -157,7 +158,7 @@ class OpsBenchConfig:
             raise ValueError(f"fixed chunks must be positive, got {self.fixed_chunks}")
 
     def shapes(self) -> list[tuple[str, dict]]:
-        table = QUICK_SHAPES if self.quick else FULL_SHAPES
+        table = self.sweep if self.sweep is not None else QUICK_SHAPES if self.quick else FULL_SHAPES
         return [(op, shape) for op in self.ops for shape in table.get(op, [])]
 
 
@@ -167,8 +168,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     device = rank_context().topology.device
-    variants = {"compute": case.compute, "comm": case.comm, "unfused": case.plain,
-                "auto": lambda: case.run("auto")}
+    variants = {"compute": case.compute, "comm": case.comm, "beside": case.beside,
+                "unfused": case.plain, "auto": lambda: case.run("auto")}
     for c in cfg.fixed_chunks:
         variants[f"chunks={c}"] = lambda c=int(c): case.run(c)
     for fn in variants.values():
@@ -194,12 +195,13 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     return {
         "op": case.op, "shape": case.shape, "world_size": case.world, "dtype": str(case.dtype)[6:],
         "t_compute_s": times["compute"], "t_comm_s": times["comm"], "t_unfused_s": times["unfused"],
-        "t_fused_s": times["auto"], "t_limit_s": t_limit,
+        "t_fused_s": times["auto"], "t_limit_s": t_limit, "t_beside_s": times["beside"],
         "t_fixed_s": {name[7:]: t for name, t in fixed.items()},
         "best_fixed_chunks": int(best_name[7:]) if fixed else None,
         "t_best_fixed_s": fixed.get(best_name),
         "chunks": decision.chunks, "path": decision.path, "reason": decision.reason,
         "speedup": times["unfused"] / times["auto"], "efficiency": t_limit / times["auto"],
+        "efficiency_vs_beside": times["beside"] / times["auto"],
         "comm_ratio": times["comm"] / max(times["compute"], 1e-12),
         "correct": bool(correct), "max_abs_diff": diff,
         "peak_bytes_unfused": peak_unfused, "peak_bytes_fused": peak_fused,
@@ -250,6 +252,11 @@ def summarize(records: list[dict]) -> dict:
         "balanced_shapes": len(balanced),
         "median_speedup_balanced": median([r["speedup"] for r in balanced]) if balanced else None,
         "median_efficiency_balanced": median([r["efficiency"] for r in balanced]) if balanced else None,
+        # what this machine allows: compute and transfer at once with no dependency
+        "median_beside_efficiency_balanced": (median([r["t_limit_s"] / r["t_beside_s"]
+                                                      for r in balanced]) if balanced else None),
+        "median_efficiency_vs_beside_balanced": (median([r["efficiency_vs_beside"]
+                                                         for r in balanced]) if balanced else None),
         "auto_slower_than_unfused_by_5pct": [f"{r['op']} {r['shape']}" for r in slow],
         "worst_auto_over_unfused": max((r["t_fused_s"] / r["t_unfused_s"] for r in records), default=None),
         "median_auto_over_best_fixed": median(vs_best) if vs_best else None,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..perf.calibrate import MachineProfile
 from ..runtime.compat import all_gather_into
@@ -36,6 +37,7 @@ CURVE_BYTES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # wire byte
 GEMM_ROWS = (4, 16, 64, 128, 192, 256, 512)  # output rows of the timed GEMMs ([rows, 512] @ [512, width])
 GEMM_WIDTHS = (256, 1024, 2048, 4096)
 GEMM_K = 512
+CURVE_REPEATS = 5  # calls per size and kind, their median (of 3, two slow calls set a point)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,12 @@ def measure(group=None) -> Calibration:
     out = torch.empty(512, 1024, device=dev)  # 2 MiB
     compute_s = _median(lambda: torch.matmul(x, w, out=out), group, 5)  # medians: this is a
     # shared machine, where a minimum is a lucky moment, not the rate the operator will see
+    # pooled lookups as the embedding operator makes them (8 ids a bag); index_select, timed
+    # before, allocates its output each call and swung 0.3-4.4 GB/s between calibrations
     table = torch.randn(200_000, 64, device=dev)
     ids = torch.randint(0, table.shape[0], (65536,), device=dev)
-    memory_s = _median(lambda: table.index_select(0, ids), group, 5)
+    bags = torch.arange(0, ids.numel(), 8, device=dev)
+    memory_s = _median(lambda: F.embedding_bag(ids, table, bags, mode="sum"), group, 7)
     alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8, device=dev), group=group), group, 10)
     curves = {kind: _curve(group, n, kind, dev) for kind in ("all_reduce", "all_to_all", "all_gather")}
     cal = Calibration(MachineProfile(latency_s=alpha, bandwidth_Bps=CURVE_BYTES[-1] / curves["all_reduce"][-1][1],
@@ -131,15 +136,16 @@ def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
     for wire in CURVE_BYTES:
         if kind == "all_reduce":  # a ring all_reduce of S bytes puts 2(n−1)/n·S on the wire
             buf = torch.empty(max(1, int(wire / (2 * (n - 1) / n)) // 4), device=dev)
-            t = _median(lambda: dist.all_reduce(buf, group=group), group, 3)
+            t = _median(lambda: dist.all_reduce(buf, group=group), group, CURVE_REPEATS)
         elif kind == "all_gather":  # every rank sends its shard to n−1 peers
             shard = torch.empty(max(1, int(wire / (n - 1)) // 4), device=dev)
             gathered = torch.empty(shard.numel() * n, device=dev)
-            t = _median(lambda: all_gather_into(gathered, shard, group=group), group, 3)
+            t = _median(lambda: all_gather_into(gathered, shard, group=group), group, CURVE_REPEATS)
         else:  # all_to_all of S bytes sends (n−1)/n·S to the peers
             count = max(n, int(wire * n / (n - 1)) // 4 // n * n)
             send, recv = torch.empty(count, device=dev), torch.empty(count, device=dev)
-            t = _median(lambda: dist.all_to_all_single(recv, send, group=group), group, 3)
+            t = _median(lambda: dist.all_to_all_single(recv, send, group=group), group,
+                        CURVE_REPEATS)
         points.append((float(wire), t))
     return tuple(points)
 
@@ -162,7 +168,7 @@ def _pipeline_overheads(cal: Calibration, x, w, out, group) -> tuple[float, floa
         return elapsed
 
     ratios = [_fastest_value(lambda: matmul(True), group) / _fastest_value(lambda: matmul(False), group)
-              for _ in range(7)]
+              for _ in range(11)]
     # at most 1: the transport cannot take more than the core the GEMM runs on
     k = min(1.0, max(0.0, median(ratios) - 1.0))
     n = dist.get_world_size(group)
