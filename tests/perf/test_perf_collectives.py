@@ -87,3 +87,29 @@ def test_piece_latency_of_all_to_all_skips_per_peer_posting():
     assert piece_latency("all_to_all", 1024, ib) < full / 10
     assert piece_latency("all_reduce", 8, ib) == pytest.approx(collective_time("all_reduce", 0, 8, ib))
     assert math.isclose(piece_latency("all_gather", 1, ib), 0.0)
+
+
+def test_curve_time_reads_a_measured_curve():
+    from plait.perf.collectives import curve_time
+
+    curve = [(1024.0, 1e-4), (4096.0, 2e-4), (16384.0, 1e-3)]
+    assert curve_time(curve, 4096.0) == pytest.approx(2e-4)
+    assert 1e-4 < curve_time(curve, 2048.0) < 2e-4  # between points: log-log
+    assert curve_time(curve, 512.0) == pytest.approx(0.5e-4)  # below: proportional
+    assert curve_time(curve, 32768.0) == pytest.approx(1e-3 + 16384 * (8e-4 / 12288))  # last slope
+
+
+def test_fused_pieces_are_priced_at_their_own_size():
+    from plait.perf.validate import _curves, _piece_priced
+
+    coll = [{"collective": "all_to_all", "world_size": 2, "link": "1gbit", "bytes": b, "time_s": t}
+            for b, t in ((262144, 1e-3), (1048576, 8e-3), (4194304, 40e-3))]
+    fused = {"op": "matmul_all_to_all", "world_size": 2, "link": "1gbit", "path": "fused",
+             "chunks": 4, "comm_bytes": 2 * 1048576 * 0.5, "t_comm_s": 0.07}
+    priced = _piece_priced(fused, _curves(coll))
+    # 1 MiB on the wire = 2 MiB nccl-tests bytes; a quarter (512 KiB) sits halfway (in log)
+    # between the 256 KiB and 1 MiB points
+    assert priced["t_comm_s"] == pytest.approx(4 * 1e-3 * 8 ** 0.5)
+    assert priced["t_comm_s"] < fused["t_comm_s"]
+    fallback = {**fused, "path": "fallback", "chunks": 1}
+    assert _piece_priced(fallback, _curves(coll)) is fallback

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..perf.calibrate import MachineProfile
+from ..perf.collectives import curve_time
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max, median, sync, time_repeated
 from .agree import meta_device
@@ -53,16 +54,7 @@ class Calibration:
         if not points:
             p = self.profile
             return p.base_latency_s + p.latency_s + wire_bytes / p.bandwidth_Bps
-        sizes = [b for b, _ in points]
-        if wire_bytes <= sizes[0]:
-            return points[0][1] * max(wire_bytes, 1.0) / sizes[0] if wire_bytes else 0.0
-        i = bisect.bisect_left(sizes, wire_bytes)
-        if i == len(points):  # beyond the last point: the last segment's slope
-            (b0, t0), (b1, t1) = points[-2], points[-1]
-            return t1 + (wire_bytes - b1) * (t1 - t0) / (b1 - b0)
-        (b0, t0), (b1, t1) = points[i - 1], points[i]
-        f = (math.log(wire_bytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
-        return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+        return curve_time(points, wire_bytes)
 
     def compute_time(self, flops: float, memory_bytes: float = 0.0) -> float:
         return flops / max(self.profile.compute_flops, 1.0) + memory_bytes / self.memory_Bps

@@ -17,8 +17,10 @@ one (LL, half the bandwidth, small per-step latency) and the bandwidth one
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 __all__ = [
     "COLLECTIVES",
@@ -30,6 +32,7 @@ __all__ = [
     "hierarchical_time",
     "bus_bandwidth",
     "piece_latency",
+    "curve_time",
 ]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven")
@@ -190,3 +193,24 @@ def piece_latency(collective: str, n: int, link, *, nodes: int = 1) -> float:
     if collective == "all_to_all":
         t -= (n - 1) * AlphaBeta.of(link).peer_s
     return t
+
+
+def curve_time(points: Sequence[tuple[float, float]], size: float) -> float:
+    """Seconds at ``size`` on a measured curve of (size, seconds) points, sorted by size:
+    interpolated in log size and log time (a transport is not linear in size on every
+    link: gloo's single 4 MiB all_to_all runs at about half the rate of 1 MiB pieces),
+    proportional below the first point, along the last segment beyond the last."""
+    if not points:
+        raise ValueError("curve_time: an empty curve")
+    sizes = [b for b, _ in points]
+    if size <= sizes[0]:
+        return points[0][1] * max(size, 1.0) / sizes[0] if size > 0 else 0.0
+    if len(points) == 1:
+        return points[0][1] * size / sizes[0]
+    i = bisect.bisect_left(sizes, size)
+    if i == len(points):
+        (b0, t0), (b1, t1) = points[-2], points[-1]
+        return t1 + (size - b1) * (t1 - t0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[i - 1], points[i]
+    f = (math.log(size) - math.log(b0)) / (math.log(b1) - math.log(b0))
+    return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))

@@ -9,8 +9,10 @@ a record with constants fitted on that record:
   records whose own iterations spread by more than their median (scheduling
   noise on small messages) are shown but neither fitted nor counted;
 * fused ops: each fused record's time is predicted from its own measured compute
-  and comm times through the piece pipeline, with the per-piece overhead fitted
-  on the *other* operator/shape groups (leave-one-group-out);
+  and its pieces' comm (each piece's collective read off the measured curve of
+  ``plait bench collectives`` at the piece's size, where one exists, else the
+  plain call's time cut p ways) through the piece pipeline, with the per-piece
+  overhead fitted on the *other* operator/shape groups (leave-one-group-out);
 * chunks="auto": where ``plait bench ops`` timed fixed piece counts beside auto, the
   operator's own auto (its calibrated cost model, :mod:`plait.ops.cost`) against
   the best of them; for older records with one count per record, the measured
@@ -23,9 +25,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-from .calibrate import (NOISE_LIMIT, MachineProfile, fit_alpha_beta, fit_per_collective, fit_pipeline,
-                        op_comm_latency, reliable, split_records, spread)
-from .collectives import bus_bandwidth, collective_time, piece_latency
+from .calibrate import (NOISE_LIMIT, OP_COLLECTIVE, MachineProfile, fit_alpha_beta,
+                        fit_per_collective, fit_pipeline, op_comm_latency, reliable, split_records,
+                        spread)
+from .collectives import bus_bandwidth, collective_time, curve_time, piece_latency, wire_factor
 from .compute import gemm_time
 from .config import SimConfig
 from .hardware import get_accelerator, get_link
@@ -200,8 +203,41 @@ def _group_key(r: dict) -> tuple:
             str(r.get("link", "")))
 
 
+# what a fused operator's pieces send: plait's matmul_reduce_scatter sends its partial sums
+# with all_to_all pieces (its plain path too), not reduce_scatter calls
+PIECE_COLLECTIVE = {**OP_COLLECTIVE, "matmul_reduce_scatter": "all_to_all"}
+
+
+def _curves(coll: list[dict]) -> dict[tuple, list[tuple[float, float]]]:
+    """(collective, world size, link) → (nccl-tests bytes, median seconds) by size."""
+    times = defaultdict(list)
+    for r in coll:
+        times[(r["collective"], int(r["world_size"]), str(r.get("link", "")), int(r["bytes"]))].append(
+            float(r["time_s"]))
+    curves = defaultdict(list)
+    for (kind, n, link, size), ts in sorted(times.items()):
+        curves[(kind, n, link)].append((float(size), statistics.median(ts)))
+    return dict(curves)
+
+
+def _piece_priced(r: dict, curves) -> dict:
+    """A fused record whose comm is its pieces' own: p calls of 1/p of its bytes each, read
+    off this machine's measured curve of that collective (as ``plait.ops.cost`` prices
+    them), not the plain call's time cut p ways: on gloo one large all_to_all runs at
+    about half the rate of its pieces. Unchanged without a curve or the bytes."""
+    kind, n = PIECE_COLLECTIVE.get(r["op"]), int(r["world_size"])
+    curve = curves.get((kind, n, str(r.get("link", ""))))
+    p = int(r.get("chunks", 1))
+    if not curve or len(curve) < 2 or not r.get("comm_bytes") or r.get("path") != "fused" or p < 2:
+        return r
+    piece = curve_time(curve, float(r["comm_bytes"]) / wire_factor(kind, n) / p)
+    return {**r, "t_comm_s": p * piece, "_pieces_priced": True}
+
+
 def _op_rows(coll: list[dict], ops: list[dict]) -> list[Row]:
     profiles = _profiles(coll)
+    curves = _curves(coll)
+    ops = [_piece_priced(r, curves) for r in ops]
     groups = defaultdict(list)
     for r in ops:
         if r.get("t_compute_s", 0) > 0 and r.get("t_comm_s", 0) > 0:
@@ -219,7 +255,9 @@ def _op_rows(coll: list[dict], ops: list[dict]) -> list[Row]:
             pred = fused_time(r["t_compute_s"], r["t_comm_s"], p, o, comm_latency_s=op_comm_latency(r, prof))
             rows.append(Row(f"local {key[0]} [{shape}] n={key[2]} chunks={p} fused",
                             f"{_files([r])}: plait bench ops", pred * 1e3, r["t_fused_s"] * 1e3, "ms",
-                            "local", note=f"pipeline from measured compute/comm; overhead "
+                            "local", note=f"pipeline from measured compute and "
+                                          f"{'piece-size curve' if r.get('_pieces_priced') else 'plain'}"
+                                          f" comm; overhead "
                                           f"{o.per_piece_overhead_s * 1e6:.0f} us, slowdown "
                                           f"{o.overlap_slowdown:.2f} fitted on other groups"))
         rows += _auto_row(key, recs, prof, o, shape)
