@@ -1,6 +1,7 @@
 """What ``chunks="auto"`` knows about the running group: measured once, the same on every rank.
 
-A :class:`Calibration` holds the machine profile (compute rate, memory
+:func:`measure` fills a :class:`plait.perf.pieces.Calibration` (the pieces
+model's view of a machine, pure data) on the running group. It holds the machine profile (compute rate, memory
 bandwidth, α, per-piece overhead o, overlap slowdown k), per collective
 kind, the time of one call at a few sizes, and the GEMM rate by output
 shape: small pieces run slower than the whole (on this machine's CPU a
@@ -10,77 +11,29 @@ size on every transport: gloo's all_to_all of one 4 MiB message runs at about
 half the link rate while 1 MiB pieces run near it (README, bench collectives),
 so the curve is interpolated rather than fitted with one α–β line.
 
-:mod:`plait.ops.cost` walks an operator's pieces through compute and wire
+:mod:`plait.perf.pieces` walks an operator's pieces through compute and wire
 with these figures.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..perf.calibrate import MachineProfile
-from ..perf.collectives import curve_time
+from ..perf.pieces import GEMM_K, GEMM_ROWS, GEMM_WIDTHS, Calibration, Work, from_profile, predict
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max, median, sync, time_repeated
 from .agree import meta_device
-from .cost import Work, predict
 
 __all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES", "GEMM_ROWS", "GEMM_WIDTHS"]
 
 CURVE_BYTES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # wire bytes a rank sends
-GEMM_ROWS = (4, 16, 64, 128, 192, 256, 512)  # output rows of the timed GEMMs ([rows, 512] @ [512, width])
-GEMM_WIDTHS = (256, 1024, 2048, 4096)
-GEMM_K = 512
 CURVE_REPEATS = 5  # calls per size and kind, their median (of 3, two slow calls set a point)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    profile: MachineProfile
-    memory_Bps: float = 10e9
-    curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-    gemm: tuple[tuple[float, ...], ...] = ()  # FLOP/s, [rows in GEMM_ROWS][width in GEMM_WIDTHS]
-
-    def comm_time(self, kind: str, wire_bytes: float) -> float:
-        """Seconds for one ``kind`` call moving ``wire_bytes`` per rank."""
-        points = self.curves.get(kind) or self.curves.get("all_reduce")
-        if not points:
-            p = self.profile
-            return p.base_latency_s + p.latency_s + wire_bytes / p.bandwidth_Bps
-        return curve_time(points, wire_bytes)
-
-    def compute_time(self, flops: float, memory_bytes: float = 0.0) -> float:
-        return flops / max(self.profile.compute_flops, 1.0) + memory_bytes / self.memory_Bps
-
-    def gemm_rate(self, rows: int, width: int) -> float:
-        """FLOP/s of a GEMM with a [rows, width] output: the measured table, interpolated
-        in log rows and log width, held at its edges; the flat rate without a table."""
-        if not self.gemm:
-            return max(self.profile.compute_flops, 1.0)
-        i, fi = _between(GEMM_ROWS, rows)
-        j, fj = _between(GEMM_WIDTHS, width)
-        g = [[math.log(self.gemm[a][b]) for b in (j, j + 1)] for a in (i, i + 1)]
-        top, bottom = g[0][0] + fj * (g[0][1] - g[0][0]), g[1][0] + fj * (g[1][1] - g[1][0])
-        return math.exp(top + fi * (bottom - top))
-
-
-def _between(grid: tuple[int, ...], value: float) -> tuple[int, float]:
-    """(i, f): ``value`` sits a fraction f (in log scale) of the way from grid[i] to grid[i+1]."""
-    value = min(max(value, grid[0]), grid[-1])
-    i = min(max(bisect.bisect_right(grid, value) - 1, 0), len(grid) - 2)
-    return i, (math.log(value) - math.log(grid[i])) / (math.log(grid[i + 1]) - math.log(grid[i]))
-
-
-def from_profile(profile: MachineProfile) -> Calibration:
-    """A saved profile (``plait simulate --calibrate``) as a calibration: α–β curves only."""
-    return Calibration(profile=profile)
 
 
 def measure(group=None) -> Calibration:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..perf.calibrate import MachineProfile, default_profile_path
 from .agree import gather_checked
 from .calibration import Calibration, from_profile, measure
-from .cost import Work, predict
+from ..perf.pieces import Work, predict
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain"]
 
@@ -72,7 +72,7 @@ class OpsContext:
     def decide(self, op: str, chunks, *, work: Work, rows: int) -> Decision:
         """Fused with N pieces, or fallback and why. Same inputs on every rank → same answer.
 
-        ``work``: the busiest rank's compute and wire bytes, as :mod:`plait.ops.cost`
+        ``work``: the busiest rank's compute and wire bytes, as :mod:`plait.perf.pieces`
         prices them; ``rows``: the most pieces allowed.
         """
         world = dist.get_world_size(self.group)

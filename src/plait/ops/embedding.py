@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .agree import attempt, check_chunks, chunks_code, gather_checked
 from .context import OpsContext, get_context
-from .cost import Work
+from ..perf.pieces import Work
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, row_parts
 

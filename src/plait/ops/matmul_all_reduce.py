@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .agree import attempt, check_chunks
 from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, get_context
-from .cost import Work
+from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, check_float, offsets, tapered
 

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .context import OpsContext, get_context
-from .cost import Work
+from ..perf.pieces import Work
 from .agree import attempt, check_chunks, chunks_code, gather_checked
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, offsets, row_parts

@@ -6,45 +6,17 @@ from typing import Sequence
 
 import torch
 
+from ..perf.pieces import offsets, split, tapered  # pure: the cost model cuts pieces the same way
+
 __all__ = ["split", "row_parts", "tapered", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
-def split(total: int, pieces: int) -> list[int]:
-    """``total`` rows in ``pieces`` near-equal parts (larger ones first), none empty."""
-    pieces = max(1, min(pieces, total)) if total else 1
-    base, extra = divmod(total, pieces)
-    return [base + (1 if i < extra else 0) for i in range(pieces)]
 
 
 def row_parts(total: int, pieces: int) -> list[int]:
     """``total`` rows in exactly ``pieces`` parts (trailing ones empty when total < pieces)."""
     sizes = split(total, pieces)
     return sizes + [0] * (pieces - len(sizes))
-
-
-def tapered(total: int, pieces: int) -> list[int]:
-    """``total`` rows in ``pieces`` parts whose first and last are half the others.
-
-    A pipeline of pieces exposes the first piece's compute (nothing to send
-    yet) and the last piece's transfer (nothing left to compute): halving those
-    two shortens both exposed ends. ``tapered(8, 3) == [2, 4, 2]``.
-    """
-    if pieces <= 2 or total < 2 * pieces:
-        return split(total, pieces)
-    weights = [1] + [2] * (pieces - 2) + [1]
-    sizes = [total * w // sum(weights) for w in weights]
-    sizes[len(sizes) // 2] += total - sum(sizes)
-    return sizes
-
-
-def offsets(sizes: Sequence[int]) -> list[int]:
-    """Start of each part, and the end: ``offsets([2, 3]) == [0, 2, 5]``."""
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
 
 
 def even_sizes(total: int, world: int) -> list[int]:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .agree import attempt, check_chunks
 from .context import Decision, OpsContext, get_context
-from .cost import Work
+from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
 from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, tapered
 

@@ -1,8 +1,9 @@
 """plait.perf: performance model and cluster simulator (pure computation, numpy only).
 
 Hardware catalog (hardware), alpha-beta collective costs (collectives), roofline
-compute (compute), the fused-operator piece pipeline and ``chunks="auto"``
-(pipeline), heterogeneous ranks under each balancing policy (hetero),
+compute (compute), the fused-operator piece pipeline: its closed form for the
+simulator (pipeline) and the piece-by-piece walk the operators' ``chunks="auto"``
+decides with (pieces), heterogeneous ranks under each balancing policy (hetero),
 calibration from benchmark JSON (calibrate), configs and presets (config,
 presets), the discrete-event simulator (simulator) and its validation (validate).
 """

@@ -14,7 +14,7 @@ a record with constants fitted on that record:
   plain call's time cut p ways) through the piece pipeline, with the per-piece
   overhead fitted on the *other* operator/shape groups (leave-one-group-out);
 * chunks="auto": where ``plait bench ops`` timed fixed piece counts beside auto, the
-  operator's own auto (its calibrated cost model, :mod:`plait.ops.cost`) against
+  operator's own auto (its calibrated cost model, :mod:`plait.perf.pieces`) against
   the best of them; for older records with one count per record, the measured
   time at the count this module's pipeline model picks.
 """
@@ -222,7 +222,7 @@ def _curves(coll: list[dict]) -> dict[tuple, list[tuple[float, float]]]:
 
 def _piece_priced(r: dict, curves) -> dict:
     """A fused record whose comm is its pieces' own: p calls of 1/p of its bytes each, read
-    off this machine's measured curve of that collective (as ``plait.ops.cost`` prices
+    off this machine's measured curve of that collective (as ``plait.perf.pieces`` prices
     them), not the plain call's time cut p ways: on gloo one large all_to_all runs at
     about half the rate of its pieces. Unchanged without a curve or the bytes."""
     kind, n = PIECE_COLLECTIVE.get(r["op"]), int(r["world_size"])

@@ -4,8 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from plait.ops.calibration import GEMM_ROWS, GEMM_WIDTHS, Calibration
-from plait.ops.cost import Work, predict
+from plait.perf.pieces import GEMM_ROWS, GEMM_WIDTHS, Calibration, Work, predict
 from plait.perf.calibrate import DEFAULT_PROFILE
 
 # a wire of 1e8 B/s with no latency, compute of 1e10 FLOP/s, no overheads
@@ -49,3 +48,29 @@ def test_overheads_cost_per_piece():
     slow = replace(FLAT, profile=replace(FLAT.profile, per_piece_overhead_s=0.01))
     work = Work(flops=5e8, wire_bytes=1e5, kind="all_reduce")  # compute-bound
     assert predict(slow, work, 4) - predict(FLAT, work, 4) == pytest.approx(3 * 0.01)
+
+
+@pytest.mark.parametrize("k", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("flops", [2e8, 1e9, 3e9])  # compute 20 ms, 100 ms, 300 ms
+def test_the_simulators_closed_form_is_the_equal_piece_flat_rate_case(k, flops):
+    """perf.pipeline.fused_time (the simulator's) and this model (the operators') agree
+    for untapered equal pieces at one rate on an alpha-beta link. With a per-piece
+    overhead o the closed form charges it to the critical path, the walk to the compute
+    (hidden when the wire is the bottleneck, slowed by k beside a transfer): they then
+    differ by at most (p-1)·o·(1+k)."""
+    from plait.perf.pipeline import fused_time
+
+    for o in (0.0, 2e-4):
+        profile = replace(DEFAULT_PROFILE, compute_flops=1e10, per_piece_overhead_s=o,
+                          overlap_slowdown=k, latency_s=5e-4, base_latency_s=1e-4,
+                          bandwidth_Bps=1e8)
+        cal = Calibration(profile)  # no curves: every call is base + latency + bytes / bandwidth
+        work = Work(flops=flops, wire_bytes=1e7, kind="all_reduce", taper=False)
+        lat = profile.base_latency_s + profile.latency_s
+        for p in (1, 2, 3, 5, 8):
+            walk = predict(cal, work, p)
+            closed = fused_time(flops / 1e10, lat + 1e7 / 1e8, p, profile, comm_latency_s=lat)
+            if o == 0.0:
+                assert walk == pytest.approx(closed), p
+            else:
+                assert abs(closed - walk) <= (p - 1) * o * (1 + k) + 1e-12, p
