@@ -20,7 +20,8 @@ KEYS = {"op", "shape", "t_compute_s", "t_comm_s", "t_unfused_s", "t_fused_s", "t
 @pytest.fixture(scope="module")
 def records():
     cfg = OpsBenchConfig(sweep=TINY, iters=2, warmup=0, fixed_chunks=(1, 2))
-    out, _ = bench_ops(cfg, ranks=2, hosts=0, link=None, timeout_s=60)
+    out, _, calibration = bench_ops(cfg, ranks=2, hosts=0, link=None, timeout_s=60)
+    assert set(calibration) == {"profile", "memory_Bps", "curves", "gemm"}
     return out
 
 

@@ -103,3 +103,27 @@ def test_per_collective_constants_are_used_by_collective_time():
     t_ag = collective_time("all_gather", 1e8, 2, prof)
     assert t_rs == pytest.approx(1e-3 + 0.5 * 1e8 / 0.5e8)
     assert t_ag == pytest.approx(1e-3 + 0.5 * 1e8 / 1e8)
+
+
+def test_a_profile_keeps_the_pieces_model_bench_ops_measured(tmp_path):
+    """fit_profile(measured=) → save → load → the operators' Calibration: the same curves,
+    GEMM table, lookup rate, k and o as the calibration bench ops recorded."""
+    from dataclasses import replace
+
+    from plait.perf.pieces import GEMM_ROWS, GEMM_WIDTHS, Calibration, calibration_dict, from_profile
+
+    gemm = tuple(tuple(1e9 * (1 + i) * (1 + j) for j in range(len(GEMM_WIDTHS)))
+                 for i in range(len(GEMM_ROWS)))
+    measured = Calibration(replace(DEFAULT_PROFILE, overlap_slowdown=0.45, per_piece_overhead_s=3e-4),
+                           memory_Bps=1.5e10, gemm=gemm,
+                           curves={"all_to_all": ((1e4, 1e-4), (1e6, 8e-3), (4e6, 7e-2))})
+    rng = np.random.default_rng(3)
+    prof = fit_profile(_coll_records(rng) + _op_records(rng),
+                       measured=json.loads(json.dumps(calibration_dict(measured))))
+    cal = from_profile(MachineProfile.load(prof.save(tmp_path / "p.json")))
+    assert cal.curves == measured.curves and cal.gemm == measured.gemm
+    assert cal.memory_Bps == 1.5e10
+    assert cal.gemm_rate(100, 3000) == pytest.approx(measured.gemm_rate(100, 3000))
+    assert (cal.profile.overlap_slowdown, cal.profile.per_piece_overhead_s) == (0.45, 3e-4)
+    assert cal.comm_time("all_to_all", 2e6) == pytest.approx(measured.comm_time("all_to_all", 2e6))
+    assert from_profile(fit_profile(_coll_records(rng))).gemm == ()  # without: α–β, flat rate

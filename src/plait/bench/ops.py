@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..ops import all_gather_matmul, get_context, matmul_all_reduce, matmul_reduce_scatter
 from ..ops.matmul_all_reduce import GEMV_ROWS
 from ..ops.pieces import even_sizes
+from ..perf.pieces import calibration_dict
 from ..runtime import rank_context
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max, median, time_once
@@ -220,26 +221,29 @@ def _on_device(case, device: torch.device):
     return case
 
 
-def run_ops_sweep(cfg: OpsBenchConfig) -> list[dict]:
-    """Run on every rank of an initialised group; returns the records (same on every rank)."""
+def run_ops_sweep(cfg: OpsBenchConfig) -> dict:
+    """Run on every rank of an initialised group: ``{"records", "calibration"}`` (the same on
+    every rank; the calibration is what ``chunks="auto"`` priced pieces with)."""
     ctx = rank_context()
-    get_context().calibration()  # calibrate once, before anything is timed
+    cal = get_context().calibration()  # calibrate once, before anything is timed
     records = []
     device = ctx.topology.device
     for op, shape in cfg.shapes():
         case = _on_device(CASES[op](shape, torch.float32), device)
         records.append(_bench_case(case, cfg))
         ctx.report({"op": op, "shape": shape})
-    return records
+    return {"records": records, "calibration": calibration_dict(cal)}
 
 
 def bench_ops(cfg: OpsBenchConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gbit",
-              timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
-    """The sweep on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback)."""
+              timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str, dict]:
+    """The sweep on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback):
+    (records, where it ran, the calibration auto used)."""
     from .placement import run_placed
 
-    return run_placed(run_ops_sweep, cfg, ranks=ranks, hosts=hosts, link=link,
-                      timeout_s=timeout_s, on_progress=on_progress)
+    out, where = run_placed(run_ops_sweep, cfg, ranks=ranks, hosts=hosts, link=link,
+                            timeout_s=timeout_s, on_progress=on_progress)
+    return out["records"], where, out["calibration"]
 
 
 def summarize(records: list[dict]) -> dict:

@@ -97,8 +97,9 @@ def run_ops(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(OpsBenchConfig, args, defaults={"quick": args.quick})
     shapes = cfg.shapes()
     with progress_bar("bench ops", len(shapes), enabled=not args.no_progress) as advance:
-        records, where = bench_ops(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
-                                   on_progress=lambda rank, p: rank == 0 and advance(note=p["op"]))
+        records, where, calibration = bench_ops(
+            cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
+            on_progress=lambda rank, p: rank == 0 and advance(note=p["op"]))
     if not where.startswith("loopback (no emulated cluster:"):
         console.print(f"[dim]{where}[/dim]")
     rows = [[r["op"], "×".join(str(v) for v in r["shape"].values()), _ms(r["t_compute_s"]),
@@ -120,7 +121,8 @@ def run_ops(args: argparse.Namespace) -> int:
         if r["path"] == "fallback":
             console.print(f"[dim]  {r['op']} {r['shape']}: fallback: {r['reason']}[/dim]")
     if args.json:
-        write_json(args.json, records, {"command": "bench ops", "where": where, "summary": summary})
+        write_json(args.json, records, {"command": "bench ops", "where": where, "summary": summary,
+                                        "calibration": calibration})
         console.print(f"wrote {args.json}")
     if args.plot and records:
         plot_ops(records, args.plot)

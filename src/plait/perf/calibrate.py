@@ -76,6 +76,10 @@ class MachineProfile:
     collectives: per-collective constants (name, base_latency_s, latency_s,
         bandwidth_Bps) where the backend implements collectives differently
         (gloo's reduce_scatter is not a ring); collective_time uses them.
+    curves, gemm, memory_Bps: what the pieces model (:mod:`plait.perf.pieces`)
+        prices pieces with, as ``plait bench ops`` measured them on the group
+        (per collective kind, (wire bytes, seconds per call) points; GEMM FLOP/s
+        by output rows and width; pooled-lookup bytes/s); empty when not measured.
     """
 
     latency_s: float
@@ -89,9 +93,16 @@ class MachineProfile:
     source: str = ""
     fit_rel_error: float = 0.0
     collectives: tuple[tuple[str, float, float, float], ...] = ()
+    curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    gemm: tuple[tuple[float, ...], ...] = ()
+    memory_Bps: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "collectives", tuple(tuple(c) for c in self.collectives))
+        object.__setattr__(self, "curves", tuple(
+            (str(kind), tuple((float(b), float(t)) for b, t in points))
+            for kind, points in self.curves))
+        object.__setattr__(self, "gemm", tuple(tuple(float(v) for v in row) for row in self.gemm))
         for name in ("latency_s", "compute_flops", "per_piece_overhead_s", "base_latency_s",
                      "overlap_slowdown"):
             if getattr(self, name) < 0:
@@ -312,11 +323,16 @@ def _pick_link(records: Sequence[dict], link: str | None) -> str | None:
 
 
 def fit_profile(records: Sequence[dict], *, link: str | None = None,
-                source: str = "") -> MachineProfile:
+                source: str = "", measured: dict | None = None) -> MachineProfile:
     """A MachineProfile from benchmark records (collectives and, optionally, ops).
 
     With several links in the records, fits the one named by ``link`` (default:
-    the one with most collective records).
+    the one with most collective records). ``measured``: the calibration ``plait bench
+    ops`` priced its pieces with (its JSON's ``meta.calibration``): its curves, GEMM
+    table, lookup and flat compute rates, overlap slowdown and per-piece overhead are
+    kept (not refitted from the records), since the
+    pieces model was measured with them, so ``chunks="auto"`` loading the profile
+    decides as it did in the benchmark.
     """
     coll, ops = split_records(records)
     link = _pick_link(coll, link)
@@ -327,13 +343,21 @@ def fit_profile(records: Sequence[dict], *, link: str | None = None,
                              collectives=fit_per_collective(coll))
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     files = sorted({Path(r.get("_file", "?")).name for r in coll + ops})
+    pieces = dict(zip(("per_piece_overhead_s", "overlap_slowdown"), fit_pipeline(ops, partial)))
+    if measured:
+        m = measured["profile"]
+        pieces = {"compute_flops": m["compute_flops"],
+                  "per_piece_overhead_s": m["per_piece_overhead_s"],
+                  "overlap_slowdown": m["overlap_slowdown"],
+                  "curves": tuple(measured.get("curves", {}).items()),
+                  "gemm": measured.get("gemm", ()), "memory_Bps": measured.get("memory_Bps", 0.0)}
     return dataclasses.replace(
         partial,
-        compute_flops=fit_compute_rate(ops),
-        **dict(zip(("per_piece_overhead_s", "overlap_slowdown"), fit_pipeline(ops, partial))),
+        **{"compute_flops": fit_compute_rate(ops), **pieces},
         link=link or "",
         world_size=max(int(r["world_size"]) for r in coll),
         source=source or f"fit {stamp} on {len(coll)} collective + {len(ops)} op records "
-                         f"({', '.join(files)})",
+                         f"({', '.join(files)})" + ("; pieces model as bench ops measured it"
+                                                    if measured else ""),
         fit_rel_error=err,
     )

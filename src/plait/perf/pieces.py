@@ -32,6 +32,7 @@ make more pieces cost more than the ideal ``max(compute, comm)``:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -39,7 +40,8 @@ from typing import Sequence
 from .calibrate import MachineProfile
 from .collectives import curve_time
 
-__all__ = ["Work", "predict", "Calibration", "from_profile", "GEMM_ROWS", "GEMM_WIDTHS",
+__all__ = ["Work", "predict", "Calibration", "from_profile", "calibration_dict", "GEMM_ROWS",
+           "GEMM_WIDTHS",
            "GEMM_K", "split", "tapered", "offsets"]
 
 GEMM_ROWS = (4, 16, 64, 128, 192, 256, 512)  # output rows of the timed GEMMs ([rows, 512] @ [512, width])
@@ -120,8 +122,21 @@ def _between(grid: tuple[int, ...], value: float) -> tuple[int, float]:
 
 
 def from_profile(profile: MachineProfile) -> Calibration:
-    """A saved profile (``plait simulate --calibrate``) as a calibration: α–β curves only."""
-    return Calibration(profile=profile)
+    """A saved profile (``plait simulate --calibrate``) as a calibration: with the curves,
+    GEMM table and lookup rate ``plait bench ops`` measured where the profile has them,
+    else α–β and one flat compute rate."""
+    kept = {"curves": dict(profile.curves), "gemm": profile.gemm}
+    if profile.memory_Bps > 0:
+        kept["memory_Bps"] = profile.memory_Bps
+    return Calibration(profile=dataclasses.replace(profile, curves=(), gemm=(), memory_Bps=0.0),
+                       **kept)
+
+
+def calibration_dict(cal: Calibration) -> dict:
+    """A calibration as JSON-ready data (``plait bench ops`` writes it into its meta)."""
+    return {"profile": cal.profile.to_dict(), "memory_Bps": cal.memory_Bps,
+            "curves": {k: [list(p) for p in v] for k, v in cal.curves.items()},
+            "gemm": [list(row) for row in cal.gemm]}
 
 
 @dataclass(frozen=True)
