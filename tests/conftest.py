@@ -17,6 +17,13 @@ def pytest_configure(config):
 
     from plait.perf.calibrate import DEFAULT_PROFILE
 
-    path = os.path.join(tempfile.mkdtemp(prefix="plait-test-"), "profile.json")
+    config._plait_profile_dir = tempfile.mkdtemp(prefix="plait-test-")
+    path = os.path.join(config._plait_profile_dir, "profile.json")
     DEFAULT_PROFILE.save(path)
     os.environ["PLAIT_PROFILE"] = path
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(getattr(config, "_plait_profile_dir", ""), ignore_errors=True)
