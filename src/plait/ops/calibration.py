@@ -85,32 +85,30 @@ def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
     calibration to the next, which made pieces look slower than the call they cut."""
     points = []
     for wire in CURVE_BYTES:
-        calls = max(1, min(8, CURVE_BYTES[-1] // wire))
-        if kind == "all_reduce":  # a ring all_reduce of S bytes puts 2(n−1)/n·S on the wire
-            bufs = [torch.empty(max(1, int(wire / (2 * (n - 1) / n)) // 4), device=dev)
-                    for _ in range(calls)]
-
-            def issue(i):
-                return dist.all_reduce(bufs[i], group=group, async_op=True)
-        elif kind == "all_gather":  # every rank sends its shard to n−1 peers
-            shard = torch.empty(max(1, int(wire / (n - 1)) // 4), device=dev)
-            bufs = [torch.empty(shard.numel() * n, device=dev) for _ in range(calls)]
-
-            def issue(i):
-                return all_gather_into(bufs[i], shard, group=group, async_op=True)
-        else:  # all_to_all of S bytes sends (n−1)/n·S to the peers
-            count = max(n, int(wire * n / (n - 1)) // 4 // n * n)
-            send = torch.empty(count, device=dev)
-            bufs = [torch.empty(count, device=dev) for _ in range(calls)]
-
-            def issue(i):
-                return dist.all_to_all_single(bufs[i], send, group=group, async_op=True)
+        calls = [_one_call(group, n, kind, wire, dev)
+                 for _ in range(max(1, min(8, CURVE_BYTES[-1] // wire)))]
 
         def pipelined():
-            for work in [issue(i) for i in range(calls)]:
+            for work in [call() for call in calls]:
                 work.wait()
-        points.append((float(wire), _median(pipelined, group, CURVE_REPEATS) / calls))
+        points.append((float(wire), _median(pipelined, group, CURVE_REPEATS) / len(calls)))
     return tuple(points)
+
+
+def _one_call(group, n: int, kind: str, wire: float, dev):
+    """A function starting one async ``kind`` call that puts ``wire`` bytes per rank on the
+    wire, on buffers of its own."""
+    if kind == "all_reduce":  # a ring all_reduce of S bytes puts 2(n−1)/n·S on the wire
+        buf = torch.empty(max(1, int(wire / (2 * (n - 1) / n)) // 4), device=dev)
+        return lambda: dist.all_reduce(buf, group=group, async_op=True)
+    if kind == "all_gather":  # every rank sends its shard to n−1 peers
+        shard = torch.empty(max(1, int(wire / (n - 1)) // 4), device=dev)
+        gathered = torch.empty(shard.numel() * n, device=dev)
+        return lambda: all_gather_into(gathered, shard, group=group, async_op=True)
+    # all_to_all of S bytes sends (n−1)/n·S to the peers
+    count = max(n, int(wire * n / (n - 1)) // 4 // n * n)
+    send, recv = torch.empty(count, device=dev), torch.empty(count, device=dev)
+    return lambda: dist.all_to_all_single(recv, send, group=group, async_op=True)
 
 
 def _pipeline_overheads(cal: Calibration, x, w, out, group) -> tuple[float, float]:
