@@ -88,13 +88,13 @@ def _list(console) -> int:
 
 
 def _calibrate(args, console) -> int:
-    from plait.perf.calibrate import default_profile_path, fit_profile, load_records
+    from plait.perf.calibrate import default_profile_path, fit_profile, load_calibration, load_records
 
     paths = _measurement_paths(args)
     if not paths:
         raise ValueError("no benchmark JSON to calibrate from; run `plait bench collectives --json "
                          "reports/bench/collectives.json` and `plait bench ops --json reports/bench/ops.json`")
-    prof = fit_profile(load_records(paths), measured=_measured_calibration(paths))
+    prof = fit_profile(load_records(paths), measured=load_calibration(paths))
     out = prof.save(args.profile or default_profile_path())
     console.print(f"latency {prof.latency_s * 1e6:.1f} us/step, base {prof.base_latency_s * 1e6:.1f} us, "
                   f"bandwidth {prof.bandwidth_Bps / 1e9:.3f} GB/s, compute {prof.compute_flops / 1e9:.1f} "
@@ -102,22 +102,6 @@ def _calibrate(args, console) -> int:
                   f"(fit error {prof.fit_rel_error:.1%}, link {prof.link!r})")
     console.print(f"profile saved to {out}")
     return 0
-
-
-def _measured_calibration(paths) -> dict | None:
-    """The calibration the newest ``plait bench ops`` JSON among ``paths`` recorded, if any."""
-    import json
-    from pathlib import Path
-
-    found = []
-    for path in paths:
-        try:
-            meta = json.loads(Path(path).read_text()).get("meta", {})
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(meta, dict) and isinstance(meta.get("calibration"), dict):
-            found.append((Path(path).stat().st_mtime, meta["calibration"]))
-    return max(found, key=lambda f: f[0])[1] if found else None
 
 
 def _build_config(args):

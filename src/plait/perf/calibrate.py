@@ -38,6 +38,7 @@ __all__ = [
     "default_profile_path",
     "load_profile",
     "load_records",
+    "load_calibration",
     "split_records",
     "reliable",
     "spread",
@@ -177,6 +178,20 @@ def load_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
             raise ValueError(f"{path}: 'records' must be a list, got {type(records).__name__}")
         out.extend({**r, "_file": str(path)} for r in records if isinstance(r, dict))
     return out
+
+
+def load_calibration(paths: Iterable[str | os.PathLike]) -> dict | None:
+    """The calibration the newest ``plait bench ops`` JSON among ``paths`` recorded in its
+    meta (what its ``chunks="auto"`` priced pieces with), or None."""
+    found = []
+    for path in paths:
+        try:
+            meta = json.loads(Path(path).read_text()).get("meta", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("calibration"), dict):
+            found.append((Path(path).stat().st_mtime, meta["calibration"]))
+    return max(found, key=lambda f: f[0])[1] if found else None
 
 
 def split_records(records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
@@ -343,8 +358,9 @@ def fit_profile(records: Sequence[dict], *, link: str | None = None,
                              collectives=fit_per_collective(coll))
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     files = sorted({Path(r.get("_file", "?")).name for r in coll + ops})
-    pieces = dict(zip(("per_piece_overhead_s", "overlap_slowdown"), fit_pipeline(ops, partial)))
-    if measured:
+    if not measured:
+        pieces = dict(zip(("per_piece_overhead_s", "overlap_slowdown"), fit_pipeline(ops, partial)))
+    else:
         m = measured["profile"]
         pieces = {"compute_flops": m["compute_flops"],
                   "per_piece_overhead_s": m["per_piece_overhead_s"],
