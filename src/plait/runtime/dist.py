@@ -7,6 +7,7 @@ validated object (:class:`Topology`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -86,6 +87,10 @@ def init_explicit(*, rank: int, world_size: int, backend: str | None = None,
         kwargs = {"store": store} if store is not None else {"init_method": init_method or "env://"}
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=topo.timeout_s), **kwargs)
+        # a script that ends without destroy_process_group (most torchrun scripts) otherwise
+        # tears gloo down during interpreter exit, which now and then aborts the process
+        # ("terminate called without an active exception", exit -6)
+        atexit.register(shutdown)
     return Topology(rank=rank, world_size=world_size, backend=backend,
                     device=device, timeout_s=topo.timeout_s)
 
