@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch.distributed as dist
 
 from ..perf.calibrate import MachineProfile, default_profile_path
+from ..runtime.priority import prioritize_group
 from .agree import gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
@@ -135,15 +136,18 @@ _CONTEXTS: dict[object, OpsContext] = {}
 
 
 def get_context(group=None) -> OpsContext:
-    """The context of ``group`` (default group: None), made on first use."""
+    """The context of ``group`` (default group: None), made on first use: collective the
+    first time (every rank of the group calls it, as every operator does)."""
     if group not in _CONTEXTS:
         _CONTEXTS[group] = OpsContext(group=group)
+        prioritize_group(group)  # a new group's gloo threads, ahead of compute for a core
     return _CONTEXTS[group]
 
 
 def explain(op: str | None = None, group=None) -> str:
     """Which path the last call of each operator took, and why (one line each)."""
-    decisions = get_context(group).decisions
+    made = _CONTEXTS.get(group)  # never made here: making one is collective (a barrier)
+    decisions = made.decisions if made is not None else {}
     if op is not None:
         return decisions[op].line() if op in decisions else f"{op}: not called yet"
     return "\n".join(d.line() for d in decisions.values()) or "no fused operator called yet"

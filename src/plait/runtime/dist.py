@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .priority import prioritize_group
+
 __all__ = [
     "Topology",
     "DEFAULT_TIMEOUT_S",
@@ -91,6 +93,7 @@ def init_explicit(*, rank: int, world_size: int, backend: str | None = None,
         # tears gloo down during interpreter exit, which now and then aborts the process
         # ("terminate called without an active exception", exit -6)
         atexit.register(shutdown)
+        prioritize_group()  # gloo's transfers ahead of compute for a core (runtime.priority)
     return Topology(rank=rank, world_size=world_size, backend=backend,
                     device=device, timeout_s=topo.timeout_s)
 
