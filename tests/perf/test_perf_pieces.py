@@ -35,6 +35,17 @@ def test_a_gathers_own_rows_hide_behind_the_first_transfer():
     assert predict(FLAT, own, 1) < predict(FLAT, plain, 1)
 
 
+def test_a_reduce_scatters_own_rows_run_beside_the_last_transfers():
+    # half the partial sums stay here: computed after the last piece is sent, beside the wire
+    remote = Work(flops=2.5e8, tail_flops=2.5e8, wire_bytes=1e7, kind="all_reduce", length=1024,
+                  width=1024, taper=False)
+    assert predict(FLAT, remote, 1) == pytest.approx(0.05 + 0.1)  # plain: all, then the wire
+    # the remote half's first piece (0.025 / 4), then the wire throughout; own rows hidden
+    assert predict(FLAT, remote, 4) == pytest.approx(0.025 / 4 + 0.1)
+    bulky = replace(remote, tail_flops=5e9)  # own rows longer than the wire: they set the end
+    assert predict(FLAT, bulky, 4) == pytest.approx(0.025 + 0.5)
+
+
 def test_slow_small_gemms_make_many_pieces_lose():
     # 128 rows and fewer at a quarter of the rate: the shape where fixed 8 pieces lost here
     table = tuple(tuple(2.5e9 if rows <= 128 else 1e10 for _ in GEMM_WIDTHS) for rows in GEMM_ROWS)

@@ -27,9 +27,10 @@ wgrad ``dw = xᵀ @ all_gather(dy)`` (the gathered dy comes out of that same cal
 Schedule. Every rank's rows are cut into the same number of pieces. Gather:
 all pieces' transfers start at once; this rank's own rows are multiplied
 first (they need no wire), then each piece as it lands, straight into its
-rows of y. Reduce-scatter: piece j's partial products for every destination
-are computed into one send buffer, its all_to_all starts, and piece j−1's
-arrivals are summed into y while piece j+1 is computed. The sum runs in rank
+rows of y. Reduce-scatter: piece j's partial products for every other rank
+are computed into one send buffer and its all_to_all starts; this rank's own
+partial products (no wire needed) are computed last, straight into y, while
+the last pieces travel, and the arrivals are then added. The sum runs in rank
 order, so results are deterministic and the plain path (one piece) gives the
 same numbers up to GEMM blocking. The transfer is an all_to_all rather than
 gloo's reduce_scatter: it moves (n−1)/n of the data, where gloo's moves as much
@@ -209,42 +210,63 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0
 
 def _scatter_forward(x, w, group, rows, decision, meanwhile=None):
     """[M, K_r] @ [K_r, N] → this rank's rows [M_r, N] of the sum over ranks; ``meanwhile``
-    runs while the last piece is on the wire (a backward's weight gradient)."""
+    runs while the last pieces are on the wire (a backward's weight gradient).
+
+    Remote rows first: each piece holds only the partial sums other ranks need, and
+    goes onto the wire as soon as it is computed. This rank's own partial sums need no
+    wire, so they are computed last, straight into y, while the last pieces travel;
+    then the arrivals are added in rank order.
+    """
     world, rank = len(rows), dist.get_rank(group)
     starts = offsets(rows)
     pieces = _row_pieces(rows, decision.chunks)
     y = x.new_empty(rows[rank], w.shape[1])
+    own = slice(starts[rank], starts[rank + 1])
+    if len(pieces) == 1:  # the plain path (the fallback): everything computed, then sent
+        torch.matmul(x[own], w, out=y)
     done = [0] * world
-    pending = None
+    in_flight = []
     for piece_rows in pieces:
-        send = x.new_empty(sum(piece_rows), w.shape[1])
+        sent = [0 if dst == rank else n for dst, n in enumerate(piece_rows)]
+        send = x.new_empty(sum(sent), w.shape[1])
         at = 0
-        for dst, n in enumerate(piece_rows):
+        for dst, n in enumerate(sent):
             if n:
                 row = starts[dst] + done[dst]
                 torch.matmul(x[row:row + n], w, out=send[at:at + n])
             at += n
-            done[dst] += n
-        recv = x.new_empty(world * piece_rows[rank], w.shape[1])
-        work = start_all_to_all(recv, send, [piece_rows[rank]] * world, piece_rows, group)
-        if pending is not None:
-            _reduce_into(y, *pending)  # sums the previous piece while this one is on the wire
-        pending = (work, recv, piece_rows[rank], done[rank] - piece_rows[rank], world)
+        mine = piece_rows[rank]
+        got = [0 if src == rank else mine for src in range(world)]
+        recv = x.new_empty(sum(got), w.shape[1])
+        in_flight.append((start_all_to_all(recv, send, got, sent, group), recv, mine,
+                          done[rank]))
+        done = [d + n for d, n in zip(done, piece_rows)]
+    if len(pieces) > 1:
+        torch.matmul(x[own], w, out=y)  # own rows: beside the last pieces on the wire
     if meanwhile is not None:
         meanwhile()
-    _reduce_into(y, *pending)
+    for work, recv, n, row in in_flight:
+        _reduce_into(y, work, recv, n, row, rank, world)
     return y
 
 
-def _reduce_into(y, work, recv, n, row, world):
+def _reduce_into(y, work, recv, n, row, rank, world):
+    """y[row:row+n] holds this rank's own partial sums; add the other ranks' (``recv``,
+    in rank order without this one) so the sum runs in rank order: deterministic, and
+    the plain path's order."""
     work.wait()
     if n == 0:
         return
     out = y[row:row + n]
-    parts = recv.view(world, n, -1)
-    out.copy_(parts[0])
-    for src in range(1, world):  # rank order: deterministic
-        out.add_(parts[src])
+    others = recv.view(world - 1, n, -1)
+    if world == 2:  # a + b == b + a exactly: add in place
+        out.add_(others[0])
+        return
+    parts = [out if src == rank else others[src - (src > rank)] for src in range(world)]
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    out.copy_(total)
 
 
 def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
@@ -267,7 +289,9 @@ def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
                          f"{[meta[:3] + meta[4:] for meta in metas]}")
     m, n = x.shape[0], w.shape[1]
     k_max = max(meta[3] for meta in metas)
-    work = Work(flops=2.0 * m * k_max * n, wire_bytes=(world - 1) / world * m * n * x.element_size(),
+    own = min(sizes)  # the busiest rank: fewest own rows, most to compute before the wire
+    work = Work(flops=2.0 * (m - own) * k_max * n, tail_flops=2.0 * own * k_max * n,
+                wire_bytes=(world - 1) / world * m * n * x.element_size(),
                 length=max(1, m // world), width=n)  # each piece: one GEMM per destination
     return ctx.decide(op, chunks, work=work, rows=max(min(sizes), 1))
 

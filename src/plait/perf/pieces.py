@@ -11,7 +11,9 @@ A fused operator is a two-resource pipeline: the compute (one core, or the
 GPU's SMs) and the wire. Pieces go through it in order, either
 
 - ``send`` (GEMM + all_reduce, GEMM + reduce_scatter, MoE combine, embedding):
-  piece j is computed, then sent; the wire takes it once it is free; or
+  piece j is computed, then sent; the wire takes it once it is free;
+  ``tail_flops`` (a reduce-scatter's own rows, which feed no transfer) runs
+  after the last piece is sent, beside the wire; or
 - ``receive`` (all_gather + GEMM, MoE dispatch): every transfer is posted at
   once and they arrive in order; piece j is computed once it has arrived and
   the previous one is done. ``lead_flops`` (a gather's own rows, which need no
@@ -147,6 +149,8 @@ class Work:
     wire_bytes, kind: what the collective moves and which measured curve prices it;
     receive: pieces arrive, then are computed (otherwise computed, then sent);
     lead_flops: compute that waits for no transfer and runs first (own rows);
+    tail_flops: compute that feeds no transfer and runs after the last piece is sent,
+        beside the wire (a reduce-scatter's own rows); the plain path runs it first;
     length, width: the pieces cut ``length`` rows of a GEMM whose output is
         ``width`` wide (``columns``: they cut a GEMV's ``length`` columns and its
         output has ``width`` rows); length 0 prices every piece at the flat rate;
@@ -159,6 +163,7 @@ class Work:
     memory_bytes: float = 0.0
     receive: bool = False
     lead_flops: float = 0.0
+    tail_flops: float = 0.0
     length: int = 0
     width: int = 0
     columns: bool = False
@@ -190,16 +195,20 @@ def predict(cal: Calibration, work: Work, pieces: int) -> float:
     wire = [cal.comm_time(work.kind, work.wire_bytes * f) for f, _ in parts]
     if work.receive:
         return _receive(cal, work, compute, wire, k)
-    return _send(compute, wire, k)
+    tail = _compute(cal, work.tail_flops, 0.0, work.length, work) if work.tail_flops else 0.0
+    if pieces <= 1:  # the plain path: everything computed, then sent
+        return tail + compute[0] + wire[0]
+    return _send(compute, wire, k, tail)
 
 
-def _send(compute: list[float], wire: list[float], k: float) -> float:
+def _send(compute: list[float], wire: list[float], k: float, tail: float = 0.0) -> float:
     t_compute = t_wire = 0.0
     for c, m in zip(compute, wire):
         beside = max(0.0, min(c, t_wire - t_compute))  # the previous piece still on the wire
         t_compute += c + k * beside
         t_wire = max(t_wire, t_compute) + m
-    return t_wire
+    t_compute += tail + k * max(0.0, min(tail, t_wire - t_compute))  # beside the last pieces
+    return max(t_wire, t_compute)
 
 
 def _receive(cal: Calibration, work: Work, compute: list[float], wire: list[float], k: float) -> float:
