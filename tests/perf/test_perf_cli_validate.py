@@ -104,3 +104,18 @@ def test_bad_configs_fail_with_the_field_named(tmp_path, capsys):
     assert "cluster.gpu: unknown GPU 'H900'" in capsys.readouterr().err
     assert _run(["--cluster", "h100-64", "--model", "llama3-8b", "--tp", "8", "--dp", "4"]) == 2
     assert "tp=8 × dp=4 × ep=1 = 32 do not match 64 GPUs" in capsys.readouterr().err
+
+
+def test_pieces_are_priced_by_their_wire_bytes_on_the_all_reduce_curve():
+    """A piece's time is its bytes on the wire at the all_reduce's measured rate, whatever
+    its collective: gloo's one large all_to_all runs at half rate in some calls, its
+    pieces do not, so that op's own curve would price them as slow as the worst call."""
+    from plait.perf.validate import _piece_priced
+
+    curves = {("all_reduce", 2, "1gbit"): [(1e5, 1e-3), (1e6, 1e-2), (1e7, 1e-1)],
+              ("all_to_all", 2, "1gbit"): [(2e5, 2e-3), (2e6, 4e-2), (2e7, 4e-1)]}  # half rate
+    rec = {"op": "all_to_all_matmul", "world_size": 2, "link": "1gbit", "chunks": 4,
+           "path": "fused", "comm_bytes": 4e6, "t_comm_s": 0.08}
+    priced = _piece_priced(rec, curves)
+    assert priced["t_comm_s"] == pytest.approx(4 * 1e-2)  # four 1e6-byte pieces at 1e8 B/s
+    assert _piece_priced({**rec, "chunks": 1}, curves)["t_comm_s"] == 0.08  # plain: as measured

@@ -102,13 +102,13 @@ def test_curve_time_reads_a_measured_curve():
 def test_fused_pieces_are_priced_at_their_own_size():
     from plait.perf.validate import _curves, _piece_priced
 
-    coll = [{"collective": "all_to_all", "world_size": 2, "link": "1gbit", "bytes": b, "time_s": t}
+    coll = [{"collective": "all_reduce", "world_size": 2, "link": "1gbit", "bytes": b, "time_s": t}
             for b, t in ((262144, 1e-3), (1048576, 8e-3), (4194304, 40e-3))]
     fused = {"op": "matmul_all_to_all", "world_size": 2, "link": "1gbit", "path": "fused",
-             "chunks": 4, "comm_bytes": 2 * 1048576 * 0.5, "t_comm_s": 0.07}
+             "chunks": 4, "comm_bytes": 2 * 1048576, "t_comm_s": 0.07}
     priced = _piece_priced(fused, _curves(coll))
-    # 1 MiB on the wire = 2 MiB nccl-tests bytes; a quarter (512 KiB) sits halfway (in log)
-    # between the 256 KiB and 1 MiB points
+    # 2 MiB on the wire in 4 pieces: 512 KiB each, what a 512 KiB all_reduce sends on 2
+    # ranks; it sits halfway (in log) between the 256 KiB and 1 MiB points
     assert priced["t_comm_s"] == pytest.approx(4 * 1e-3 * 8 ** 0.5)
     assert priced["t_comm_s"] < fused["t_comm_s"]
     fallback = {**fused, "path": "fallback", "chunks": 1}

@@ -9,9 +9,9 @@ a record with constants fitted on that record:
   records whose own iterations spread by more than their median (scheduling
   noise on small messages) are shown but neither fitted nor counted;
 * fused ops: each fused record's time is predicted from its own measured compute
-  and its pieces' comm (each piece's collective read off the measured curve of
-  ``plait bench collectives`` at the piece's size, where one exists, else the
-  plain call's time cut p ways) through the piece pipeline, with the per-piece
+  and its pieces' comm (each piece's wire bytes priced on the measured all_reduce
+  curve of ``plait bench collectives``, where one exists, else the plain call's
+  time cut p ways) through the piece pipeline, with the per-piece
   overhead fitted on the *other* operator/shape groups (leave-one-group-out);
 * chunks="auto": where ``plait bench ops`` timed fixed piece counts beside auto, the
   operator's own auto (its calibrated cost model, :mod:`plait.perf.pieces`) against
@@ -25,7 +25,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-from .calibrate import (NOISE_LIMIT, OP_COLLECTIVE, MachineProfile, fit_alpha_beta,
+from .calibrate import (NOISE_LIMIT, MachineProfile, fit_alpha_beta,
                         fit_per_collective, fit_pipeline, op_comm_latency, reliable, split_records,
                         spread)
 from .collectives import bus_bandwidth, collective_time, curve_time, piece_latency, wire_factor
@@ -203,9 +203,9 @@ def _group_key(r: dict) -> tuple:
             str(r.get("link", "")))
 
 
-# what a fused operator's pieces send: plait's matmul_reduce_scatter sends its partial sums
-# with all_to_all pieces (its plain path too), not reduce_scatter calls
-PIECE_COLLECTIVE = {**OP_COLLECTIVE, "matmul_reduce_scatter": "all_to_all"}
+# the collective whose measured curve prices every piece: the one gloo runs at the link rate
+# at every size here (bench collectives: 93-94 % of the link at 16 MiB)
+PIECE_CURVE = "all_reduce"
 
 
 def _curves(coll: list[dict]) -> dict[tuple, list[tuple[float, float]]]:
@@ -221,11 +221,15 @@ def _curves(coll: list[dict]) -> dict[tuple, list[tuple[float, float]]]:
 
 
 def _piece_priced(r: dict, curves) -> dict:
-    """A fused record whose comm is its pieces' own: p calls of 1/p of its bytes each, read
-    off this machine's measured curve of that collective (as ``plait.perf.pieces`` prices
-    them), not the plain call's time cut p ways: on gloo one large all_to_all runs at
-    about half the rate of its pieces. Unchanged without a curve or the bytes."""
-    kind, n = PIECE_COLLECTIVE.get(r["op"]), int(r["world_size"])
+    """A fused record whose comm is its pieces' own: p calls of 1/p of its wire bytes each,
+    each priced as the bytes a rank sends in a measured all_reduce (``PIECE_CURVE``), not
+    as the plain call's time cut p ways, nor on the curve of the op's own collective:
+    gloo's single large all_to_all or all_gather runs at half the link rate in one call
+    and near it in the next (bench collectives' 4 MiB all_to_all: 34 ms in one run, 69
+    ms in another), while pieces of a MiB or less, issued back to back, move at about
+    the rate of an all_reduce. The bytes on the wire, not the collective's name, set a
+    piece's time. Unchanged without a curve or the bytes."""
+    n, kind = int(r["world_size"]), PIECE_CURVE
     curve = curves.get((kind, n, str(r.get("link", ""))))
     p = int(r.get("chunks", 1))
     if not curve or len(curve) < 2 or not r.get("comm_bytes") or r.get("path") != "fused" or p < 2:
