@@ -1,6 +1,7 @@
 """The emulated cluster: namespaces appear and vanish, links are really rate-limited."""
 
 import subprocess
+import sys
 import time
 
 import pytest
@@ -103,3 +104,39 @@ def test_link_rate_limits_all_reduce_bandwidth():
     busbw = nbytes / t * 2 * (2 - 1) / 2  # nccl-tests: all_reduce bus factor 2(n-1)/n
     fraction = busbw / (parse_rate(link) / 8)
     assert 0.5 <= fraction <= 1.05, f"busbw {busbw / 1e6:.1f} MB/s is {fraction:.0%} of {link}"
+
+
+_SIGTERMED = """
+import sys, time
+from plait.runtime import EmulatedCluster, launch
+
+def wait_forever():
+    time.sleep(120)
+
+if __name__ == "__main__":
+    with EmulatedCluster(hosts=2, link="1gbit", tag=sys.argv[1], require=True) as cluster:
+        print("up", flush=True)
+        launch(wait_forever, 2, cluster=cluster)
+"""
+
+
+@needs_netns
+@pytest.mark.netns
+def test_sigterm_mid_launch_leaves_no_namespace_or_process(tmp_path):
+    # `timeout` and `kill` send SIGTERM; by default it ends Python where it stands, past
+    # every `with` and atexit, and the namespaces stayed behind
+    script = tmp_path / "sigtermed.py"
+    script.write_text(_SIGTERMED)
+    tag = "sigterm"
+    proc = subprocess.Popen([sys.executable, str(script), tag], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert _namespaces(tag)
+        time.sleep(1.0)  # the ranks are inside wait_forever
+        proc.terminate()
+        assert proc.wait(timeout=30) == 128 + 15
+    finally:
+        proc.kill()
+        cluster_mod.remove_stale_namespaces(tag)
+    assert _namespaces(tag) == []

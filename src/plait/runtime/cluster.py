@@ -19,7 +19,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -156,6 +159,7 @@ class EmulatedCluster:
         self.hosts: list[Host] = []
         self.fallback_reason: str | None = None
         self._made: list[str] = []
+        self._old_sigterm = None
 
     @property
     def emulated(self) -> bool:
@@ -185,6 +189,7 @@ class EmulatedCluster:
             log.warning("plait: falling back to loopback: %s", reason)
             return self
         atexit.register(self.down)
+        self._unwind_on_sigterm()
         try:
             self._build()
         except BaseException:
@@ -223,6 +228,21 @@ class EmulatedCluster:
         self._made.clear()
         self.hosts = []
         atexit.unregister(self.down)
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    def _unwind_on_sigterm(self) -> None:
+        """While the cluster is up, SIGTERM (``timeout``, ``kill``) exits through Python, so
+        ``with`` blocks, ``finally`` and atexit run and remove the namespaces; by default it
+        ends the process where it stands and leaves them behind. Only where nobody else
+        handles SIGTERM, and only from the main thread (the one signals reach)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        self._old_sigterm = signal.SIG_DFL
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     def host_of_rank(self, rank: int, world_size: int) -> Host:
         """Ranks are placed on hosts in contiguous blocks, as torchrun places them on nodes."""
