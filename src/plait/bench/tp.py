@@ -44,6 +44,7 @@ from ..data import CharCorpus
 from ..models import GPT
 from ..ops import explain, get_context
 from ..runtime import parse_rate, rank_context
+from ..runtime.priority import raise_comm_threads
 from ..runtime.timing import agreed_max, median, time_once
 from ..train import TrainConfig, build_gpt, gpt_loss
 from .tp_dlrm import EmbBenchConfig, run_emb_bench, torchrec_missing
@@ -251,6 +252,9 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
     for name in cfg.systems:
         model = _build(name, cfg, corpus.vocab_size)
         built[name] = (model, _optimizer(model, cfg))
+    # the same priority for every group's transfer threads, whoever made the group (the
+    # DeviceMesh's own, if it made one, as well as plait's): runtime.priority
+    raise_comm_threads()
     run = _train_interleaved(cfg, built, batches)
     records = [_record(name, cfg, run["losses"], agreed_max(run["times"][name]))
                for name in cfg.systems]
