@@ -222,7 +222,8 @@ def _scatter_forward(x, w, group, rows, decision, meanwhile=None):
     pieces = _row_pieces(rows, decision.chunks)
     y = x.new_empty(rows[rank], w.shape[1])
     own = slice(starts[rank], starts[rank + 1])
-    if len(pieces) == 1:  # the plain path (the fallback): everything computed, then sent
+    plain = len(pieces) == 1  # the fallback: everything computed, then sent
+    if plain:
         torch.matmul(x[own], w, out=y)
     done = [0] * world
     in_flight = []
@@ -241,7 +242,7 @@ def _scatter_forward(x, w, group, rows, decision, meanwhile=None):
         in_flight.append((start_all_to_all(recv, send, got, sent, group), recv, mine,
                           done[rank]))
         done = [d + n for d, n in zip(done, piece_rows)]
-    if len(pieces) > 1:
+    if not plain:
         torch.matmul(x[own], w, out=y)  # own rows: beside the last pieces on the wire
     if meanwhile is not None:
         meanwhile()

@@ -159,7 +159,7 @@ class EmulatedCluster:
         self.hosts: list[Host] = []
         self.fallback_reason: str | None = None
         self._made: list[str] = []
-        self._old_sigterm = None
+        self._sigterm_unwinds = False  # our handler is installed (see _unwind_on_sigterm)
 
     @property
     def emulated(self) -> bool:
@@ -228,9 +228,9 @@ class EmulatedCluster:
         self._made.clear()
         self.hosts = []
         atexit.unregister(self.down)
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        if self._sigterm_unwinds:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what it was before up()
+            self._sigterm_unwinds = False
 
     def _unwind_on_sigterm(self) -> None:
         """While the cluster is up, SIGTERM (``timeout``, ``kill``) exits through Python, so
@@ -241,7 +241,7 @@ class EmulatedCluster:
             return
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return
-        self._old_sigterm = signal.SIG_DFL
+        self._sigterm_unwinds = True
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     def host_of_rank(self, rank: int, world_size: int) -> Host:

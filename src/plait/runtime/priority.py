@@ -58,13 +58,10 @@ def raise_comm_threads() -> int:
 
     Idempotent and cheap (a look at /proc/self/task): called after a group is made,
     since each gloo group starts threads of its own. Does nothing with
-    ``PLAIT_COMM_PRIORITY=off``, on a system without SCHED_FIFO, or without the
-    permission, which it logs once.
+    ``PLAIT_COMM_PRIORITY=off``, where there is no /proc (no Linux threads to find), or
+    without the permission, which it logs once.
     """
     if os.environ.get("PLAIT_COMM_PRIORITY", "rt").lower() in ("off", "0", "no", "false"):
-        return 0
-    if not hasattr(os, "sched_setscheduler"):
-        _say_once("no-sched", "comm threads keep their priority: this OS has no sched_setscheduler")
         return 0
     raised = 0
     for tid in comm_threads():
@@ -76,7 +73,7 @@ def raise_comm_threads() -> int:
             _say_once("eperm", "comm threads keep their priority: SCHED_FIFO needs CAP_SYS_NICE "
                                "(root); transfers may wait behind compute for a core")
             return raised
-        except (ProcessLookupError, OSError):  # ended meanwhile
+        except OSError:  # the thread ended meanwhile
             continue
     return raised
 
