@@ -62,6 +62,9 @@ class TrainConfig:
     sequence_parallel: bool = field(default=False, metadata=_h("GPT: sequence-parallel "
                                                                "activations between linears"))
     chunks: str = field(default="auto", metadata=_h("pieces per fused operator: auto or a number"))
+    microbatches: int = field(default=1, metadata=_h(
+        "gpt: cut each batch into this many micro-batches whose blocks take turns, one's "
+        "all-reduces on the wire while the next computes (fused, not sequence-parallel)"))
     plans: tuple[str, ...] = field(default=(), metadata=_h(
         "uneven partition plans, KIND=A:B:…, e.g. heads=3:1,mlp=320:192 (kinds: heads, mlp, "
         "experts, seq, tables, batch)"))
@@ -86,6 +89,12 @@ class TrainConfig:
             raise ValueError(f"--chunks must be 'auto' or a positive number, got {self.chunks!r}")
         if self.sequence_parallel and self.model == "dlrm":
             raise ValueError("--sequence-parallel applies to the GPT models, not to dlrm")
+        if self.microbatches < 1:
+            raise ValueError(f"--microbatches must be positive, got {self.microbatches}")
+        if self.microbatches > 1 and (self.model != "gpt" or self.sequence_parallel
+                                      or not self.overlap):
+            raise ValueError(f"--microbatches {self.microbatches} applies to --model gpt, fused "
+                             "(not --no-overlap) and not --sequence-parallel")
         self.shard_plans()  # refuse a malformed --plans now
 
     @property
@@ -134,7 +143,8 @@ def build_gpt(cfg: TrainConfig, group=None, vocab_size: int = 97) -> GPT:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.gpt_config(vocab_size))
     return apply_tp(model, group, cfg.shard_plans(), overlap=cfg.overlap,
-                    sequence_parallel=cfg.sequence_parallel, chunks=cfg.chunk_count)
+                    sequence_parallel=cfg.sequence_parallel, chunks=cfg.chunk_count,
+                    microbatches=cfg.microbatches)
 
 
 def build_dlrm(cfg: TrainConfig, group=None, dlrm: DLRMConfig | None = None) -> DLRM:

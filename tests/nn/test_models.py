@@ -4,7 +4,9 @@ Same initial weights (the parallel model is built ``from_module`` from a copy
 of the reference), float64; loss and logits within 1e-10, every parameter's
 gradient (gathered by name with ``full_state_dict(grads=True)``) within 1e-10.
 2 and 4 ranks; even and uneven plans; fused (``chunks=2``) and plain;
-tensor-parallel with and without sequence parallelism.
+tensor-parallel with and without sequence parallelism; the dense GPT also with
+its batch in interleaved micro-batches (``microbatches``, more than the batch
+has rows included).
 """
 
 import copy
@@ -14,7 +16,7 @@ import torch
 
 from plait.models import DLRM, GPT, DLRMConfig, GPTConfig
 from plait.nn import ShardPlan, apply_tp, full_state_dict
-from plait.runtime.testing import run_ranks
+from plait.runtime.testing import raised, run_ranks
 
 TOL = 1e-10
 
@@ -45,10 +47,10 @@ def _compare(ref, par, ref_out, par_out):
     return err, exact and set(weights) == set(ref.state_dict())
 
 
-def _gpt_case(experts, plans, overlap, sp):
+def _gpt_case(experts, plans, overlap, sp, microbatches=1):
     ref, idx, targets = _gpt_problem(experts)
     par = apply_tp(copy.deepcopy(ref), plans={k: ShardPlan(v) for k, v in plans.items()},
-                   overlap=overlap, sequence_parallel=sp, chunks=2)
+                   overlap=overlap, sequence_parallel=sp, chunks=2, microbatches=microbatches)
     ref_out = ref(idx, targets)
     ref_out[1].backward()
     par_out = par(idx, targets)
@@ -102,7 +104,8 @@ def _cases(world):
              ("gpt", (0, uneven, True, True)), ("gpt", (0, {**uneven, "seq": seq}, False, False)),
              ("gpt", (0, {**uneven, "seq": seq}, True, True)),
              ("gpt", (4, {}, True, False)), ("gpt", (4, {"experts": experts}, False, True)),
-             ("gpt", (4, {"heads": heads, "experts": experts}, True, True))]
+             ("gpt", (4, {"heads": heads, "experts": experts}, True, True)),
+             ("gpt", (0, {}, True, False, 2)), ("gpt", (0, uneven, True, False, 3))]
     n, table_plan, batch_plan = tables
     cases += [("dlrm", ({"tables_n": n}, True)),
               ("dlrm", ({"tables_n": n, "tables": table_plan, "batch": batch_plan}, True)),
@@ -130,6 +133,61 @@ def _bad_plans():
         except (TypeError, ValueError) as err:
             seen[name] = str(err)
     return seen
+
+
+def _bad_microbatches():
+    gpt, _, _ = _gpt_problem(0)
+    moe, _, _ = _gpt_problem(4)
+    return raised({
+        "zero": lambda: apply_tp(copy.deepcopy(gpt), microbatches=0),
+        "sp": lambda: apply_tp(copy.deepcopy(gpt), microbatches=2, sequence_parallel=True),
+        "plain": lambda: apply_tp(copy.deepcopy(gpt), microbatches=2, overlap=False),
+        "moe": lambda: apply_tp(copy.deepcopy(moe), microbatches=2),
+    })
+
+
+def test_apply_tp_refuses_microbatches_it_cannot_interleave():
+    seen = run_ranks(_bad_microbatches, 2)[0]
+    assert "microbatches must be a positive integer, got 0" in seen["zero"]
+    assert "but sequence_parallel is set" in seen["sp"]
+    assert "but overlap=False" in seen["plain"]
+    assert "its MLPs are mixtures of experts" in seen["moe"]
+
+
+def _schedule(parts):
+    """The order in which the interleaved blocks start and finish their projections."""
+    from plait.nn import linear
+
+    events = []
+    start, finish = linear.RowParallelLinear.start, linear.Started.finish
+    mb = {}
+
+    def logged_start(self, x):
+        started = start(self, x)
+        mb[id(started)] = len([e for e in events if e[0] == "start"]) % parts
+        events.append(("start", mb[id(started)]))
+        return started
+
+    def logged_finish(self):
+        events.append(("finish", mb[id(self)]))
+        return finish(self)
+
+    linear.RowParallelLinear.start, linear.Started.finish = logged_start, logged_finish
+    ref, idx, targets = _gpt_problem(0)
+    par = apply_tp(copy.deepcopy(ref), chunks=2, microbatches=parts)
+    par(idx, targets)[1].backward()
+    return events
+
+
+def test_microbatches_take_turns_at_the_wire():
+    """Micro-batch 1 starts its branch's all-reduce before micro-batch 0's is waited for:
+    each all-reduce is on the wire while the other micro-batch computes."""
+    events = run_ranks(_schedule, 2, 2)[0]
+    branches = 2 * 2  # blocks × (attention, MLP)
+    expect = [("start", 0), ("start", 1)]
+    for _ in range(branches - 1):
+        expect += [("finish", 0), ("start", 0), ("finish", 1), ("start", 1)]
+    assert events == expect + [("finish", 0), ("finish", 1)]
 
 
 def test_apply_tp_refuses_bad_plans():

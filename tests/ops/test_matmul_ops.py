@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from plait.ops import (all_gather_matmul, column_parallel_matmul, explain, matmul_all_reduce,
                        matmul_reduce_scatter)
+from plait.ops.matmul_all_reduce import matmul_all_reduce_start
 from plait.runtime import RankError
 from plait.runtime.testing import run_ranks
 
@@ -60,6 +61,32 @@ def test_gemv_with_a_column_major_weight(world):
         for out in run_ranks(_matmul_all_reduce_case, world, 4, k_sizes, 24, 3, True):
             assert max(out["y"], out["dx"], out["dw"]) < TOL, out
             assert out["repeat_bitwise"] and "fused (3 pieces)" in out["path"]
+
+
+def _two_in_flight(m, k_sizes, n, chunks):
+    """Two calls started before either is waited for (the second's check and pieces go
+    out while the first's are on the wire), waited in order, then both backward."""
+    r = dist.get_rank()
+    ks = _cut(k_sizes, r)
+    out = {}
+    started = []
+    for seed in (1, 4):
+        X, W = _full(seed, m, sum(k_sizes)), _full(seed + 1, sum(k_sizes), n)
+        x, w = X[:, ks].clone().requires_grad_(), W[ks].clone().requires_grad_()
+        started.append((X, W, x, w, matmul_all_reduce_start(x, w, chunks=chunks)))
+    for seed, (X, W, x, w, flight) in zip((1, 4), started):
+        G = _full(seed + 2, m, n)
+        y = flight.wait()
+        y.backward(G)
+        out[seed] = max(_err(y, X @ W), _err(x.grad, (G @ W.T)[:, ks]), _err(w.grad, (X.T @ G)[ks]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_started_all_reduces_can_be_in_flight_together(world):
+    for chunks in (1, 3):
+        for out in run_ranks(_two_in_flight, world, 40, [3, 13, 1, 7][:world], 24, chunks):
+            assert max(out.values()) < TOL, out
 
 
 def _column_parallel_case(m, k, n_sizes, chunks):
@@ -202,6 +229,8 @@ def _bad_input(kind):
         all_gather_matmul(torch.randn(8, 4), torch.randn(4, 3), sizes=[6, 6])
     elif kind == "chunks":
         matmul_all_reduce(torch.randn(8, 4), torch.randn(4, 3), chunks=0)
+    elif kind == "column_rows_disagree":  # its backward all-reduce is checked in the forward
+        column_parallel_matmul(torch.randn(8 + r, 4, requires_grad=True), torch.randn(4, 3))
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -211,6 +240,7 @@ def _bad_input(kind):
     ("sizes_sum", "sum to 9, but x has 8 rows"),
     ("sizes_wrong_rank", "sizes [6, 6] give rank"),
     ("chunks", "chunks must be 'auto' or a positive integer"),
+    ("column_rows_disagree", "column_parallel_matmul.dgrad: ranks disagree on (dtype, M, N)"),
 ])
 def test_bad_input_is_refused_clearly(kind, message):
     with pytest.raises(RankError, match=message.replace("(", r"\(").replace(")", r"\)")

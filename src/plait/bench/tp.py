@@ -85,6 +85,9 @@ class TPBenchConfig:
     lr: float = field(default=1e-3, metadata=_h("learning rate (constant)"))
     optimizer: str = field(default="adamw", metadata=_h("adamw (weight decay 0) or sgd"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
+    microbatches: int = field(default=2, metadata=_h(
+        "plait: micro-batches interleaved, one's all-reduces under the next one's compute "
+        "(1: off; plait.nn.apply_tp(microbatches=))"))
     dlrm: bool = field(default=True, metadata=_h(
         "also DLRM embeddings: plait's ShardedEmbeddingBag against TorchRec's sharded "
         "EmbeddingBagCollection (skipped, with the reason, where TorchRec does not import)"))
@@ -117,7 +120,8 @@ class TPBenchConfig:
     def train_config(self, overlap: bool = True) -> TrainConfig:
         return TrainConfig(model="gpt", steps=self.total_steps, batch_size=self.batch_size,
                            lr=self.lr, seq_len=self.seq_len, n_layer=self.n_layer,
-                           n_head=self.n_head, n_embd=self.n_embd, overlap=overlap, seed=self.seed)
+                           n_head=self.n_head, n_embd=self.n_embd, overlap=overlap, seed=self.seed,
+                           microbatches=self.microbatches if overlap else 1)
 
     def emb_config(self) -> EmbBenchConfig:
         return EmbBenchConfig(tables=self.emb_tables, rows=self.emb_rows, dim=self.emb_dim,

@@ -133,7 +133,8 @@ def run_ops(args: argparse.Namespace) -> int:
 def _tp_rows(records: list[dict], key: str) -> list[list]:
     return [[r["system"], _ms(r["t_step_s"]), f"{r['tokens_per_s']:,.0f}",
              f"{r[key]:.2f}" if r.get(key) else "–",
-             f"{r['max_loss_diff']:.2e} (vs {r['loss_diff_vs']})",
+             "–" if r["max_loss_diff"] is None
+             else f"{r['max_loss_diff']:.2e} (vs {r['loss_diff_vs']})",
              f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}"] for r in records]
 
 

@@ -48,12 +48,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.heads(x))          # [B, S, h·hd] → [B, S, D]
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before the output projection: [B, S, D] → [B, S, h·hd]."""
         qkv = self.qkv(x)                        # [B, S, 3·h·hd] (h: this module's heads)
         b, s, _ = qkv.shape
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, h, S, hd]
                    for t in qkv.chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, -1))      # [B, S, h·hd] → [B, S, D]
+        return y.transpose(1, 2).reshape(b, s, -1)
 
 
 class MLP(nn.Module):
@@ -63,7 +67,11 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))  # [B, S, D] → [B, S, 4D] → [B, S, D]
+        return self.proj(self.hidden(x))  # [B, S, D] → [B, S, 4D] → [B, S, D]
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before the output projection: [B, S, D] → [B, S, 4D]."""
+        return F.gelu(self.fc(x))
 
 
 class Block(nn.Module):
@@ -81,8 +89,19 @@ class Block(nn.Module):
             self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        for pre, proj in self.branches():
+            y = pre(x)
+            x = x + (y if proj is None else proj(y))
+        return x
+
+    def branches(self) -> list:
+        """The block as its residual branches in order, each ``x = x + proj(pre(x))``
+        (``proj`` None: ``pre`` is the whole branch). ``plait.nn`` runs them this way on
+        micro-batches, with one micro-batch's projection on the wire under another's."""
+        attn = (lambda x: self.attn.heads(self.ln_1(x)), self.attn.proj)
+        if isinstance(self.mlp, MLP):
+            return [attn, (lambda x: self.mlp.hidden(self.ln_2(x)), self.mlp.proj)]
+        return [attn, (lambda x: self.mlp(self.ln_2(x)), None)]
 
 
 class GPT(nn.Module):
@@ -112,14 +131,19 @@ class GPT(nn.Module):
         if s > self.cfg.block_size:
             raise ValueError(f"sequence of {s} is longer than block_size {self.cfg.block_size}")
         pos = torch.arange(s, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)  # [B, S, D]
-        for block in self.blocks:
-            x = block(x)
+        x = self.run_blocks(self.wte(idx) + self.wpe(pos))  # [B, S, D]
         logits = self.lm_head(self.ln_f(x))  # [B, S, V]
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream through every block, [B, S, D] → [B, S, D] (``plait.nn`` may
+        give a parallel model its own: micro-batches interleaved)."""
+        for block in self.blocks:
+            x = block(x)
+        return x
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -70,14 +70,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import all_gather_matmul, column_parallel_matmul, matmul_all_reduce, matmul_reduce_scatter
+from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
+from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
 from ..ops.pieces import even_sizes
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, pieces,
                      replace_data, resolve_plan, shard_of, straggled, unshard)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "select_features"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "Started", "select_features"]
 
 
 def _full_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype, device):
@@ -438,13 +439,19 @@ class RowParallelLinear(_ParallelLinear):
         return local.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.start(x).finish()
+
+    def start(self, x: torch.Tensor) -> "Started":
+        """The forward, returned while its all-reduce may still be on the wire (fused,
+        not sequence-parallel: the last pieces are); ``finish()`` gives ``forward(x)``.
+        Every other path is done by the time it returns."""
         weight = self.weight  # [N, K_r]; K_r kept only, when resized
         if self._kept is not None:
             x, weight = x.index_select(-1, self._kept), weight.index_select(1, self._kept)
         w = weight.t()  # [K_r, N]
         if self.info.world == 1:
             with compute_scope(x.device, self.compute_timer, self._work()):
-                return F.linear(x, weight, self.bias)
+                return Started(F.linear(x, weight, self.bias))
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
             if self.overlap:
@@ -455,10 +462,21 @@ class RowParallelLinear(_ParallelLinear):
                 y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
         elif self.overlap:
             into = self.weight if self._kept is None else None  # a resized weight is a copy
-            y = self._pieces(lambda x: matmul_all_reduce(x, w, self.group, chunks=self.chunks,
-                                                         wgrad_into=into), x)
+            return Started(self._pieces(lambda x: matmul_all_reduce_start(
+                x, w, self.group, chunks=self.chunks, wgrad_into=into), x), self.bias)
         else:
             y = self._region(lambda x: F.linear(x, weight), x)
             y = reduce_from_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+        return Started(y, self.bias)
 
+
+class Started:
+    """A row-parallel layer's forward begun: ``finish()`` waits for what is still on the wire
+    (if anything) and adds the bias, giving what ``forward`` gives."""
+
+    def __init__(self, y, bias: torch.Tensor | None = None):
+        self._y, self._bias = y, bias
+
+    def finish(self) -> torch.Tensor:
+        y = self._y.wait() if isinstance(self._y, InFlight) else self._y
+        return y if self._bias is None else y + self._bias

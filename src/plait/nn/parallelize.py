@@ -12,7 +12,15 @@ row-parallel; MoE MLPs expert-parallel. Input and output stay replicated: every
 rank computes the same loss. ``sequence_parallel``: the residual stream
 between the blocks' linears is split along the sequence (scattered before the
 first block, gathered after the last); the LayerNorms inside then see a share
-of the tokens, so their gradients are summed over the group.
+of the tokens, so their gradients are summed over the group. ``microbatches``
+(dense GPT, fused, not sequence-parallel): the batch is cut into that many
+micro-batches that go through the blocks' residual branches in turn, each
+branch's row-parallel projection left on the wire (``RowParallelLinear.start``)
+while the next micro-batch computes its branch, and waited for only when that
+micro-batch's turn comes again. A branch's all-reduce depends on all of its
+own compute, so within one micro-batch its last piece is always exposed;
+across micro-batches it is not. The result is the same function of the same
+weights (rows are independent until the loss).
 
 DLRM (``embeddings`` with ``bags``, dense MLPs): tables model-parallel
 (``ShardedEmbeddingBag``, whole tables per rank), the MLPs data-parallel over
@@ -48,14 +56,16 @@ _KINDS = {"heads", "mlp", "experts", "seq", "tables", "batch"}
 
 
 def apply_tp(model: nn.Module, group=None, plans: dict[str, ShardPlan] | None = None, *,
-             overlap: bool = True, sequence_parallel: bool = False, chunks="auto") -> nn.Module:
+             overlap: bool = True, sequence_parallel: bool = False, chunks="auto",
+             microbatches: int = 1) -> nn.Module:
     """Parallelise ``model`` in place (a GPT, MoE-GPT or DLRM from plait.models) and return it."""
     if hasattr(model, "blocks") and all(hasattr(b, "attn") for b in model.blocks):
         return parallelize_gpt(model, group, plans, overlap=overlap,
-                               sequence_parallel=sequence_parallel, chunks=chunks)
+                               sequence_parallel=sequence_parallel, chunks=chunks,
+                               microbatches=microbatches)
     if hasattr(getattr(model, "embeddings", None), "bags"):
-        if sequence_parallel:
-            raise ValueError("sequence_parallel applies to a GPT, not to a DLRM")
+        if sequence_parallel or microbatches != 1:
+            raise ValueError("sequence_parallel and microbatches apply to a GPT, not to a DLRM")
         return parallelize_dlrm(model, group, plans, overlap=overlap, chunks=chunks)
     raise TypeError(f"apply_tp does not know how to parallelise a {type(model).__name__}: it "
                     "expects a GPT (blocks with attn and mlp) or a DLRM (embeddings.bags)")
@@ -75,9 +85,11 @@ def _plans(plans, model: nn.Module) -> dict[str, ShardPlan]:
 
 
 def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool = True,
-                    sequence_parallel: bool = False, chunks="auto") -> nn.Module:
+                    sequence_parallel: bool = False, chunks="auto",
+                    microbatches: int = 1) -> nn.Module:
     plans = _plans(plans, model)
     info = GroupInfo(group)
+    _check_microbatches(model, microbatches, overlap, sequence_parallel)
     seq = plans.get("seq")
     common = dict(overlap=overlap, chunks=chunks, sequence_parallel=sequence_parallel,
                   seq_plan=seq)
@@ -108,10 +120,53 @@ def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool =
         _split_sequence(model.blocks[0], model.blocks[-1], group, seq)
     moe = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
     experts = f", {moe[0].num_experts} experts per MLP expert-parallel" if moe else ""
+    interleaved = ""
+    if microbatches > 1 and info.world > 1:
+        model.run_blocks = interleaved_blocks(model.blocks, microbatches)
+        interleaved = f", {microbatches} micro-batches interleaved"
     _log_once(info, model, f"{'MoE-GPT' if moe else 'GPT'}: {len(model.blocks)} blocks "
               f"tensor-parallel on {info.world} ranks{experts} ({'fused' if overlap else 'plain'} "
-              f"path{', sequence-parallel' if sequence_parallel else ''})")
+              f"path{', sequence-parallel' if sequence_parallel else ''}{interleaved})")
     return model
+
+
+def _check_microbatches(model: nn.Module, microbatches, overlap: bool,
+                        sequence_parallel: bool) -> None:
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if microbatches == 1:
+        return
+    why = ("sequence_parallel is set" if sequence_parallel else
+           "overlap=False (nothing is left on the wire to hide)" if not overlap else
+           "the model has no run_blocks" if not hasattr(model, "run_blocks") else
+           "its MLPs are mixtures of experts" if any(hasattr(b.mlp, "router") for b in model.blocks)
+           else None)
+    if why is not None:
+        raise ValueError(f"microbatches={microbatches} interleaves dense, fused, "
+                         f"non-sequence-parallel GPT blocks, but {why}")
+
+
+def interleaved_blocks(blocks, parts: int):
+    """``run_blocks`` for ``blocks`` on up to ``parts`` micro-batches (cut along the batch).
+
+    Each micro-batch in turn computes its next residual branch and starts that branch's
+    projection (its all-reduce pieces go on the wire); it waits for the branch before
+    only when its turn comes again, after the other micro-batches have computed theirs.
+    """
+    def run_blocks(x: torch.Tensor) -> torch.Tensor:
+        if not len(blocks):
+            return x
+        xs = list(x.chunk(parts))  # fewer when the batch has fewer rows
+        started = [None] * len(xs)
+        for block in blocks:
+            for pre, proj in block.branches():
+                for i in range(len(xs)):
+                    if started[i] is not None:
+                        xs[i] = xs[i] + started[i].finish()
+                    started[i] = proj.start(pre(xs[i]))
+        return torch.cat([x + s.finish() for x, s in zip(xs, started)])
+
+    return run_blocks
 
 
 def _unsharded_params(module: nn.Module):

@@ -10,14 +10,15 @@ peers join, the moment one rank's shapes change alone (the balancer does that).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.compat import all_gather_into
 
-__all__ = ["attempt", "check_chunks", "chunks_code", "gather_checked", "meta_device", "raise_together"]
+__all__ = ["attempt", "check_chunks", "chunks_code", "gather_checked", "start_gather_checked",
+           "meta_device", "raise_together"]
 
 
 def chunks_code(chunks) -> int:
@@ -49,14 +50,26 @@ def gather_checked(op: str, group, problem: Exception | None, row: Sequence[int]
                    width: int) -> list[list[int]]:
     """Every rank's ``row`` (``width`` integers; ignored where the rank rejected its input),
     after every rank has raised if any rank rejected its input."""
+    return start_gather_checked(op, group, problem, row, width)()
+
+
+def start_gather_checked(op: str, group, problem: Exception | None, row: Sequence[int],
+                         width: int) -> Callable[[], list[list[int]]]:
+    """``gather_checked``, started: the small gather travels while the caller computes
+    something local; calling the result waits for it (and raises as ``gather_checked``)."""
     mine = [1] + [0] * width if problem is not None else [0, *map(int, row)]
     assert len(mine) == width + 1, (op, mine, width)
     mine = torch.tensor(mine, dtype=torch.int64, device=meta_device(group))
     everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
-    all_gather_into(everyone, mine, group=group)
-    table = everyone.view(-1, mine.numel()).tolist()
-    raise_together(op, group, any(r[0] for r in table), problem)
-    return [r[1:] for r in table]
+    work = all_gather_into(everyone, mine, group=group, async_op=True)
+
+    def result() -> list[list[int]]:
+        work.wait()
+        table = everyone.view(-1, mine.numel()).tolist()
+        raise_together(op, group, any(r[0] for r in table), problem)
+        return [r[1:] for r in table]
+
+    return result
 
 
 def raise_together(op: str, group, failed: bool, problem: Exception | None) -> None:

@@ -6,18 +6,26 @@ An :class:`OpsContext` holds the calibration that ``chunks="auto"`` reads
 why (``explain``). One context per group,
 made on first use and kept for the group's lifetime; pass ``ctx=`` to an
 operator to use another (a test, a benchmark that wants its own profile).
+
+The checks run on a sibling group of the same ranks (made with the context),
+not on the group itself: a process group runs its collectives in the order
+they were issued, so a check issued while another call's pieces are still in
+flight (``matmul_all_reduce_start``) would otherwise wait for all of them.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ..perf.calibrate import MachineProfile, default_profile_path
+from ..runtime.dist import _timeout_s
 from ..runtime.priority import prioritize_group
-from .agree import gather_checked
+from .agree import start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
 
@@ -52,6 +60,8 @@ class OpsContext:
     # emulated 1 Gbit/s link); "never": trust the caller where an operator needs no
     # global facts (MoE with a fixed chunk count).
     validate: str = "always"
+    # the group the checks run on: the same ranks, its own queue (None: ``group`` itself)
+    checks_group: object = None
     decisions: dict[str, Decision] = field(default_factory=dict)
     # (op, work, most pieces) → the auto decision: pure in them and the calibration, and
     # ≈ 0.4 ms of Python to recompute, on every call
@@ -129,7 +139,13 @@ class OpsContext:
         """Every rank's ``row`` of ``width`` integers (dtype code, dims, sizes) before any
         data moves, raising on every rank if any rank's local checks failed
         (``problem``, with ``row`` None there); see :mod:`plait.ops.agree`."""
-        return [tuple(r) for r in gather_checked(op, self.group, problem, row, width)]
+        return self.start_meta(op, width, row, problem)()
+
+    def start_meta(self, op: str, width: int, row, problem: Exception | None = None):
+        """``gather_meta``, started: calling the result waits and gives what it gives."""
+        group = self.group if self.checks_group is None else self.checks_group
+        done = start_gather_checked(op, group, problem, row, width)
+        return lambda: [tuple(r) for r in done()]
 
 
 _CONTEXTS: dict[object, OpsContext] = {}
@@ -139,9 +155,31 @@ def get_context(group=None) -> OpsContext:
     """The context of ``group`` (default group: None), made on first use: collective the
     first time (every rank of the group calls it, as every operator does)."""
     if group not in _CONTEXTS:
-        _CONTEXTS[group] = OpsContext(group=group)
+        checks = _sibling(group)
+        _CONTEXTS[group] = OpsContext(group=group, checks_group=checks)
         prioritize_group(group)  # a new group's gloo threads, ahead of compute for a core
+        if checks is not None:
+            prioritize_group(checks)
     return _CONTEXTS[group]
+
+
+def _sibling(group):
+    """A new group of ``group``'s ranks, backend and timeout (None for a group of one)."""
+    if dist.get_world_size(group) == 1:
+        return None
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return dist.new_group(ranks, timeout=_timeout(group), backend=dist.get_backend(group),
+                          use_local_synchronization=True)
+
+
+def _timeout(group) -> timedelta:
+    """The group's collective timeout (plait's default where the backend does not say)."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        return (group or dist.group.WORLD)._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return timedelta(seconds=_timeout_s(None))
 
 
 def explain(op: str | None = None, group=None) -> str:

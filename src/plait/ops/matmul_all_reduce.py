@@ -13,6 +13,11 @@ y          [..., N]              identical on every rank
 Backward (the output is replicated, so no collective is needed):
 ``dgrad dx = dy @ wᵀ``, ``wgrad dw = xᵀ @ dy``.
 
+``matmul_all_reduce_start``: the same operator, returned while its last pieces
+are still on the wire (an :class:`InFlight`; ``wait()`` gives ``y``), so the
+caller can compute something independent meanwhile: ``plait.nn``'s interleaved
+micro-batches run one micro-batch's layers under another's all-reduce.
+
 Schedule: the M = prod(...) rows are cut into pieces (the first and last half
 size: they are the pipeline's exposed ends); each piece is computed straight
 into its rows of the output with ``matmul(out=)`` and its all_reduce starts at
@@ -41,7 +46,8 @@ from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, check_float, offsets, tapered
 
-__all__ = ["matmul_all_reduce", "column_parallel_matmul", "GEMV_ROWS"]
+__all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
+           "GEMV_ROWS"]
 
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
 
@@ -64,33 +70,45 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks,
     """The decision, and whether a GEMV holds its output transposed: only when every
     rank's w is column-major, since all ranks must reduce buffers of the same layout."""
     row, problem = attempt(lambda: (check_chunks(op, chunks), _local_row(op, x2, w))[1])
-    metas = ctx.gather_meta(op, 5, row, problem)
-    for r, meta in enumerate(metas):
-        if meta[:3] != metas[0][:3]:
-            raise ValueError(f"{op}: ranks disagree on (dtype, M, N): rank 0 has {metas[0][:3]}, "
-                             f"rank {r} has {meta[:3]}")
+    return _decide(op, ctx.gather_meta(op, 5, row, problem), x2.element_size(), chunks, ctx)
+
+
+def _decide(op: str, metas, itemsize: int, chunks, ctx: OpsContext) -> tuple[Decision, bool]:
+    """``_plan`` from every rank's ``_local_row``, once gathered."""
+    _same_rows(op, metas)
     world, m, n = len(metas), metas[0][1], metas[0][2]
     k_max = max(meta[3] for meta in metas)
-    wire = 2 * (world - 1) / world * m * n * x2.element_size()
+    wire = 2 * (world - 1) / world * m * n * itemsize
     gemv = m <= GEMV_ROWS  # pieces cut N: [M, N_j] each
     work = Work(flops=2.0 * m * k_max * n, wire_bytes=wire, kind="all_reduce",
                 length=n if gemv else m, width=m if gemv else n, columns=gemv)
     return ctx.decide(op, chunks, work=work, rows=work.length), all(meta[4] for meta in metas)
 
 
+def _same_rows(op: str, metas) -> None:
+    for r, meta in enumerate(metas):
+        if meta[:3] != metas[0][:3]:
+            raise ValueError(f"{op}: ranks disagree on (dtype, M, N): rank 0 has {metas[0][:3]}, "
+                             f"rank {r} has {meta[:3]}")
+
+
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
-                   transposed: bool, meanwhile=None) -> torch.Tensor:
+                   transposed: bool, meanwhile=None, in_flight: list | None = None) -> torch.Tensor:
     """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce.
 
     ``meanwhile``: called once every piece is on the wire, before waiting for them (a
     backward computes its weight gradient there, under the last pieces' all_reduce).
+    ``in_flight``: a list the pieces' pending collectives are put in instead of being
+    waited for (the output is not ready until they are); a GEMV, whose result is laid
+    out only once every block has arrived, still waits.
     """
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
         with piece():
             out = x2 @ w
-        return _waited(out, [dist.all_reduce(out, group=group, async_op=meanwhile is not None)],
-                       meanwhile)
+        asynchronous = meanwhile is not None or in_flight is not None
+        works = [dist.all_reduce(out, group=group, async_op=asynchronous)]
+        return _waited(out, works, meanwhile, in_flight)
     if m <= GEMV_ROWS:
         return _gemv_pieces(x2, w, group, decision.chunks, transposed, meanwhile)
     bounds = offsets(tapered(m, decision.chunks))
@@ -100,13 +118,17 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
         with piece():
             torch.matmul(x2[lo:hi], w, out=out[lo:hi])
         works.append(dist.all_reduce(out[lo:hi], group=group, async_op=True))
-    return _waited(out, works, meanwhile)
+    return _waited(out, works, meanwhile, in_flight)
 
 
-def _waited(out: torch.Tensor, works, meanwhile) -> torch.Tensor:
-    """Run ``meanwhile`` (if any) while ``works`` are in flight, wait for them, give ``out``."""
+def _waited(out: torch.Tensor, works, meanwhile, in_flight: list | None = None) -> torch.Tensor:
+    """Run ``meanwhile`` (if any) while ``works`` are in flight, wait for them, give ``out``;
+    or, given ``in_flight``, leave them there for the caller to wait for."""
     if meanwhile is not None:
         meanwhile()
+    if in_flight is not None:
+        in_flight.extend(w for w in works if w is not None)
+        return out
     for work in works:
         if work is not None:
             work.wait()
@@ -139,12 +161,25 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
     return buf.t() if transposed else torch.cat(blocks, dim=1)
 
 
+class InFlight:
+    """An operator's output whose last pieces may still be on the wire: read it through
+    ``wait()`` (every rank must, before the group's next collective could depend on it)."""
+
+    def __init__(self, out: torch.Tensor, works: list):
+        self._out, self._works = out, works
+
+    def wait(self) -> torch.Tensor:
+        while self._works:
+            self._works.pop(0).wait()
+        return self._out
+
+
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, group, decision, transposed, wgrad_into):
+    def forward(ctx, x2, w, group, decision, transposed, wgrad_into, in_flight):
         ctx.save_for_backward(x2, w)
         ctx.region, ctx.wgrad_into = current_region(), wgrad_into
-        return _fused_forward(x2, w, group, decision, transposed)
+        return _fused_forward(x2, w, group, decision, transposed, in_flight=in_flight)
 
     @staticmethod
     def backward(ctx, dy):
@@ -159,7 +194,7 @@ class _MatmulAllReduce(torch.autograd.Function):
                 with compute_region(region), piece():
                     accumulate(param, dy.t() @ x2)
             defer(wgrad)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -174,24 +209,40 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="a
     the backward's next fused collective and added to ``p.grad``
     (:mod:`plait.ops.deferred`), instead of being returned through autograd.
     """
+    return matmul_all_reduce_start(x, w, group, chunks=chunks, ctx=ctx,
+                                   wgrad_into=wgrad_into).wait()
+
+
+def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
+                            ctx: OpsContext | None = None,
+                            wgrad_into: torch.Tensor | None = None) -> InFlight:
+    """``matmul_all_reduce``, returned once every piece is computed and on the wire:
+    ``.wait()`` gives the result. Between the two the caller may compute anything that
+    does not read the result, and start other collectives on the group (they queue
+    behind these pieces); the backward is the same as ``matmul_all_reduce``'s."""
     ctx = ctx or get_context(group)
     x2 = x.reshape(-1, x.shape[-1])
     if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
         raise ValueError(f"matmul_all_reduce: wgrad_into {tuple(wgrad_into.shape)} is not the "
                          f"transposed shape of w {tuple(w.shape)}")
     decision, transposed = _plan("matmul_all_reduce", x2, w, chunks, ctx)
-    out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into)
-    return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
+    works: list = []
+    out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works)
+    return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, group, chunks, ops_ctx):
+    def forward(ctx, x2, w, group, chunks, ops_ctx, agreed):
         ctx.save_for_backward(x2, w)
         ctx.group, ctx.chunks, ctx.ops_ctx = group, chunks, ops_ctx
         ctx.region = current_region()
         with piece():
-            return x2 @ w
+            y = x2 @ w
+        if agreed is not None:  # it travelled under the GEMM
+            ctx.metas = agreed()
+            _same_rows(DGRAD, ctx.metas)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -206,21 +257,42 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                         grads["dw"] = x2.t() @ dy
                 run_deferred()
             if ctx.needs_input_grad[0]:
-                wt = w.t()
-                decision, transposed = _plan("column_parallel_matmul.dgrad", dy, wt, ctx.chunks,
-                                             ctx.ops_ctx)
-                dx = _fused_forward(dy.contiguous(), wt, ctx.group, decision, transposed,
+                decision, transposed = _decide(DGRAD, ctx.metas, dy.element_size(), ctx.chunks,
+                                               ctx.ops_ctx)
+                dx = _fused_forward(dy.contiguous(), w.t(), ctx.group, decision, transposed,
                                     meanwhile=wgrad)
             else:
                 wgrad()
-        return dx, grads.get("dw"), None, None, None
+        return dx, grads.get("dw"), None, None, None, None
+
+
+DGRAD = "column_parallel_matmul.dgrad"
+
+
+def _dgrad_row(x2: torch.Tensor, w: torch.Tensor) -> tuple[int, ...]:
+    """The backward's ``_local_row``, known in the forward: dy [M, N_r] @ wᵀ [N_r, K]."""
+    _local_row("column_parallel_matmul", x2, w)
+    return DTYPE_CODES[x2.dtype], x2.shape[0], x2.shape[1], w.shape[1], int(_column_major(w.t()))
 
 
 def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
                            ctx: OpsContext | None = None) -> torch.Tensor:
-    """``x @ w_r`` forward (x replicated); backward's dgrad is a fused ``matmul_all_reduce``."""
+    """``x @ w_r`` forward (x replicated); backward's dgrad is a fused ``matmul_all_reduce``.
+
+    The forward computes locally. When x needs a gradient, the backward's cross-rank
+    check is made here, its small gather travelling under the local GEMM, so the
+    backward's all-reduce starts without one.
+    """
     ctx = ctx or get_context(group)
     x2 = x.reshape(-1, x.shape[-1])
-    _local_row("column_parallel_matmul", x2, w)  # its forward is local: only local checks
-    out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx)
+    agreed = None
+    if torch.is_grad_enabled() and x.requires_grad:
+        row, problem = attempt(lambda: (check_chunks(DGRAD, chunks), _dgrad_row(x2, w))[1])
+        agreed = ctx.start_meta(DGRAD, 5, row, problem)
+        if problem is not None:
+            agreed()  # raises on every rank
+    else:
+        check_chunks(DGRAD, chunks)  # no backward all-reduce: local checks only
+        _local_row("column_parallel_matmul", x2, w)
+    out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx, agreed)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
