@@ -162,8 +162,8 @@ def _schedule(parts):
     start, finish = linear.RowParallelLinear.start, linear.Started.finish
     mb = {}
 
-    def logged_start(self, x):
-        started = start(self, x)
+    def logged_start(self, x, chunks=None):
+        started = start(self, x, chunks)
         mb[id(started)] = len([e for e in events if e[0] == "start"]) % parts
         events.append(("start", mb[id(started)]))
         return started

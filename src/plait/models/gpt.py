@@ -131,19 +131,22 @@ class GPT(nn.Module):
         if s > self.cfg.block_size:
             raise ValueError(f"sequence of {s} is longer than block_size {self.cfg.block_size}")
         pos = torch.arange(s, device=idx.device)
-        x = self.run_blocks(self.wte(idx) + self.wpe(pos))  # [B, S, D]
-        logits = self.lm_head(self.ln_f(x))  # [B, S, V]
+        logits = self.run_blocks(self.wte(idx) + self.wpe(pos), self.head)  # [B, S, V]
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream through every block, [B, S, D] → [B, S, D] (``plait.nn`` may
-        give a parallel model its own: micro-batches interleaved)."""
+    def run_blocks(self, x: torch.Tensor, then) -> torch.Tensor:
+        """``then`` of the residual stream through every block ([B, S, D] in; ``then`` is
+        row-wise). ``plait.nn`` may give a parallel model its own: micro-batches interleaved."""
         for block in self.blocks:
             x = block(x)
-        return x
+        return then(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final LayerNorm and the LM head: [B, S, D] → logits [B, S, V]."""
+        return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -441,10 +441,11 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.start(x).finish()
 
-    def start(self, x: torch.Tensor) -> "Started":
+    def start(self, x: torch.Tensor, chunks=None) -> "Started":
         """The forward, returned while its all-reduce may still be on the wire (fused,
         not sequence-parallel: the last pieces are); ``finish()`` gives ``forward(x)``.
-        Every other path is done by the time it returns."""
+        Every other path is done by the time it returns. ``chunks``: this call's pieces
+        (default the layer's)."""
         weight = self.weight  # [N, K_r]; K_r kept only, when resized
         if self._kept is not None:
             x, weight = x.index_select(-1, self._kept), weight.index_select(1, self._kept)
@@ -462,8 +463,9 @@ class RowParallelLinear(_ParallelLinear):
                 y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
         elif self.overlap:
             into = self.weight if self._kept is None else None  # a resized weight is a copy
+            chunks = self.chunks if chunks is None else chunks
             return Started(self._pieces(lambda x: matmul_all_reduce_start(
-                x, w, self.group, chunks=self.chunks, wgrad_into=into), x), self.bias)
+                x, w, self.group, chunks=chunks, wgrad_into=into), x), self.bias)
         else:
             y = self._region(lambda x: F.linear(x, weight), x)
             y = reduce_from_region(y, self.group)

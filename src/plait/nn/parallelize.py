@@ -150,21 +150,26 @@ def interleaved_blocks(blocks, parts: int):
     """``run_blocks`` for ``blocks`` on up to ``parts`` micro-batches (cut along the batch).
 
     Each micro-batch in turn computes its next residual branch and starts that branch's
-    projection (its all-reduce pieces go on the wire); it waits for the branch before
-    only when its turn comes again, after the other micro-batches have computed theirs.
+    projection (its all-reduce goes on the wire); it waits for the branch before only
+    when its turn comes again, after the other micro-batches have computed theirs, and
+    runs ``then`` (the model's head) on its share while the next one's last all-reduce
+    travels. The other micro-batches' compute hides an all-reduce, so with
+    ``chunks="auto"`` it goes out whole, saving the pieces' overhead; only the last
+    branch's, with nothing but a head to hide under, keeps the layer's pieces.
     """
-    def run_blocks(x: torch.Tensor) -> torch.Tensor:
-        if not len(blocks):
-            return x
+    def run_blocks(x: torch.Tensor, then) -> torch.Tensor:
+        branches = [branch for block in blocks for branch in block.branches()]
+        if not branches:
+            return then(x)
         xs = list(x.chunk(parts))  # fewer when the batch has fewer rows
         started = [None] * len(xs)
-        for block in blocks:
-            for pre, proj in block.branches():
-                for i in range(len(xs)):
-                    if started[i] is not None:
-                        xs[i] = xs[i] + started[i].finish()
-                    started[i] = proj.start(pre(xs[i]))
-        return torch.cat([x + s.finish() for x, s in zip(xs, started)])
+        for j, (pre, proj) in enumerate(branches):
+            whole = j < len(branches) - 1 and proj.chunks == "auto"
+            for i in range(len(xs)):
+                if started[i] is not None:
+                    xs[i] = xs[i] + started[i].finish()
+                started[i] = proj.start(pre(xs[i]), chunks=1 if whole else None)
+        return torch.cat([then(x + s.finish()) for x, s in zip(xs, started)])
 
     return run_blocks
 
