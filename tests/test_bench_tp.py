@@ -44,6 +44,8 @@ def test_plait_matches_pytorch_tp_loss_for_5_steps(tiny_records):
     assert by["plait"]["losses"][-1] < by["plait"]["losses"][0]  # it trains
     summary = summarize_tp(tiny_records)
     assert summary["losses_agree_1e-4"] and summary["max_loss_diff"] <= 1e-4
+    # plait ran its batch as 2 interleaved micro-batches, the others whole
+    assert summary["plait_microbatches"] == 2 and by["plait-plain"]["microbatches"] == 1
 
 
 def test_heads_contiguous_qkv_gives_each_rank_whole_heads():
@@ -77,6 +79,7 @@ def test_dlrm_embeddings_match_torchrec_or_say_why(tiny_records):
     (dict(optimizer="lamb"), "adamw or sgd"),
     (dict(n_embd=100, n_head=8), "multiple of n_head"),
     (dict(steps=0), "positive"),
+    (dict(microbatches=0), "--microbatches must be positive"),
 ])
 def test_bad_configs_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -17,6 +17,7 @@ def _falls(losses, k=3):
 
 @pytest.mark.parametrize("model,extra", [
     ("gpt", dict(sequence_parallel=True, plans=("heads=3:1",))),
+    ("gpt", dict(microbatches=2, plans=("mlp=96:32",))),
     ("moe", dict(plans=("experts=3:1",))),
     ("dlrm", dict(plans=("tables=5:3",))),
 ])
@@ -55,5 +56,9 @@ def test_config_from_flags_and_its_errors():
         TrainConfig(model="dlrm", sequence_parallel=True)
     with pytest.raises(ValueError, match=r"--plans heads: shard sizes \[4, 0\] leave rank 1 with no heads"):
         train(TrainConfig(plans=("heads=4:0",)), ranks=2)  # refused before any rank starts
+    with pytest.raises(ValueError, match="--microbatches 2 applies to --model gpt, fused"):
+        TrainConfig(model="moe", microbatches=2)
+    with pytest.raises(ValueError, match="--microbatches 2 applies to --model gpt, fused"):
+        TrainConfig(microbatches=2, overlap=False)
     with pytest.raises(ValueError, match="does not apply to --model dlrm"):
         TrainConfig(model="dlrm", plans=("heads=2:2",)).check_plans(2)
