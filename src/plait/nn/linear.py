@@ -452,7 +452,7 @@ class RowParallelLinear(_ParallelLinear):
         w = weight.t()  # [K_r, N]
         if self.info.world == 1:
             with compute_scope(x.device, self.compute_timer, self._work()):
-                return Started(F.linear(x, weight, self.bias))
+                return Started(InFlight(F.linear(x, weight, self.bias), []))
         if self.sequence_parallel:
             sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
             if self.overlap:
@@ -469,16 +469,16 @@ class RowParallelLinear(_ParallelLinear):
         else:
             y = self._region(lambda x: F.linear(x, weight), x)
             y = reduce_from_region(y, self.group)
-        return Started(y, self.bias)
+        return Started(InFlight(y, []), self.bias)  # nothing left on the wire
 
 
 class Started:
     """A row-parallel layer's forward begun: ``finish()`` waits for what is still on the wire
     (if anything) and adds the bias, giving what ``forward`` gives."""
 
-    def __init__(self, y, bias: torch.Tensor | None = None):
-        self._y, self._bias = y, bias
+    def __init__(self, flight: InFlight, bias: torch.Tensor | None = None):
+        self._flight, self._bias = flight, bias
 
     def finish(self) -> torch.Tensor:
-        y = self._y.wait() if isinstance(self._y, InFlight) else self._y
+        y = self._flight.wait()
         return y if self._bias is None else y + self._bias
