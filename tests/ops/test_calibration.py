@@ -44,3 +44,35 @@ def test_gemm_rate_reads_the_table_between_and_beyond_its_points():
     between = cal.gemm_rate((GEMM_ROWS[1] * GEMM_ROWS[2]) ** 0.5, GEMM_WIDTHS[0])
     assert between == pytest.approx((2e9 * 3e9) ** 0.5)  # halfway in log rows
     assert Calibration(DEFAULT_PROFILE).gemm_rate(64, 64) == DEFAULT_PROFILE.compute_flops
+
+
+def _interleaved_order():
+    from plait.ops.calibration import _interleaved
+    order = []
+    timed = _interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, None, rounds=3)
+    return order, sorted(timed)
+
+
+def test_figures_are_timed_in_interleaved_rounds():
+    """Every figure once a round (after one warm-up each), so drift lands on all alike."""
+    for order, names in run_ranks(_interleaved_order, 2):
+        assert order == ["a", "b"] * 4 and names == ["a", "b"]
+
+
+def _auto_pick():
+    from dataclasses import replace
+    from plait.ops.context import OpsContext
+    from plait.perf.pieces import Work
+    # comm-bound, flat compute rate, no per-piece cost: predicted c/p + m, falling to the end
+    wire = 8e6
+    profile = replace(DEFAULT_PROFILE, compute_flops=1e10, latency_s=1e-9, base_latency_s=0.0,
+                      bandwidth_Bps=wire / 0.1, per_piece_overhead_s=0.0, overlap_slowdown=0.0)
+    ctx = OpsContext(calibrated=Calibration(profile))
+    work = Work(flops=1e8, wire_bytes=wire, kind="all_reduce", taper=False)  # c = 10 ms, m = 100 ms
+    return ctx.decide("op", "auto", work=work, rows=1024)
+
+
+def test_auto_takes_the_predicted_best_not_the_fewest_pieces_near_it():
+    # 8 pieces predicted 101.25 ms, 7 pieces 101.43, 4 pieces 102.5: a 2 % tie took 4
+    for decision in run_ranks(_auto_pick, 2):
+        assert (decision.path, decision.chunks) == ("fused", 8)

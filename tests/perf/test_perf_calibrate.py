@@ -127,3 +127,37 @@ def test_a_profile_keeps_the_pieces_model_bench_ops_measured(tmp_path):
     assert (cal.profile.overlap_slowdown, cal.profile.per_piece_overhead_s) == (0.45, 3e-4)
     assert cal.comm_time("all_to_all", 2e6) == pytest.approx(measured.comm_time("all_to_all", 2e6))
     assert from_profile(fit_profile(_coll_records(rng))).gemm == ()  # without: α–β, flat rate
+
+
+def test_several_bench_ops_runs_give_their_median_calibration(tmp_path):
+    """load_calibration: figure by figure, the median of the runs shaped like the newest;
+    one run's slow stretch is outvoted, and a run of another shape is left out."""
+    import os
+
+    from plait.perf.calibrate import load_calibration
+    from plait.perf.pieces import Calibration, calibration_dict
+
+    def run(name, scale, world=2, mtime=0):
+        cal = Calibration(replace_profile(world, 1e10 * scale), memory_Bps=1e9 * scale,
+                          gemm=((1e9 * scale, 2e9 * scale), (3e9 * scale, 4e9 * scale)),
+                          curves={"all_reduce": ((1e4, 1e-4 / scale), (1e6, 1e-2 / scale))})
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"calibration": calibration_dict(cal)}, "records": []}))
+        os.utime(path, (mtime, mtime))
+        return path
+
+    paths = [run("a.json", 1.0, mtime=1), run("b.json", 0.5, mtime=2), run("c.json", 1.2, mtime=3),
+             run("other.json", 9.0, world=4, mtime=0)]
+    med = load_calibration(paths)
+    assert med["runs"] == 3
+    assert med["gemm"] == [[1e9, 2e9], [3e9, 4e9]]  # the 0.5 run's table is outvoted
+    assert med["curves"]["all_reduce"] == [[1e4, 1e-4], [1e6, 1e-2]]
+    assert med["memory_Bps"] == 1e9 and med["profile"]["compute_flops"] == 1e10
+    assert med["profile"]["world_size"] == 2
+    assert load_calibration([paths[-1]])["profile"]["world_size"] == 4
+    assert load_calibration([tmp_path / "missing.json"]) is None
+
+
+def replace_profile(world, flops):
+    from dataclasses import replace
+    return replace(DEFAULT_PROFILE, world_size=world, compute_flops=flops)

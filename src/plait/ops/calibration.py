@@ -27,72 +27,85 @@ import torch.nn.functional as F
 from ..perf.calibrate import MachineProfile
 from ..perf.pieces import GEMM_K, GEMM_ROWS, GEMM_WIDTHS, Calibration, Work, from_profile, predict
 from ..runtime.compat import all_gather_into
-from ..runtime.timing import agreed_max, median, sync, time_repeated
+from ..runtime.timing import agreed_max, median, sync, time_once, time_repeated
 from .agree import meta_device
 
 __all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES", "GEMM_ROWS", "GEMM_WIDTHS"]
 
 CURVE_BYTES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # wire bytes a rank sends
-CURVE_REPEATS = 5  # calls per size and kind, their median (of 3, two slow calls set a point)
+ROUNDS = 5  # timed rounds; each round times every figure once, and each figure is its median
 
 
 def measure(group=None) -> Calibration:
-    """Measure on the running group (≈ 1 s on a 1 Gbit/s link); every rank gets rank 0's."""
+    """Measure on the running group (≈ 1 s on a 1 Gbit/s link); every rank gets rank 0's.
+
+    The compute figures (one GEMM, the pooled lookups, the GEMM rate table) are timed in
+    interleaved rounds, every figure once a round, and so are the collective curves: a
+    slow stretch of a shared machine then lands on one round of every figure, not on
+    every repeat of some of them. Timed one after the other, a stretch at 60 % of the
+    usual rate once covered all but the largest rows of the table, and auto picked 2
+    pieces where 8 was 20 % faster (README, simulate --validate)."""
     n, dev = dist.get_world_size(group), meta_device(group)
     x, w = torch.randn(512, 2048, device=dev), torch.randn(2048, 1024, device=dev)
     out = torch.empty(512, 1024, device=dev)  # 2 MiB
-    compute_s = _median(lambda: torch.matmul(x, w, out=out), group, 5)  # medians: this is a
-    # shared machine, where a minimum is a lucky moment, not the rate the operator will see
     # pooled lookups as the embedding operator makes them (8 ids a bag); index_select, timed
     # before, allocates its output each call and swung 0.3-4.4 GB/s between calibrations
     table = torch.randn(200_000, 64, device=dev)
     ids = torch.randint(0, table.shape[0], (65536,), device=dev)
     bags = torch.arange(0, ids.numel(), 8, device=dev)
-    memory_s = _median(lambda: F.embedding_bag(ids, table, bags, mode="sum"), group, 7)
+    cells = _gemm_cells(dev)
+    # medians: this is a shared machine, where a minimum is a lucky moment, not the rate
+    # the operator will see
+    compute = _interleaved({"gemm": lambda: torch.matmul(x, w, out=out),
+                            "lookups": lambda: F.embedding_bag(ids, table, bags, mode="sum"),
+                            **cells}, group)
     alpha = _fastest(lambda: dist.all_reduce(torch.zeros(8, device=dev), group=group), group, 10)
-    curves = {kind: _curve(group, n, kind, dev) for kind in ("all_reduce", "all_to_all", "all_gather")}
+    curves = _curves(group, n, dev)
+    gemm = tuple(tuple(2 * rows * GEMM_K * width / compute[(rows, width)] for width in GEMM_WIDTHS)
+                 for rows in GEMM_ROWS)
     cal = Calibration(MachineProfile(latency_s=alpha, bandwidth_Bps=CURVE_BYTES[-1] / curves["all_reduce"][-1][1],
-                                     compute_flops=2 * 512 * 2048 * 1024 / compute_s, world_size=n,
+                                     compute_flops=2 * 512 * 2048 * 1024 / compute["gemm"], world_size=n,
                                      source="measured on the running group (plait.ops.calibration)"),
-                      memory_Bps=ids.numel() * table.shape[1] * 4 / memory_s, curves=curves,
-                      gemm=_gemm_table(group, dev))
+                      memory_Bps=ids.numel() * table.shape[1] * 4 / compute["lookups"], curves=curves,
+                      gemm=gemm)
     k, o = _pipeline_overheads(cal, x, w, out, group)
     profile = MachineProfile(**{**cal.profile.to_dict(), "per_piece_overhead_s": o, "overlap_slowdown": k})
     return _agree(replace(cal, profile=profile), group)
 
 
-def _gemm_table(group, dev) -> tuple[tuple[float, ...], ...]:
-    """FLOP/s of [rows, GEMM_K] @ [GEMM_K, width] for the grid (≈ 0.3 s on one core)."""
+def _gemm_cells(dev) -> dict:
+    """(rows, width) → one [rows, GEMM_K] @ [GEMM_K, width] GEMM, for the rate table."""
     x = torch.randn(GEMM_ROWS[-1], GEMM_K, device=dev)
     out = torch.empty(GEMM_ROWS[-1] * GEMM_WIDTHS[-1], device=dev)
-    table = []
-    for rows in GEMM_ROWS:
-        row = []
-        for width in GEMM_WIDTHS:
-            w, y = torch.randn(GEMM_K, width, device=dev), out[:rows * width].view(rows, width)
-            row.append(2 * rows * GEMM_K * width / _median(lambda: torch.matmul(x[:rows], w, out=y),
-                                                            group, 3))
-        table.append(tuple(row))
-    return tuple(table)
+    weights = {width: torch.randn(GEMM_K, width, device=dev) for width in GEMM_WIDTHS}
+
+    def cell(rows, width):
+        a, b, y = x[:rows], weights[width], out[:rows * width].view(rows, width)
+        return lambda: torch.matmul(a, b, out=y)
+    return {(rows, width): cell(rows, width) for rows in GEMM_ROWS for width in GEMM_WIDTHS}
 
 
-def _curve(group, n: int, kind: str, dev) -> tuple[tuple[float, float], ...]:
-    """Seconds per call at each size of CURVE_BYTES, the calls issued as a fused operator
-    issues its pieces: back to back, async, up to the largest size's bytes in all (at most
-    8 calls), then waited for; the time per call is the total over the calls. One isolated
-    call is slower per byte than the same call among others in flight, and gloo's single
-    large all_to_all swings between about half and the whole link rate from one
+def _curves(group, n: int, dev) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per kind, seconds per call at each size of CURVE_BYTES, the calls issued as a fused
+    operator issues its pieces: back to back, async, up to the largest size's bytes in all
+    (at most 8 calls), then waited for; the time per call is the total over the calls. One
+    isolated call is slower per byte than the same call among others in flight, and gloo's
+    single large all_to_all swings between about half and the whole link rate from one
     calibration to the next, which made pieces look slower than the call they cut."""
-    points = []
-    for wire in CURVE_BYTES:
-        calls = [_one_call(group, n, kind, wire, dev)
-                 for _ in range(max(1, min(8, CURVE_BYTES[-1] // wire)))]
+    kinds = ("all_reduce", "all_to_all", "all_gather")
+    runs, counts = {}, {}
+    for kind in kinds:
+        for wire in CURVE_BYTES:
+            calls = [_one_call(group, n, kind, wire, dev)
+                     for _ in range(max(1, min(8, CURVE_BYTES[-1] // wire)))]
 
-        def pipelined():
-            for work in [call() for call in calls]:
-                work.wait()
-        points.append((float(wire), _median(pipelined, group, CURVE_REPEATS) / len(calls)))
-    return tuple(points)
+            def pipelined(calls=calls):
+                for work in [call() for call in calls]:
+                    work.wait()
+            runs[(kind, wire)], counts[(kind, wire)] = pipelined, len(calls)
+    timed = _interleaved(runs, group)
+    return {kind: tuple((float(wire), timed[(kind, wire)] / counts[(kind, wire)]) for wire in CURVE_BYTES)
+            for kind in kinds}
 
 
 def _one_call(group, n: int, kind: str, wire: float, dev):
@@ -163,6 +176,17 @@ def _times(fn, group, repeats: int) -> list[float]:
 
 def _median(fn, group, repeats: int) -> float:
     return median(_times(fn, group, repeats))
+
+
+def _interleaved(fns: dict, group, rounds: int = ROUNDS) -> dict:
+    """Each function's median time (the slowest rank's) over ``rounds`` rounds, every
+    function timed once a round, after one warm-up call each."""
+    dev = meta_device(group)
+    for fn in fns.values():
+        fn()
+    own = [time_once(fn, dev, group=group) for _ in range(rounds) for fn in fns.values()]
+    slowest = agreed_max(own, group, dev)
+    return {name: median(slowest[i::len(fns)]) for i, name in enumerate(fns)}
 
 
 def _fastest(fn, group, repeats: int) -> float:

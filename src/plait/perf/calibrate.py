@@ -181,8 +181,11 @@ def load_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
 
 
 def load_calibration(paths: Iterable[str | os.PathLike]) -> dict | None:
-    """The calibration the newest ``plait bench ops`` JSON among ``paths`` recorded in its
-    meta (what its ``chunks="auto"`` priced pieces with), or None."""
+    """The calibration ``plait bench ops`` JSON among ``paths`` recorded in its meta (what
+    its ``chunks="auto"`` priced pieces with), or None. With several runs, their median,
+    figure by figure, over the runs shaped like the newest (same world size, curve sizes
+    and rate table): one calibration is a few seconds of a shared machine, and a slow
+    stretch in one run's is outvoted by the others."""
     found = []
     for path in paths:
         try:
@@ -191,7 +194,36 @@ def load_calibration(paths: Iterable[str | os.PathLike]) -> dict | None:
             continue
         if isinstance(meta, dict) and isinstance(meta.get("calibration"), dict):
             found.append((Path(path).stat().st_mtime, meta["calibration"]))
-    return max(found, key=lambda f: f[0])[1] if found else None
+    if not found:
+        return None
+    newest = max(found, key=lambda f: f[0])[1]
+    alike = [cal for _, cal in found if _shape(cal) == _shape(newest)]
+    return _median_of(alike)
+
+
+def _shape(cal: dict) -> tuple:
+    """What must match for two calibrations' figures to be comparable one by one."""
+    return (cal.get("profile", {}).get("world_size"),
+            tuple(sorted((k, tuple(p[0] for p in v)) for k, v in cal.get("curves", {}).items())),
+            tuple(len(row) for row in cal.get("gemm", [])))
+
+
+def _median_of(cals: list[dict]) -> dict:
+    """Figure by figure, the median of calibrations of one shape (sizes are kept)."""
+    def med(values):
+        return float(np.median(values))
+    first = cals[0]
+    profile = dict(first.get("profile", {}))
+    for key, value in profile.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "world_size":
+            profile[key] = med([c["profile"][key] for c in cals])
+    curves = {kind: [[size, med([c["curves"][kind][i][1] for c in cals])]
+                     for i, (size, _) in enumerate(points)]
+              for kind, points in first.get("curves", {}).items()}
+    gemm = [[med([c["gemm"][i][j] for c in cals]) for j in range(len(row))]
+            for i, row in enumerate(first.get("gemm", []))]
+    return {**first, "profile": profile, "curves": curves, "gemm": gemm,
+            "memory_Bps": med([c.get("memory_Bps", 0.0) for c in cals]), "runs": len(cals)}
 
 
 def split_records(records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
@@ -373,7 +405,7 @@ def fit_profile(records: Sequence[dict], *, link: str | None = None,
         link=link or "",
         world_size=max(int(r["world_size"]) for r in coll),
         source=source or f"fit {stamp} on {len(coll)} collective + {len(ops)} op records "
-                         f"({', '.join(files)})" + ("; pieces model as bench ops measured it"
-                                                    if measured else ""),
+                         f"({', '.join(files)})" + (f"; pieces model as bench ops measured it (median of "
+                                                    f"{measured.get('runs', 1)} runs)" if measured else ""),
         fit_rel_error=err,
     )
