@@ -14,7 +14,8 @@ TINY = {
     "matmul_all_to_all": [dict(tokens=64, hidden=16, experts=2, ffn=8)],
 }
 KEYS = {"op", "shape", "t_compute_s", "t_comm_s", "t_unfused_s", "t_fused_s", "t_limit_s",
-        "t_beside_s", "chunks", "path", "correct", "t_fixed_s", "peak_bytes_fused"}
+        "t_beside_s", "chunks", "path", "correct", "t_fixed_s", "peak_bytes_fused", "t_rounds_s",
+        "auto_over_best_fixed"}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,9 @@ def test_every_operator_has_its_record_and_is_correct(records):
         assert r["t_limit_s"] == max(r["t_compute_s"], r["t_comm_s"])
         assert min(r["t_beside_s"], r["t_fused_s"], r["t_unfused_s"]) > 0
         assert set(r["t_fixed_s"]) == {"1", "2"}
+        assert set(r["t_rounds_s"]) == {"auto", "1", "2"}  # every round of auto and each count
+        assert all(len(ts) == 2 and min(ts) > 0 for ts in r["t_rounds_s"].values())
+        assert r["auto_over_best_fixed"] > 0
 
 
 def test_the_summary_reads_the_records(records):

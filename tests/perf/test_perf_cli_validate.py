@@ -119,3 +119,29 @@ def test_pieces_are_priced_by_their_wire_bytes_on_the_all_reduce_curve():
     priced = _piece_priced(rec, curves)
     assert priced["t_comm_s"] == pytest.approx(4 * 1e-2)  # four 1e6-byte pieces at 1e8 B/s
     assert _piece_priced({**rec, "chunks": 1}, curves)["t_comm_s"] == 0.08  # plain: as measured
+
+
+def test_auto_against_the_best_count_is_compared_round_by_round():
+    """Two runs where a slow stretch hit auto's rounds more than the fixed counts' medians
+    show: the paired per-round ratio divides it out; the medians alone would not."""
+    from plait.perf.validate import _auto_row
+    from plait.perf.pipeline import PipelineOverheads
+
+    def run(auto, eight, four):
+        return {"op": "matmul_all_reduce", "t_fused_s": sorted(auto)[len(auto) // 2], "chunks": 8,
+                "t_fixed_s": {"8": sorted(eight)[len(eight) // 2], "4": sorted(four)[len(four) // 2]},
+                "t_rounds_s": {"auto": auto, "8": eight, "4": four}, "_file": "ops.json"}
+    # rounds 1-2 slow for every variant; auto was measured slow in more rounds than 8
+    slow, fast = 2.0, 1.0
+    recs = [run([slow, slow, fast * 1.01], [slow, fast, fast], [slow, 1.2, 1.2]),
+            run([fast * 1.01, slow, slow], [fast, fast, slow], [1.2, slow, 1.2])]
+    key = ("matmul_all_reduce", (("m", 1),), 2, "1gbit")
+    row, = _auto_row(key, recs, MachineProfile(latency_s=0.0, bandwidth_Bps=1.0),
+                     PipelineOverheads(0.0, 0.0), "m=1")
+    assert row.reference == pytest.approx(1e3)  # best fixed: 8 pieces, median 1.0 s
+    assert row.rel_error == pytest.approx(0.01)  # not the 100 % of median(auto) / median(8)
+    assert "per-round" in row.note
+    del recs[0]["t_rounds_s"], recs[1]["t_rounds_s"]  # older records: medians only
+    row, = _auto_row(key, recs, MachineProfile(latency_s=0.0, bandwidth_Bps=1.0),
+                     PipelineOverheads(0.0, 0.0), "m=1")
+    assert row.rel_error == pytest.approx(1.0)

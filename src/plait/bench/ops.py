@@ -15,7 +15,10 @@ the slowest rank's; the median over iterations is reported):
 ``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every
 fused result is compared with the plain path's (``correct``). The timings of
 all variants are interleaved iteration by iteration, so drift of a shared
-machine hits them alike.
+machine hits them alike, and their order turns by one each iteration, so no
+variant always follows the same one. In a fixed order, auto (always right
+after the plain path) ran slower than the same piece count timed among the
+fixed counts in 50 of 73 comparisons over six runs (median +0.6 %, up to +14 %).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..ops.pieces import even_sizes
 from ..perf.pieces import calibration_dict
 from ..runtime import rank_context
 from ..runtime.compat import all_gather_into
-from ..runtime.timing import agreed_max, median, time_once
+from ..runtime.timing import agreed_max, median, time_interleaved
 from .case import Case
 from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
 from .memory import peak_bytes
@@ -176,11 +179,8 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     for fn in variants.values():
         for _ in range(cfg.warmup):
             fn()
-    own = {name: [] for name in variants}
-    for _ in range(cfg.iters):  # interleaved: drift hits every variant alike
-        for name, fn in variants.items():
-            own[name].append(time_once(fn, device))
-    times = {name: median(agreed_max(ts)) for name, ts in own.items()}
+    timed = time_interleaved(variants, cfg.iters, device)
+    times = {name: median(ts) for name, ts in timed.items()}
     reference = case.plain()
     fused = case.run("auto")
     peak_unfused = peak_bytes(case.plain)
@@ -192,6 +192,9 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     fixed = {name: t for name, t in times.items() if name.startswith("chunks=")}
     best_name = min(fixed, key=fixed.get) if fixed else "auto"
     t_limit = max(times["compute"], times["comm"])
+    # auto against the best fixed count, round by round: the two ran moments apart, so a
+    # slow stretch of the machine divides out (the ratio of their medians keeps it)
+    paired = [a / b for a, b in zip(timed["auto"], timed[best_name])] if fixed else [1.0]
     ctx = rank_context()
     return {
         "op": case.op, "shape": case.shape, "world_size": case.world, "dtype": str(case.dtype)[6:],
@@ -200,6 +203,10 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
         "t_fixed_s": {name[7:]: t for name, t in fixed.items()},
         "best_fixed_chunks": int(best_name[7:]) if fixed else None,
         "t_best_fixed_s": fixed.get(best_name),
+        "auto_over_best_fixed": median(paired),
+        # each round's time of auto and of each fixed count (the slowest rank's)
+        "t_rounds_s": {name.removeprefix("chunks="): ts for name, ts in timed.items()
+                       if name == "auto" or name.startswith("chunks=")},
         "chunks": decision.chunks, "path": decision.path, "reason": decision.reason,
         "speedup": times["unfused"] / times["auto"], "efficiency": t_limit / times["auto"],
         "efficiency_vs_beside": times["beside"] / times["auto"],
@@ -251,7 +258,8 @@ def summarize(records: list[dict]) -> dict:
     twice the compute, the median speedup and efficiency; over all, auto's worst slowdown."""
     balanced = [r for r in records if 0.5 <= r["comm_ratio"] <= 2.0]
     slow = [r for r in records if r["t_fused_s"] > 1.05 * r["t_unfused_s"]]
-    vs_best = [r["t_fused_s"] / r["t_best_fixed_s"] for r in records if r.get("t_best_fixed_s")]
+    vs_best = [r.get("auto_over_best_fixed", r["t_fused_s"] / r["t_best_fixed_s"])
+               for r in records if r.get("t_best_fixed_s")]
     return {
         "balanced_shapes": len(balanced),
         "median_speedup_balanced": median([r["speedup"] for r in balanced]) if balanced else None,
@@ -263,7 +271,9 @@ def summarize(records: list[dict]) -> dict:
                                                          for r in balanced]) if balanced else None),
         "auto_slower_than_unfused_by_5pct": [f"{r['op']} {r['shape']}" for r in slow],
         "worst_auto_over_unfused": max((r["t_fused_s"] / r["t_unfused_s"] for r in records), default=None),
+        # per shape, the median over rounds of auto / best fixed count timed in the same round
         "median_auto_over_best_fixed": median(vs_best) if vs_best else None,
+        "worst_auto_over_best_fixed": max(vs_best) if vs_best else None,
         "all_correct": all(r["correct"] for r in records),
         "fused_never_uses_more_memory": all(r["peak_bytes_fused"] <= r["peak_bytes_unfused"]
                                             for r in records),

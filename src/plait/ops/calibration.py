@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..perf.calibrate import MachineProfile
 from ..perf.pieces import GEMM_K, GEMM_ROWS, GEMM_WIDTHS, Calibration, Work, from_profile, predict
 from ..runtime.compat import all_gather_into
-from ..runtime.timing import agreed_max, median, sync, time_once, time_repeated
+from ..runtime.timing import agreed_max, median, sync, time_interleaved, time_repeated
 from .agree import meta_device
 
 __all__ = ["Calibration", "measure", "from_profile", "CURVE_BYTES", "GEMM_ROWS", "GEMM_WIDTHS"]
@@ -179,14 +179,12 @@ def _median(fn, group, repeats: int) -> float:
 
 
 def _interleaved(fns: dict, group, rounds: int = ROUNDS) -> dict:
-    """Each function's median time (the slowest rank's) over ``rounds`` rounds, every
-    function timed once a round, after one warm-up call each."""
-    dev = meta_device(group)
+    """Each function's median time (the slowest rank's) over ``rounds`` interleaved rounds
+    (:func:`plait.runtime.timing.time_interleaved`), after one warm-up call each."""
     for fn in fns.values():
         fn()
-    own = [time_once(fn, dev, group=group) for _ in range(rounds) for fn in fns.values()]
-    slowest = agreed_max(own, group, dev)
-    return {name: median(slowest[i::len(fns)]) for i, name in enumerate(fns)}
+    timed = time_interleaved(fns, rounds, meta_device(group), group)
+    return {name: median(ts) for name, ts in timed.items()}
 
 
 def _fastest(fn, group, repeats: int) -> float:

@@ -15,8 +15,12 @@ a record with constants fitted on that record:
   overhead fitted on the *other* operator/shape groups (leave-one-group-out);
 * chunks="auto": where ``plait bench ops`` timed fixed piece counts beside auto, the
   operator's own auto (its calibrated cost model, :mod:`plait.perf.pieces`) against
-  the best of them; for older records with one count per record, the measured
-  time at the count this module's pipeline model picks.
+  the best of them (the fastest count by its median over the runs): the median, over
+  every round of every run, of auto's time over that count's in the same round (a
+  round times each variant once, moments apart, so a slow stretch of a shared machine
+  divides out; two medians taken apart keep it: the same 8 pieces timed as auto and as
+  ``chunks=8`` came out up to 16 % apart); for older records with one count per
+  record, the measured time at the count this module's pipeline model picks.
 """
 
 from __future__ import annotations
@@ -277,11 +281,17 @@ def _auto_row(key, recs, prof, o, shape) -> list[Row]:
                 fixed[int(p)].append(float(t))
         meas = {p: statistics.median(v) for p, v in fixed.items()}
         best = min(meas, key=meas.get)
-        auto = statistics.median(float(r["t_fused_s"]) for r in timed)
+        paired = [a / b for r in timed if "auto" in r.get("t_rounds_s", {})
+                  for a, b in zip(r["t_rounds_s"]["auto"], r["t_rounds_s"][str(best)])]
+        if paired:  # round by round: auto and the best count ran moments apart
+            auto, how = meas[best] * statistics.median(paired), (
+                f"median of {len(paired)} per-round ratios auto / {best} pieces")
+        else:  # older records: medians only
+            auto, how = statistics.median(float(r["t_fused_s"]) for r in timed), "medians"
         return [Row(f"local chunks=auto vs best fixed: {key[0]} [{shape}] n={key[2]}",
                     f"{_files(timed)}: plait bench ops sweep", auto * 1e3, meas[best] * 1e3, "ms",
                     "local-auto", note=f"the operator's auto ({timed[0].get('chunks')} pieces) "
-                                       f"measured; best fixed {best}")]
+                                       f"measured; best fixed {best} (by median); {how}")]
     fused = [r for r in recs if r.get("path") == "fused" and r.get("t_fused_s", 0) > 0]
     by_p = defaultdict(list)
     for r in fused:

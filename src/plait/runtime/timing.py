@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["sync", "time_once", "time_repeated", "agreed_max", "median"]
+__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "agreed_max", "median"]
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -44,6 +44,23 @@ def time_repeated(fn: Callable[[], object], iters: int, device: torch.device | N
     """Per-iteration times, each the max over ranks, after the caller's warm-up."""
     own = [time_once(fn, device, group=group) for _ in range(iters)]
     return agreed_max(own, group, device)
+
+
+def time_interleaved(fns: dict, rounds: int, device: torch.device | None = None,
+                     group=None) -> dict:
+    """Each function's times (each the max over ranks) over ``rounds`` rounds, every
+    function timed once a round, after the caller's warm-up. Interleaved, a slow stretch
+    of a shared machine lands on one round of every function, not on every call of some;
+    and the order turns by one each round, so no function always follows the same one
+    (whatever one call leaves behind, the next inherits)."""
+    names = list(fns)
+    own = {name: [] for name in names}
+    for i in range(rounds):
+        turn = i % len(names) if names else 0
+        for name in names[turn:] + names[:turn]:
+            own[name].append(time_once(fns[name], device, group=group))
+    slowest = agreed_max([t for name in names for t in own[name]], group, device)
+    return {name: slowest[j * rounds:(j + 1) * rounds] for j, name in enumerate(names)}
 
 
 def median(values: Sequence[float]) -> float:
