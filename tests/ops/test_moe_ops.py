@@ -239,3 +239,22 @@ def _raise_in_op():
 def test_error_reaches_the_caller():
     with pytest.raises(RankError, match="recv_counts sum to 2, but y has 3 rows"):
         run_ranks(_raise_in_op, 2, timeout_s=10)
+
+
+def test_the_model_sees_own_tokens_need_no_wire():
+    """The busiest rank's own tokens: multiplied first in a dispatch (beside the transfers,
+    not in its plain path), last in a combine (beside the last pieces)."""
+    from plait.ops.moe import _Routes
+
+    traffic = ((30, 10), (20, 45))  # rows rank a sends rank b; rank 1 receives 55, 45 its own
+    routes = _Routes(0, 2, ((30, ), (10, )), ((30, ), (20, )), traffic)
+    dispatch, combine = routes.estimate(4, 8, 4, False), routes.estimate(4, 8, 4, True)
+    per_row = 2.0 * 4 * 8
+    assert (dispatch.flops, dispatch.lead_flops, dispatch.tail_flops) == (10 * per_row, 45 * per_row, 0.0)
+    assert dispatch.receive and not dispatch.lead_in_plain
+    assert (combine.flops, combine.tail_flops, combine.lead_flops) == (10 * per_row, 45 * per_row, 0.0)
+    assert not combine.receive
+    assert dispatch.wire_bytes == 20 * 4 * 4  # the most rows one rank sends others: rank 1's 20
+    assert combine.wire_bytes == 20 * 8 * 4
+    assert routes.largest_block() == 20
+    assert _Routes(0, 2, ((1, ), (1, )), ((1, ), (1, )), None).estimate(4, 8, 4, False) is None

@@ -33,6 +33,10 @@ def test_a_gathers_own_rows_hide_behind_the_first_transfer():
     own = replace(plain, flops=2.5e8, lead_flops=2.5e8)  # half the rows need no wire
     assert predict(FLAT, own, 1) == pytest.approx(0.1 + 0.025)
     assert predict(FLAT, own, 1) < predict(FLAT, plain, 1)
+    # MoE dispatch: the plain path moves everything, then multiplies; pieces hide own rows
+    moe = replace(own, lead_in_plain=False)
+    assert predict(FLAT, moe, 1) == pytest.approx(0.15)
+    assert predict(FLAT, moe, 2) == predict(FLAT, own, 2) < predict(FLAT, plain, 2)
 
 
 def test_a_reduce_scatters_own_rows_run_beside_the_last_transfers():

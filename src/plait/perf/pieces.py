@@ -154,7 +154,10 @@ class Work:
     length, width: the pieces cut ``length`` rows of a GEMM whose output is
         ``width`` wide (``columns``: they cut a GEMV's ``length`` columns and its
         output has ``width`` rows); length 0 prices every piece at the flat rate;
-    taper: the first and last piece are half the others (:func:`tapered`).
+    taper: the first and last piece are half the others (:func:`tapered`);
+    lead_in_plain: the plain path (one piece) also runs ``lead_flops`` beside its transfer
+        (all_gather_matmul's own rows); False: it moves everything, then computes
+        (MoE dispatch).
     """
 
     flops: float
@@ -168,6 +171,7 @@ class Work:
     width: int = 0
     columns: bool = False
     taper: bool = True
+    lead_in_plain: bool = True
 
 
 def _fractions(work: Work, pieces: int) -> list[tuple[float, int]]:
@@ -194,6 +198,9 @@ def predict(cal: Calibration, work: Work, pieces: int) -> float:
                for j, (f, rows) in enumerate(parts)]
     wire = [cal.comm_time(work.kind, work.wire_bytes * f) for f, _ in parts]
     if work.receive:
+        if pieces <= 1 and not work.lead_in_plain:  # everything moved, then computed
+            lead = _compute(cal, work.lead_flops, 0.0, work.length, work) if work.lead_flops else 0.0
+            return wire[0] + lead + compute[0]
         return _receive(cal, work, compute, wire, k)
     tail = _compute(cal, work.tail_flops, 0.0, work.length, work) if work.tail_flops else 0.0
     if pieces <= 1:  # the plain path: everything computed, then sent
