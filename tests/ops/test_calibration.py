@@ -77,3 +77,17 @@ def test_auto_takes_the_predicted_best_not_the_fewest_pieces_near_it():
     # 8 pieces predicted 101.25 ms, 7 pieces 101.43, 4 pieces 102.5: a 2 % tie took 4
     for decision in run_ranks(_auto_pick, 2):
         assert (decision.path, decision.chunks) == ("fused", 8)
+
+
+def test_a_dip_in_the_rate_table_is_read_as_noise():
+    """More rows of the same GEMM never run slower: a dip is pooled with its neighbour."""
+    from plait.perf.pieces import rising_in_rows
+
+    column = [10.0, 20.0, 40.0, 50.0, 60.0, 58.0, 47.0]  # 256 and 512 rows timed in a slow moment
+    table = tuple((v, 2 * v, 3 * v, 4 * v) for v in column)
+    rising = rising_in_rows(table)
+    assert [row[0] for row in rising] == [10.0, 20.0, 40.0, 50.0, 55.0, 55.0, 55.0]
+    assert [row[3] for row in rising][-3:] == [220.0] * 3
+    cal = Calibration(DEFAULT_PROFILE, gemm=table)
+    assert cal.gemm_rate(GEMM_ROWS[-1], GEMM_WIDTHS[0]) == pytest.approx(55.0)
+    assert cal.gemm_rate(GEMM_ROWS[-1], GEMM_WIDTHS[0]) >= cal.gemm_rate(GEMM_ROWS[-3], GEMM_WIDTHS[0])
