@@ -80,8 +80,8 @@ def _gemm_cells(dev) -> dict:
     """(rows, width) → (a function running [rows, GEMM_K] @ [GEMM_K, width] back to back
     until it has done CELL_FLOPS, the flops it does). The pieces of an operator run back
     to back; timed one call after a barrier, a small GEMM also paid for whatever the
-    barrier left running on its core (a 128-row cell at 20 % under the 512-row one across
-    ranks, within 3 % in one quiet process), and 8 pieces looked slow where they were not."""
+    barrier left running on its core (a 128-row cell 20-30 % under the 512-row one across
+    ranks, within 1 % in one quiet process), and 8 pieces looked slow where they were not."""
     x = torch.randn(GEMM_ROWS[-1], GEMM_K, device=dev)
     out = torch.empty(GEMM_ROWS[-1] * GEMM_WIDTHS[-1], device=dev)
     weights = {width: torch.randn(GEMM_K, width, device=dev) for width in GEMM_WIDTHS}

@@ -124,9 +124,7 @@ def rising_in_rows(table: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, .
     """The GEMM rate table, each width's column made non-decreasing in rows by the
     least-squares fit that is (pool-adjacent-violators): more rows of the same GEMM
     amortize the same packing of w, so a smaller rate at more rows is the noise of the
-    moment it was timed. One such dip (512 rows at 47 GFLOP/s, 256 at 58, in a saved
-    profile) priced 8 pieces of a [1024, 2048] @ [2048, 1024] GEMM + all_reduce 16 % over
-    6 pieces; measured, 8 ran within 7 % of the best."""
+    moment it was timed (one saved profile had 512 rows at 47 GFLOP/s, 256 at 58)."""
     columns = [_pool_adjacent_violators([row[j] for row in table]) for j in range(len(table[0]))]
     return tuple(tuple(column[i] for column in columns) for i in range(len(table)))
 
