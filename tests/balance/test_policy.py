@@ -186,11 +186,16 @@ def test_semi_migrates_a_long_slowdown_and_returns_to_even_within_20_steps(world
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), noise=st.floats(0.0, 0.05))
+@given(seed=st.integers(0, 10**6), noise=st.floats(0.0, 0.04))
 def test_semi_leaves_a_migrated_plans_quantization_alone(seed, noise):
     """16 heads on 4 ranks, one 2× slower: no plan in whole heads balances it (the
     proportional one leaves ~1.25), but that residual is the plan's, not a new slowdown: semi
-    migrates once and then neither resizes the fast ranks nor migrates again."""
+    migrates once and then neither resizes the fast ranks nor migrates again.
+
+    Readings are off by up to ``noise`` each, and so is the basis the migration kept, so
+    two ranks can depart from it by ((1 + noise) / (1 - noise))²: under the trigger (1.2)
+    only for noise below 4.56 %. At 4.88 % (seed 32) a departure of 1.2 was real by the
+    policy's own rule, and it resized as it should."""
     base = [1.0, 1.0, 1.0, 0.5]
     policy = SemiPolicy(PolicyConfig(spike_steps=12), total=16, world=4)
     acts = _drive(policy, _noisy(base, 150, noise, seed))
