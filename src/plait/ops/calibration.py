@@ -105,19 +105,18 @@ def _curves(group, n: int, dev) -> dict[str, tuple[tuple[float, float], ...]]:
     single large all_to_all swings between about half and the whole link rate from one
     calibration to the next, which made pieces look slower than the call they cut."""
     kinds = ("all_reduce", "all_to_all", "all_gather")
-    runs, counts = {}, {}
-    for kind in kinds:
-        for wire in CURVE_BYTES:
-            calls = [_one_call(group, n, kind, wire, dev)
-                     for _ in range(max(1, min(8, CURVE_BYTES[-1] // wire)))]
+    def point(kind, wire):
+        calls = [_one_call(group, n, kind, wire, dev)
+                 for _ in range(max(1, min(8, CURVE_BYTES[-1] // wire)))]
 
-            def pipelined(calls=calls):
-                for work in [call() for call in calls]:
-                    work.wait()
-            runs[(kind, wire)], counts[(kind, wire)] = pipelined, len(calls)
-    timed = _interleaved(runs, group)
-    return {kind: tuple((float(wire), timed[(kind, wire)] / counts[(kind, wire)]) for wire in CURVE_BYTES)
-            for kind in kinds}
+        def pipelined():
+            for work in [call() for call in calls]:
+                work.wait()
+        return pipelined, len(calls)
+    points = {(kind, wire): point(kind, wire) for kind in kinds for wire in CURVE_BYTES}
+    timed = _interleaved({key: run for key, (run, _) in points.items()}, group)
+    return {kind: tuple((float(wire), timed[(kind, wire)] / points[(kind, wire)][1])
+                        for wire in CURVE_BYTES) for kind in kinds}
 
 
 def _one_call(group, n: int, kind: str, wire: float, dev):

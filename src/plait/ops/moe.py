@@ -82,8 +82,9 @@ class _Routes:
     def recv_rows(self) -> list[int]:
         return [sum(c) for c in self.recv]
 
-    def estimate(self, k: int, n: int, element: int, combine: bool) -> Work | None:
-        """The busiest rank's call as the pieces model prices it (None: counts not gathered).
+    def estimate(self, k: int, n: int, element: int, combine: bool) -> Work:
+        """The busiest rank's call as the pieces model prices it (nothing, where the counts
+        were not gathered: a fixed piece count was asked for, and no model is needed).
 
         Its own tokens need no wire: a dispatch multiplies them first, beside the pieces'
         transfers (``lead_flops``; its plain path moves everything, then multiplies), a
@@ -92,7 +93,7 @@ class _Routes:
         50 % over their measured time, and 8 pieces looked best where 4 and 5 ran as fast.
         """
         if self.traffic is None:
-            return None
+            return Work(flops=0.0, wire_bytes=0.0)
         s, world = self.traffic, self.world
         received = [sum(s[a][b] for a in range(world)) for b in range(world)]
         busiest = max(range(world), key=received.__getitem__)
@@ -352,8 +353,8 @@ def _explain_mismatch(op, group, counts, experts):
 
 def _decide(ctx: OpsContext, op, chunks, routes: _Routes, k, n, element, combine):
     # dispatch: blocks arrive, then are multiplied; combine: multiplied, then sent back
-    work = routes.estimate(k, n, element, combine) or Work(flops=0.0, wire_bytes=0.0)
-    return ctx.decide(op, chunks, rows=routes.largest_block(), work=work)
+    return ctx.decide(op, chunks, rows=routes.largest_block(),
+                      work=routes.estimate(k, n, element, combine))
 
 
 # --- autograd ------------------------------------------------------------------

@@ -222,8 +222,7 @@ def predict(cal: Calibration, work: Work, pieces: int) -> float:
     wire = [cal.comm_time(work.kind, work.wire_bytes * f) for f, _ in parts]
     if work.receive:
         if pieces <= 1 and not work.lead_in_plain:  # everything moved, then computed
-            lead = _compute(cal, work.lead_flops, 0.0, work.length, work) if work.lead_flops else 0.0
-            return wire[0] + lead + compute[0]
+            return wire[0] + _compute(cal, work.lead_flops, 0.0, work.length, work) + compute[0]
         return _receive(cal, work, compute, wire, k)
     tail = _compute(cal, work.tail_flops, 0.0, work.length, work) if work.tail_flops else 0.0
     if pieces <= 1:  # the plain path: everything computed, then sent
