@@ -15,7 +15,7 @@ TINY = {
 }
 KEYS = {"op", "shape", "t_compute_s", "t_comm_s", "t_unfused_s", "t_fused_s", "t_limit_s",
         "t_beside_s", "chunks", "path", "correct", "t_fixed_s", "peak_bytes_fused", "t_rounds_s",
-        "auto_over_best_fixed"}
+        "auto_over_best_fixed", "auto_choice_over_best_fixed", "auto_over_own_count"}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,20 @@ def test_every_operator_has_its_record_and_is_correct(records):
         assert set(r["t_rounds_s"]) == {"auto", "1", "2"}  # every round of auto and each count
         assert all(len(ts) == 2 and min(ts) > 0 for ts in r["t_rounds_s"].values())
         assert r["auto_over_best_fixed"] > 0
+
+
+def test_autos_own_count_is_timed_beside_the_sweeps():
+    """Auto's choice is compared as a fixed count (the same code), timed beside the sweep's
+    counts but not among them: the best fixed count is still the sweep's."""
+    cfg = OpsBenchConfig(sweep={"matmul_all_reduce": [dict(m=64, k=32, n=48)]}, iters=3,
+                         warmup=0, fixed_chunks=(2,))
+    (r,), _, _ = bench_ops(cfg, ranks=2, hosts=0, link=None, timeout_s=60)
+    assert (r["path"], r["chunks"]) == ("fallback", 1)  # 64 rows: too few bytes to cut
+    assert set(r["t_rounds_s"]) == {"auto", "1", "2"} and set(r["t_fixed_s"]) == {"2"}
+    assert r["best_fixed_chunks"] == 2
+    ones, twos = r["t_rounds_s"]["1"], r["t_rounds_s"]["2"]
+    assert r["auto_choice_over_best_fixed"] == sorted(a / b for a, b in zip(ones, twos))[1]
+    assert r["auto_over_own_count"] > 0
 
 
 def test_the_summary_reads_the_records(records):

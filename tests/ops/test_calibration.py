@@ -54,8 +54,8 @@ def _interleaved_order():
 
 
 def test_figures_are_timed_in_interleaved_rounds():
-    """Every figure once a round (after one warm-up each), so drift lands on all alike, and
-    the order turns each round, so no figure always follows the same one."""
+    """Every figure once a round (after one warm-up each), so drift lands on all alike, in
+    balanced orders (two figures: one order, then its reverse)."""
     for order, names in run_ranks(_interleaved_order, 2):
         assert order == ["a", "b"] + ["a", "b"] + ["b", "a"] + ["a", "b"] and names == ["a", "b"]
 

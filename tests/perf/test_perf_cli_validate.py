@@ -141,6 +141,11 @@ def test_auto_against_the_best_count_is_compared_round_by_round():
     assert row.reference == pytest.approx(1e3)  # best fixed: 8 pieces, median 1.0 s
     assert row.rel_error == pytest.approx(0.01)  # not the 100 % of median(auto) / median(8)
     assert "per-round" in row.note
+    for r in recs:  # auto's count (8) timed as a fixed count too: the choice is the best
+        r["auto_choice_over_best_fixed"] = 1.0
+    row, = _auto_row(key, recs, MachineProfile(latency_s=0.0, bandwidth_Bps=1.0),
+                     PipelineOverheads(0.0, 0.0), "m=1")
+    assert row.rel_error == 0.0 and "auto as timed / its count: 1.010" in row.note
     del recs[0]["t_rounds_s"], recs[1]["t_rounds_s"]  # older records: medians only
     row, = _auto_row(key, recs, MachineProfile(latency_s=0.0, bandwidth_Bps=1.0),
                      PipelineOverheads(0.0, 0.0), "m=1")

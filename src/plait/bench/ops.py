@@ -15,10 +15,13 @@ the slowest rank's; the median over iterations is reported):
 ``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every
 fused result is compared with the plain path's (``correct``). The timings of
 all variants are interleaved iteration by iteration, so drift of a shared
-machine hits them alike, and their order turns by one each iteration, so no
-variant always follows the same one. In a fixed order, auto (always right
-after the plain path) ran slower than the same piece count timed among the
-fixed counts in 50 of 73 comparisons over six runs (median +0.6 %, up to +14 %).
+machine hits them alike, and their orders form a Williams design
+(:func:`plait.runtime.timing.balanced_orders`), so each variant follows a
+different one each iteration. In a fixed order, auto (always right after the
+plain path) ran slower than the same piece count timed among the fixed counts
+in 50 of 73 comparisons over six runs (median +0.6 %, up to +14 %); turning that
+order by one place each iteration kept auto after the plain path, and the
+matmul_reduce_scatter shapes' auto still ran 4.5-7 % over the same count.
 """
 
 from __future__ import annotations
@@ -170,31 +173,40 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
+def _paired(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a / b timed in the same round: the two ran moments apart,
+    so a slow stretch of the machine divides out (the ratio of their medians keeps it)."""
+    return median([x / y for x, y in zip(a, b)])
+
+
 def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     device = rank_context().topology.device
+    case.run("auto")  # auto decides on its first call
+    decision = get_context().decisions[case.op]
+    # auto's own count is timed as a fixed count too (beside the sweep's, not among them)
+    own = f"chunks={decision.chunks}"
     variants = {"compute": case.compute, "comm": case.comm, "beside": case.beside,
                 "unfused": case.plain, "auto": lambda: case.run("auto")}
-    for c in cfg.fixed_chunks:
-        variants[f"chunks={c}"] = lambda c=int(c): case.run(c)
+    for c in dict.fromkeys([*map(int, cfg.fixed_chunks), decision.chunks]):
+        variants[f"chunks={c}"] = lambda c=c: case.run(c)
     for fn in variants.values():
         for _ in range(cfg.warmup):
             fn()
     timed = time_interleaved(variants, cfg.iters, device)
     times = {name: median(ts) for name, ts in timed.items()}
     reference = case.plain()
+    case.run(decision.chunks)  # the fixed count takes the same path with as many pieces?
+    counted = get_context().decisions[case.op]
+    same_code = (counted.path, counted.chunks) == (decision.path, decision.chunks)
     fused = case.run("auto")
     peak_unfused = peak_bytes(case.plain)
     peak_fused = peak_bytes(lambda: case.run("auto"))
-    decision = get_context().decisions[case.op]
     diff = _max_diff(fused, reference)
     scale = float(reference.abs().max()) if reference.numel() else 1.0
     correct = agreed_max([0.0 if diff <= case.tolerance() * max(scale, 1.0) else 1.0])[0] == 0.0
-    fixed = {name: t for name, t in times.items() if name.startswith("chunks=")}
-    best_name = min(fixed, key=fixed.get) if fixed else "auto"
+    fixed = {name: times[name] for name in (f"chunks={int(c)}" for c in cfg.fixed_chunks)}
+    best_name = min(fixed, key=fixed.get) if fixed else own
     t_limit = max(times["compute"], times["comm"])
-    # auto against the best fixed count, round by round: the two ran moments apart, so a
-    # slow stretch of the machine divides out (the ratio of their medians keeps it)
-    paired = [a / b for a, b in zip(timed["auto"], timed[best_name])] if fixed else [1.0]
     ctx = rank_context()
     return {
         "op": case.op, "shape": case.shape, "world_size": case.world, "dtype": str(case.dtype)[6:],
@@ -203,8 +215,15 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
         "t_fixed_s": {name[7:]: t for name, t in fixed.items()},
         "best_fixed_chunks": int(best_name[7:]) if fixed else None,
         "t_best_fixed_s": fixed.get(best_name),
-        "auto_over_best_fixed": median(paired),
-        # each round's time of auto and of each fixed count (the slowest rank's)
+        # auto as timed, against the best fixed count
+        "auto_over_best_fixed": _paired(timed["auto"], timed[best_name]),
+        # auto's choice: its count, timed as a fixed count, against the best (the same code as
+        # auto's, so the decision is compared without timing one count twice); and auto as
+        # timed against its own count (what auto adds: its lookup, and noise)
+        "auto_choice_over_best_fixed": (_paired(timed[own], timed[best_name]) if same_code
+                                        else None),
+        "auto_over_own_count": _paired(timed["auto"], timed[own]) if same_code else None,
+        # each round's time of auto and of each count (the slowest rank's)
         "t_rounds_s": {name.removeprefix("chunks="): ts for name, ts in timed.items()
                        if name == "auto" or name.startswith("chunks=")},
         "chunks": decision.chunks, "path": decision.path, "reason": decision.reason,
@@ -260,6 +279,9 @@ def summarize(records: list[dict]) -> dict:
     slow = [r for r in records if r["t_fused_s"] > 1.05 * r["t_unfused_s"]]
     vs_best = [r.get("auto_over_best_fixed", r["t_fused_s"] / r["t_best_fixed_s"])
                for r in records if r.get("t_best_fixed_s")]
+    choice = [r["auto_choice_over_best_fixed"] for r in records
+              if r.get("auto_choice_over_best_fixed") is not None]
+    own = [r["auto_over_own_count"] for r in records if r.get("auto_over_own_count") is not None]
     return {
         "balanced_shapes": len(balanced),
         "median_speedup_balanced": median([r["speedup"] for r in balanced]) if balanced else None,
@@ -274,6 +296,10 @@ def summarize(records: list[dict]) -> dict:
         # per shape, the median over rounds of auto / best fixed count timed in the same round
         "median_auto_over_best_fixed": median(vs_best) if vs_best else None,
         "worst_auto_over_best_fixed": max(vs_best) if vs_best else None,
+        # the same for auto's count timed as a fixed one: the choice alone
+        "worst_auto_choice_over_best_fixed": max(choice) if choice else None,
+        # auto as timed over its own count: its lookup (and the noise of timing code twice)
+        "median_auto_over_own_count": median(own) if own else None,
         "all_correct": all(r["correct"] for r in records),
         "fused_never_uses_more_memory": all(r["peak_bytes_fused"] <= r["peak_bytes_unfused"]
                                             for r in records),

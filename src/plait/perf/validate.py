@@ -281,11 +281,18 @@ def _auto_row(key, recs, prof, o, shape) -> list[Row]:
                 fixed[int(p)].append(float(t))
         meas = {p: statistics.median(v) for p, v in fixed.items()}
         best = min(meas, key=meas.get)
-        paired = [a / b for r in timed if "auto" in r.get("t_rounds_s", {})
-                  for a, b in zip(r["t_rounds_s"]["auto"], r["t_rounds_s"][str(best)])]
-        if paired:  # round by round: auto and the best count ran moments apart
+        # auto's choice: its own count timed as a fixed one, where the bench found it the same
+        # code as auto's, else auto as timed; each against the best count in the same round
+        rounds = [(r["t_rounds_s"], str(r["chunks"]) if r.get("auto_choice_over_best_fixed")
+                   is not None else "auto") for r in timed if "auto" in r.get("t_rounds_s", {})]
+        paired = [a / b for tr, own in rounds for a, b in zip(tr[own], tr[str(best)])]
+        lookup = [a / b for tr, own in rounds if own != "auto"
+                  for a, b in zip(tr["auto"], tr[own])]
+        if paired:  # round by round: the two ran moments apart
             auto, how = meas[best] * statistics.median(paired), (
-                f"median of {len(paired)} per-round ratios auto / {best} pieces")
+                f"median of {len(paired)} per-round ratios of auto's count / {best} pieces")
+            if lookup:
+                how += f"; auto as timed / its count: {statistics.median(lookup):.3f}"
         else:  # older records: medians only
             auto, how = statistics.median(float(r["t_fused_s"]) for r in timed), "medians"
         return [Row(f"local chunks=auto vs best fixed: {key[0]} [{shape}] n={key[2]}",

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "agreed_max", "median"]
+__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "balanced_orders", "agreed_max", "median"]
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -46,19 +46,31 @@ def time_repeated(fn: Callable[[], object], iters: int, device: torch.device | N
     return agreed_max(own, group, device)
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design: orders of ``range(n)`` in which each index takes each place
+    equally often and follows each other index equally often (``n`` orders for even ``n``,
+    ``2n`` for odd, a forward order and its reverse in turn). Turning one order by one
+    place each round would keep every index's neighbours: it would always follow the same one."""
+    base = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    forward = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2 == 0 or n == 1:
+        return forward
+    return [order for row in forward for order in (row, row[::-1])]
+
+
 def time_interleaved(fns: dict, rounds: int, device: torch.device | None = None,
                      group=None) -> dict:
     """Each function's times (each the max over ranks) over ``rounds`` rounds, every
     function timed once a round, after the caller's warm-up. Interleaved, a slow stretch
     of a shared machine lands on one round of every function, not on every call of some;
-    and the order turns by one each round, so no function always follows the same one
-    (whatever one call leaves behind, the next inherits)."""
+    and the rounds follow :func:`balanced_orders`, so each function runs after a different
+    one each round (whatever one call leaves behind, the next inherits) and in each place."""
     names = list(fns)
     own = {name: [] for name in names}
+    orders = balanced_orders(len(names)) if names else [[]]
     for i in range(rounds):
-        turn = i % len(names) if names else 0
-        for name in names[turn:] + names[:turn]:
-            own[name].append(time_once(fns[name], device, group=group))
+        for j in orders[i % len(orders)]:
+            own[names[j]].append(time_once(fns[names[j]], device, group=group))
     slowest = agreed_max([t for name in names for t in own[name]], group, device)
     return {name: slowest[j * rounds:(j + 1) * rounds] for j, name in enumerate(names)}
 
