@@ -28,6 +28,7 @@ from .bench.hetero import BalancedRun, factors_at, ideal_step
 from .data import CharCorpus
 from .runtime import rank_context
 from .runtime.straggler import SlowSpec
+from .runtime.timing import balanced_round
 from .train import TrainConfig
 
 __all__ = ["DemoConfig", "SYSTEMS", "run_demo", "demo", "summarize_demo", "write_demo_report"]
@@ -73,7 +74,7 @@ class DemoConfig:
 
 def run_demo(cfg: DemoConfig) -> list[dict]:
     """What each rank runs: per system, a run without and one with the straggler, the four
-    interleaved step by step (in a rotating order, each step started together), so that the
+    interleaved step by step (in balanced orders, each step started together), so that the
     load of a shared machine drifting hits them alike."""
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -89,8 +90,7 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
             runs.append((system, scenario, name, overlap, specs,
                          BalancedRun(cfg.train_config(overlap), policy_cfg, specs, corpus)))
     for step in range(cfg.steps):
-        for i in range(len(runs)):
-            system, scenario, *_, run = runs[(i + step) % len(runs)]
+        for i, (system, scenario, *_, run) in enumerate(balanced_round(runs, step)):
             run.step(step, barrier=True)
             if rank == 0:
                 report({"system": system, "scenario": scenario, "step": step,

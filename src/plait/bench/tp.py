@@ -15,8 +15,7 @@ and makes each copy tensor-parallel another way:
 All three shard the same four linears per block by the same heads and
 columns; embeddings, LayerNorms and the LM head stay replicated in all three.
 They train on the same character batches with the same optimizer; the steps
-are interleaved (step i of every system, in an order rotated each step, then
-step i + 1), so drift of a
+are interleaved (step i of every system, in balanced orders, then step i + 1), so drift of a
 shared machine hits them alike. Per step, each rank's wall time for forward,
 backward and update, started together behind a barrier; a step takes as long
 as its slowest rank; ``t_step_s`` is the median over the steps after warm-up.
@@ -46,7 +45,7 @@ from ..models import GPT
 from ..ops import explain, get_context
 from ..runtime import parse_rate, rank_context
 from ..runtime.priority import raise_comm_threads
-from ..runtime.timing import agreed_max, median, time_once
+from ..runtime.timing import agreed_max, balanced_round, median, time_once
 from ..train import TrainConfig, build_gpt, gpt_loss
 from .tp_dlrm import EmbBenchConfig, run_emb_bench, torchrec_missing
 
@@ -201,14 +200,14 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch, losses: list[floa
 
 
 def _train_interleaved(cfg: TPBenchConfig, built: dict, batches: list) -> dict:
-    """Step i of every system, then step i + 1 (the order rotated each step, so no system
-    always goes first): per system its losses and own step times."""
+    """Step i of every system, then step i + 1 (in balanced orders, so no system always goes
+    first or always follows the same one): per system its losses and own step times."""
     ctx, device = rank_context(), rank_context().topology.device
     losses = {name: [] for name in built}
     times = {name: [] for name in built}
     names = list(built)
     for i, batch in enumerate(batches):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in balanced_round(names, i):
             model, opt = built[name]
             times[name].append(time_once(lambda: _step(model, opt, batch, losses[name]), device))
         ctx.report({"step": i, "of": len(batches)})

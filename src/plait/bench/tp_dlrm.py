@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime import rank_context
-from ..runtime.timing import agreed_max, median, time_once
+from ..runtime.timing import agreed_max, balanced_round, median, time_once
 
 __all__ = ["EmbBenchConfig", "EMB_SYSTEMS", "torchrec_missing", "run_emb_bench"]
 
@@ -190,7 +190,7 @@ def run_emb_bench(cfg: EmbBenchConfig, warmup: int, steps: int, compare_steps: i
     times = {n: [] for n in systems}
     names = list(systems)
     for i, (ids, target) in enumerate(_batches(cfg, warmup + steps)):
-        for name in names[i % len(names):] + names[:i % len(names)]:  # no system always first
+        for name in balanced_round(names, i):  # no system always first, or after the same one
             system = systems[name]
             out = {}
             step = lambda: out.setdefault("loss", system.step(ids, target[lo:hi]))  # noqa: E731

@@ -272,6 +272,12 @@ def _op_rows(coll: list[dict], ops: list[dict]) -> list[Row]:
     return rows
 
 
+def _counts(recs) -> str:
+    """The piece counts auto took, run by run (one figure where they agree)."""
+    counts = [r.get("chunks") for r in recs]
+    return str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
+
+
 def _auto_row(key, recs, prof, o, shape) -> list[Row]:
     timed = [r for r in recs if r.get("t_fixed_s") and r.get("t_fused_s", 0) > 0]
     if timed:  # plait bench ops: the operators' own auto, timed beside fixed piece counts
@@ -281,23 +287,24 @@ def _auto_row(key, recs, prof, o, shape) -> list[Row]:
                 fixed[int(p)].append(float(t))
         meas = {p: statistics.median(v) for p, v in fixed.items()}
         best = min(meas, key=meas.get)
-        # auto's choice: its own count timed as a fixed one, where the bench found it the same
-        # code as auto's, else auto as timed; each against the best count in the same round
-        rounds = [(r["t_rounds_s"], str(r["chunks"]) if r.get("auto_choice_over_best_fixed")
-                   is not None else "auto") for r in timed if "auto" in r.get("t_rounds_s", {})]
-        paired = [a / b for tr, own in rounds for a, b in zip(tr[own], tr[str(best)])]
-        lookup = [a / b for tr, own in rounds if own != "auto"
-                  for a, b in zip(tr["auto"], tr[own])]
-        if paired:  # round by round: the two ran moments apart
+        # auto as timed against the best count, round by round (the two ran moments apart);
+        # the note adds auto's count timed as a fixed one (the same code, where the bench
+        # found it so) against the best: the choice alone
+        rounds = [r for r in timed if "auto" in r.get("t_rounds_s", {})]
+        paired = [a / b for r in rounds
+                  for a, b in zip(r["t_rounds_s"]["auto"], r["t_rounds_s"][str(best)])]
+        choice = [a / b for r in rounds if r.get("auto_choice_over_best_fixed") is not None
+                  for a, b in zip(r["t_rounds_s"][str(r["chunks"])], r["t_rounds_s"][str(best)])]
+        if paired:
             auto, how = meas[best] * statistics.median(paired), (
-                f"median of {len(paired)} per-round ratios of auto's count / {best} pieces")
-            if lookup:
-                how += f"; auto as timed / its count: {statistics.median(lookup):.3f}"
+                f"median of {len(paired)} per-round ratios auto / {best} pieces")
+            if choice:
+                how += f"; auto's count timed as a fixed one / {best}: {statistics.median(choice):.3f}"
         else:  # older records: medians only
             auto, how = statistics.median(float(r["t_fused_s"]) for r in timed), "medians"
         return [Row(f"local chunks=auto vs best fixed: {key[0]} [{shape}] n={key[2]}",
                     f"{_files(timed)}: plait bench ops sweep", auto * 1e3, meas[best] * 1e3, "ms",
-                    "local-auto", note=f"the operator's auto ({timed[0].get('chunks')} pieces) "
+                    "local-auto", note=f"the operator's auto ({_counts(timed)} pieces) "
                                        f"measured; best fixed {best} (by median); {how}")]
     fused = [r for r in recs if r.get("path") == "fused" and r.get("t_fused_s", 0) > 0]
     by_p = defaultdict(list)

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "balanced_orders", "agreed_max", "median"]
+__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "balanced_orders", "balanced_round", "agreed_max", "median"]
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -58,6 +58,12 @@ def balanced_orders(n: int) -> list[list[int]]:
     return [order for row in forward for order in (row, row[::-1])]
 
 
+def balanced_round(items: Sequence, i: int) -> list:
+    """``items`` in round ``i``'s order of :func:`balanced_orders` (the design repeats)."""
+    orders = balanced_orders(len(items))
+    return [items[j] for j in orders[i % len(orders)]] if items else []
+
+
 def time_interleaved(fns: dict, rounds: int, device: torch.device | None = None,
                      group=None) -> dict:
     """Each function's times (each the max over ranks) over ``rounds`` rounds, every
@@ -67,10 +73,9 @@ def time_interleaved(fns: dict, rounds: int, device: torch.device | None = None,
     one each round (whatever one call leaves behind, the next inherits) and in each place."""
     names = list(fns)
     own = {name: [] for name in names}
-    orders = balanced_orders(len(names)) if names else [[]]
     for i in range(rounds):
-        for j in orders[i % len(orders)]:
-            own[names[j]].append(time_once(fns[names[j]], device, group=group))
+        for name in balanced_round(names, i):
+            own[name].append(time_once(fns[name], device, group=group))
     slowest = agreed_max([t for name in names for t in own[name]], group, device)
     return {name: slowest[j * rounds:(j + 1) * rounds] for j, name in enumerate(names)}
 
