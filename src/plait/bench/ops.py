@@ -8,7 +8,8 @@ the slowest rank's; the median over iterations is reported):
 - ``t_unfused``: the plain path: compute, then the collective (all_gather_matmul:
   the gather, then the GEMM; its own ``chunks=1`` already overlaps its own rows,
   and is timed among the fixed piece counts);
-- ``t_fused``: ``chunks="auto"``, and each fixed piece count of the sweep;
+- ``t_fused``: ``chunks="auto"``, and each fixed piece count of the sweep (and auto's
+  own count, timed as a fixed one beside them, to compare its choice count to count);
 - ``t_limit = max(t_compute, t_comm)``: no schedule can beat it;
 - ``peak_bytes_*``: the most tensor memory each path holds at once (outputs included).
 

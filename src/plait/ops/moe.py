@@ -102,7 +102,8 @@ class _Routes:
                  for a in range(world)]
         width = n if combine else k
         per_row = 2.0 * k * n
-        return Work(flops=per_row * (received[busiest] - own), wire_bytes=float(max(moved) * width * element),
+        return Work(flops=per_row * (received[busiest] - own),
+                    wire_bytes=float(max(moved) * width * element),
                     receive=not combine, lead_flops=0.0 if combine else per_row * own,
                     tail_flops=per_row * own if combine else 0.0, lead_in_plain=False)
 

@@ -299,7 +299,8 @@ def _auto_row(key, recs, prof, o, shape) -> list[Row]:
             auto, how = meas[best] * statistics.median(paired), (
                 f"median of {len(paired)} per-round ratios auto / {best} pieces")
             if choice:
-                how += f"; auto's count timed as a fixed one / {best}: {statistics.median(choice):.3f}"
+                how += (f"; auto's count timed as a fixed one / {best}: "
+                        f"{statistics.median(choice):.3f}")
         else:  # older records: medians only
             auto, how = statistics.median(float(r["t_fused_s"]) for r in timed), "medians"
         return [Row(f"local chunks=auto vs best fixed: {key[0]} [{shape}] n={key[2]}",

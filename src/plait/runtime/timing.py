@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "balanced_orders", "balanced_round", "agreed_max", "median"]
+__all__ = ["sync", "time_once", "time_repeated", "time_interleaved", "balanced_orders",
+           "balanced_round", "agreed_max", "median"]
 
 
 def sync(device: torch.device | None = None) -> None:
