@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.compat import all_gather_into
+from ..runtime.progress import mark
 
 __all__ = ["attempt", "check_chunks", "chunks_code", "gather_checked", "start_gather_checked",
            "meta_device", "raise_together"]
@@ -57,6 +58,7 @@ def start_gather_checked(op: str, group, problem: Exception | None, row: Sequenc
                          width: int) -> Callable[[], list[list[int]]]:
     """``gather_checked``, started: the small gather travels while the caller computes
     something local; calling the result waits for it (and raises as ``gather_checked``)."""
+    mark(op)  # the launcher's watchdog: this rank reached op's check
     mine = [1] + [0] * width if problem is not None else [0, *map(int, row)]
     assert len(mine) == width + 1, (op, mine, width)
     mine = torch.tensor(mine, dtype=torch.int64, device=meta_device(group))

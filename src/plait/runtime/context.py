@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from .cluster import Host
 from .dist import Topology
+from .progress import ProgressBoard
 from .straggler import Straggler
 
 __all__ = ["RankContext", "rank_context"]
@@ -21,9 +22,13 @@ class RankContext:
     link: str  # "loopback" or a tc rate such as "1gbit"
     straggler: Straggler = field(default_factory=lambda: Straggler([], 0))
     reporter: Callable[[Any], None] | None = None
+    progress: ProgressBoard | None = None  # the launcher's watchdog reads it (runtime.progress)
 
     def report(self, payload: Any) -> None:
-        """Send ``payload`` to the launcher's ``on_progress`` (a no-op outside ``launch``)."""
+        """Send ``payload`` to the launcher's ``on_progress`` (a no-op outside ``launch``);
+        a report counts as progress for the launcher's watchdog."""
+        if self.progress is not None:
+            self.progress.mark(self.topology.rank)
         if self.reporter is not None:
             self.reporter(payload)
 

@@ -140,7 +140,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
     every collective's timeout (default PLAIT_TIMEOUT_S or 60 s).
     ``threads``: torch threads per rank (default: cores ÷ ranks, at least 1).
     ``slow``: straggler emulation, see :mod:`plait.runtime.straggler`.
-    ``deadline_s``: stop everything if the whole run takes longer.
+    ``deadline_s``: stop everything if the whole run takes longer (default
+    PLAIT_DEADLINE_S where set, which the ``plait`` commands set; else none).
     ``on_progress(rank, payload)``: called in the caller for each
     ``rank_context().report(payload)`` a rank makes (progress bars).
     ``fn`` and its arguments must be picklable (a module-level function).
@@ -149,6 +150,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
         raise ValueError(f"world size must be an integer of at least 1, got {world_size!r}")
     validate_slow(slow, world_size)
     timeout_s = _timeout_s(timeout_s)
+    if deadline_s is None and os.environ.get("PLAIT_DEADLINE_S"):
+        deadline_s = float(os.environ["PLAIT_DEADLINE_S"]) or None  # 0: none
     if timeout_s <= 0:
         raise ValueError(f"timeout must be positive, got {timeout_s} s")
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
