@@ -3,13 +3,14 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from plait.runtime import launch
-from plait.runtime.priority import comm_threads, raise_comm_threads
+from plait.runtime.priority import DEFAULT_NICE, comm_priority, comm_threads, raise_comm_threads
 from plait.runtime.testing import TEST_TIMEOUT_S, run_ranks
 
 
@@ -21,7 +22,8 @@ def _fifo_allowed() -> bool:
 
 
 fifo_allowed = pytest.mark.skipif(not _fifo_allowed(),
-                               reason="SCHED_FIFO is not allowed here (needs CAP_SYS_NICE)")
+                                  reason="SCHED_FIFO is not allowed here (needs CAP_SYS_NICE)")
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="a negative nice needs CAP_SYS_NICE")
 
 
 def _policies(extra_group):
@@ -31,25 +33,81 @@ def _policies(extra_group):
         get_context(dist.new_group(list(range(dist.get_world_size()))))
     dist.all_reduce(torch.ones(4))
     main = os.getpid()
-    return {tid: os.sched_getscheduler(tid) for tid in comm_threads()}, os.sched_getscheduler(main)
+    return ({tid: (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
+             for tid in comm_threads()},
+            (os.sched_getscheduler(main), os.getpriority(os.PRIO_PROCESS, main)))
+
+
+def _launch_policies(world, setting, extra_group=False):
+    env = {} if setting is None else {"PLAIT_COMM_PRIORITY": setting}
+    # ranks fork from a server started earlier: the setting travels in launch's env
+    return launch(_policies, world, args=(extra_group,), env=env, timeout_s=TEST_TIMEOUT_S,
+                  threads=1)
+
+
+def _cores():
+    return len(os.sched_getaffinity(0))
+
+
+@root_only
+@pytest.mark.parametrize("extra_group", [False, True])
+def test_default_nices_gloo_threads_where_ranks_fit_the_cores(extra_group):
+    assert _cores() >= 2, "this test runs 2 ranks"
+    for threads, main in _launch_policies(2, None, extra_group):
+        # gloo's socket loop and its work threads, per group
+        assert len(threads) >= (6 if extra_group else 3)
+        assert set(threads.values()) == {(os.SCHED_OTHER, DEFAULT_NICE)}
+        assert main == (os.SCHED_OTHER, 0)  # compute keeps the ordinary scheduler
+
+
+def test_default_leaves_threads_alone_with_more_ranks_than_cores():
+    for threads, _ in _launch_policies(_cores() + 1, None):
+        assert threads and set(threads.values()) == {(os.SCHED_OTHER, 0)}
 
 
 @fifo_allowed
-@pytest.mark.parametrize("extra_group", [False, True])
-def test_gloo_threads_run_ahead_of_compute(extra_group):
-    for threads, main_policy in run_ranks(_policies, 2, extra_group):
-        # gloo's socket loop and its work threads, per group
-        assert len(threads) >= (6 if extra_group else 3)
-        assert set(threads.values()) == {os.SCHED_FIFO}
-        assert main_policy == os.SCHED_OTHER  # compute keeps the ordinary scheduler
+def test_rt_is_opt_in_and_refused_with_more_ranks_than_cores():
+    for threads, main in _launch_policies(2, "rt"):
+        assert {policy for policy, _ in threads.values()} == {os.SCHED_FIFO}
+        assert main[0] == os.SCHED_OTHER
+    for threads, _ in _launch_policies(_cores() + 1, "rt"):
+        assert {policy for policy, _ in threads.values()} == {os.SCHED_OTHER}
 
 
 def test_off_leaves_every_thread_alone():
-    # ranks fork from a server started earlier: the setting travels in launch's env
-    results = launch(_policies, 2, args=(False,), env={"PLAIT_COMM_PRIORITY": "off"},
-                     timeout_s=TEST_TIMEOUT_S, threads=1)
-    for threads, _ in results:
-        assert threads and set(threads.values()) == {os.SCHED_OTHER}
+    for threads, _ in _launch_policies(2, "off"):
+        assert threads and set(threads.values()) == {(os.SCHED_OTHER, 0)}
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("off", ("off", 0)), ("nice", ("nice", DEFAULT_NICE)), ("nice:-5", ("nice", -5)),
+    ("NICE:19", ("nice", 19))])
+def test_settings_parse(setting, expected):
+    assert comm_priority(setting) == expected
+
+
+@pytest.mark.parametrize("bad", ["fifo", "nice:-21", "nice:x", "nice:20", ""])
+def test_bad_settings_are_refused_naming_the_choices(bad):
+    with pytest.raises(ValueError, match="auto, off, nice"):
+        comm_priority(bad)
+
+
+def _fused_loop(n):
+    from plait.ops import matmul_all_reduce
+
+    x, w = torch.ones(64, 64), torch.ones(64, 64)
+    for _ in range(n):
+        matmul_all_reduce(x, w, chunks=4)
+    return dist.get_rank()
+
+
+def test_more_ranks_than_cores_with_the_default_finishes():
+    # The old default (comm threads at SCHED_FIFO) hung this until killed, starving the
+    # machine: a rank's spinning socket thread held the core its peer needed to compute.
+    ranks = _cores() + 1
+    start = time.monotonic()
+    assert launch(_fused_loop, ranks, args=(300,), timeout_s=20, threads=1) == list(range(ranks))
+    assert time.monotonic() - start < 60
 
 
 def test_outside_a_group_there_is_nothing_to_raise():

@@ -14,7 +14,12 @@ Failure handling is the point of this module:
 - either way the other ranks are stopped at once and no process is left:
   every rank has PR_SET_PDEATHSIG, so even a SIGKILL of the caller takes them
   down;
-- every collective carries the group timeout, so a rank never waits forever.
+- every collective carries the group timeout, so a rank never waits forever;
+- a watchdog in the launcher (:mod:`plait.runtime.watchdog`) stops a run in
+  which no rank has made progress for that timeout plus a grace (a collective
+  timeout cannot fire while its thread gets no core), and names the rank that
+  stopped answering (a stopped process, or the one furthest behind) and the
+  operator it was last in, with its host.
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ from .cluster import EmulatedCluster, Host
 from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
 from .errors import RankError
+from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
+from .watchdog import Watchdog
 
 __all__ = ["launch"]
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
+LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid: a dead launcher's folder is found
 _GRACE_S = 0.5  # after the first failure, how long to listen for the others' reports
 
 
@@ -60,12 +68,15 @@ def _enter_netns(name: str) -> None:
 
 def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: dict,
                store_path: str, host: Host, link: str, backend: str, timeout_s: float,
-               threads: int, env: dict, slow: Sequence[SlowSpec], conn) -> None:
+               threads: int, env: dict, slow: Sequence[SlowSpec], board: ProgressBoard,
+               conn) -> None:
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     try:
         os.environ.update(env)
+        # every rank of a launch shares this machine's cores, whatever host it emulates
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          GLOO_SOCKET_IFNAME=host.ifname, MASTER_ADDR=host.addr)
+                          LOCAL_WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME=host.ifname,
+                          MASTER_ADDR=host.addr)
         if host.netns is not None:
             _enter_netns(host.netns)
         import torch
@@ -78,7 +89,8 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
                                  timeout_s=timeout_s)
         except RuntimeError as exc:
             raise _InitError(str(exc)) from exc
-        _set_rank_context(RankContext(topo, host, link, Straggler(slow, rank), _reporter(conn)))
+        _set_rank_context(RankContext(topo, host, link, Straggler(slow, rank), _reporter(conn),
+                                      board))
         result = fn(*args, **kwargs)
         shutdown()
         conn.send_bytes(pickle.dumps(("ok", result)))
@@ -176,7 +188,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
 def _launch_once(fn, world_size, args, kwargs, hosts, link, backend, timeout_s, threads, env,
                  slow, deadline_s, on_progress) -> list[Any]:
     ctx = _context()
-    workdir = tempfile.mkdtemp(prefix="plait-launch-")
+    workdir = tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}-")
+    board = ProgressBoard.new(ctx, world_size)
     procs, conns = [], []
     try:
         for rank in range(world_size):
@@ -184,32 +197,41 @@ def _launch_once(fn, world_size, args, kwargs, hosts, link, backend, timeout_s, 
             proc = ctx.Process(
                 target=_rank_main, name=f"plait-rank{rank}", daemon=True,
                 args=(rank, world_size, fn, args, kwargs, os.path.join(workdir, "store"),
-                      hosts[rank], link, backend, timeout_s, threads, env, slow, child_conn))
+                      hosts[rank], link, backend, timeout_s, threads, env, slow, board,
+                      child_conn))
             proc.start()
             child_conn.close()
             procs.append(proc)
             conns.append(parent_conn)
-        return _collect(procs, conns, deadline_s, on_progress)
+        watchdog = Watchdog(board, world_size, timeout_s)
+        return _collect(procs, conns, deadline_s, on_progress, watchdog, hosts)
     finally:
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _collect(procs: list, conns: list, deadline_s: float | None,
-             on_progress: Callable[[int, Any], None] | None) -> list[Any]:
+             on_progress: Callable[[int, Any], None] | None, watchdog: Watchdog,
+             hosts: list[Host]) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[int, str, str, int | None, BaseException | None]] = []
     pending = set(range(len(procs)))
+    pids = {rank: proc.pid for rank, proc in enumerate(procs)}
     start = time.monotonic()
     first_failure_at: float | None = None
     while pending:
         now = time.monotonic()
         if first_failure_at is not None and now - first_failure_at > _GRACE_S:
             break
+        stop = None
         if deadline_s is not None and now - start > deadline_s:
-            for rank in sorted(pending):
-                failures.append((rank, f"did not finish within the {deadline_s:g} s deadline",
-                                 "", None, None))
+            stop = f"the run passed its {deadline_s:g} s deadline"
+        elif watchdog.expired(now):
+            stop = (f"no rank made progress for {watchdog.limit_s:g} s (the collective "
+                    f"timeout + {watchdog.grace_s:g} s)")
+        if stop is not None:
+            rank, why = watchdog.blame(sorted(pending), pids, now)
+            failures.append((rank, f"{why}; {stop}, so every rank was stopped", "", None, None))
             break
         handles = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
         for handle in wait(list(handles), timeout=0.1):
@@ -229,8 +251,12 @@ def _collect(procs: list, conns: list, deadline_s: float | None,
             else:
                 failures.append((rank, *report[1:]))
                 first_failure_at = first_failure_at or time.monotonic()
+    if failures and pending and all(_is_secondary(f[1], f[2]) for f in failures):
+        # the others gave up waiting (timed out, peer gone) on a rank that never answered
+        rank, why = watchdog.blame(sorted(pending), pids, time.monotonic())
+        failures.insert(0, (rank, f"{why}; the others timed out waiting for it", "", None, None))
     if failures:
-        _raise_first(failures)
+        _raise_first(failures, hosts)
     return [results[r] for r in range(len(procs))]
 
 
@@ -253,13 +279,17 @@ def _read_report(conn, proc) -> tuple | None:
     return ("err", _describe_exit(proc.exitcode), "", proc.exitcode, None)
 
 
-def _raise_first(failures: list) -> None:
+def _host_label(host: Host) -> str:
+    return f"host {host.index} ({host.addr})" if host.netns is not None else "loopback"
+
+
+def _raise_first(failures: list, hosts: list[Host]) -> None:
     # The root cause: a death or a genuine exception beats the peers' "connection closed" echoes.
     ordered = sorted(enumerate(failures),
                      key=lambda item: (_is_secondary(item[1][1], item[1][2]), item[0]))
     rank, summary, tb, code, exc = ordered[0][1]
     others = [f"rank {r} {s}" for _, (r, s, *_rest) in ordered[1:]]
-    raise RankError(rank, summary, tb, code, others) from exc
+    raise RankError(rank, summary, tb, code, others, _host_label(hosts[rank])) from exc
 
 
 def _stop(procs: list) -> None:

@@ -4,33 +4,49 @@ On a GPU a piece's collective runs on its own stream and engines, so it never
 waits for the GEMM that follows it. On a CPU rank gloo moves data on threads of
 its own (``gloo_tcp_loop`` for the sockets, ``pt_gloo_runloop`` for the
 collective's steps and reductions), and they share the cores with the compute
-thread. Under the ordinary scheduler a woken comm thread can wait a time slice
-for a core a GEMM holds, so every step of every piece's collective is delayed
-and the wire idles. Measured here (2 ranks, 2 cores, emulated 1 Gbit/s link, a
-4 MiB all_reduce beside a 46 ms GEMM, in 8 pieces): 58-60 ms with the comm
-threads at ``SCHED_FIFO`` against 62-69 ms without; the transfer alone is 35 ms.
-``plait bench ops --quick``, runs taken in turns: median efficiency over the
-balanced shapes 0.874 / 0.879 / 0.844 with it, 0.803 / 0.829 / 0.837 without.
+thread: under the ordinary scheduler a woken comm thread can wait for a core a
+GEMM holds, and the wire idles meanwhile.
 
-The threads only wait on sockets and condition variables (they never spin), so
-real-time priority costs the compute thread only the CPU the transfer needs
-anyway, and the kernel's real-time throttling keeps 5 % for everyone else.
-Without CAP_SYS_NICE (not root) nothing changes and :func:`raise_comm_threads`
-says so once. ``PLAIT_COMM_PRIORITY=off`` turns it off.
+``PLAIT_COMM_PRIORITY`` says what plait does about it:
+
+- ``auto`` (the default): ``nice`` where this machine runs no more ranks than
+  this process may use cores (LOCAL_WORLD_SIZE against the CPU affinity),
+  ``off`` where ranks outnumber cores. There a spinning comm thread takes the
+  core from a peer's compute that it is waiting for: 3 ranks on 2 cores, 3000
+  fused all-reduces of a 64×64 product, took 74 s at nice -10 and 49 s off.
+- ``nice``: the comm threads get nice -10 (``nice:N`` picks N, -20 to 19). The
+  fair scheduler still gives every thread its share by weight, so nothing can
+  be starved: a comm thread that spins only takes more of the core it shares
+  (about 9 parts in 10 against one nice-0 thread at -10).
+- ``rt``: ``SCHED_FIFO`` priority 1, the old default. It can starve: gloo's
+  socket thread does spin (``Pair::handleEvents`` busy-polls, 100 % system time
+  while a transfer waits), and with more ranks than cores a rank at real-time
+  priority spinning for a peer that cannot get a core hung a 3-rank run on 2
+  cores until killed, and starved every other program on the machine. So
+  ``rt`` is refused (``off`` is used, said once) where ranks outnumber cores,
+  and a watchdog outside the ranks (runtime.watchdog) ends a run that stops.
+- ``off``: every thread keeps the priority it has.
+
+Raising a priority needs CAP_SYS_NICE (root); without it nothing changes and
+:func:`raise_comm_threads` says so once. What each setting costs or gains in
+``plait bench ops`` is measured in docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
-__all__ = ["COMM_THREAD_PREFIXES", "comm_threads", "raise_comm_threads", "prioritize_group"]
+__all__ = ["COMM_THREAD_PREFIXES", "comm_threads", "comm_priority", "raise_comm_threads",
+           "prioritize_group"]
 
 log = logging.getLogger("plait.runtime")
 
 COMM_THREAD_PREFIXES = ("gloo", "pt_gloo")
 """Names (``/proc/self/task/*/comm``) of the threads gloo moves and reduces data on."""
 
+DEFAULT_NICE = -10
 _RT_PRIORITY = 1  # the lowest real-time level: above every ordinary thread, below the kernel's
 _said: set[str] = set()
 
@@ -53,29 +69,60 @@ def comm_threads() -> list[int]:
     return sorted(found)
 
 
-def raise_comm_threads() -> int:
-    """Put every communication thread at ``SCHED_FIFO`` priority 1; returns how many are.
+def comm_priority(setting: str | None = None) -> tuple[str, int]:
+    """``("off", 0)``, ``("nice", N)`` or ``("rt", 1)`` from ``setting`` (default
+    PLAIT_COMM_PRIORITY, else ``auto``); ``auto`` and ``rt`` are ``off`` where ranks
+    outnumber cores."""
+    text = (setting if setting is not None
+            else os.environ.get("PLAIT_COMM_PRIORITY", "auto")).strip().lower()
+    if text in ("off", "0", "no", "false", "none"):
+        return "off", 0
+    if text in ("auto", "rt"):
+        ranks, cores = _local_ranks(), _usable_cores()
+        if ranks <= cores:
+            return ("rt", _RT_PRIORITY) if text == "rt" else ("nice", DEFAULT_NICE)
+        if text == "rt":
+            _say_once("rt-refused", f"PLAIT_COMM_PRIORITY=rt refused: {ranks} ranks on "
+                                    f"{cores} cores could starve the machine; comm threads "
+                                    "keep their priority", logging.WARNING)
+        return "off", 0
+    if text == "nice":
+        return "nice", DEFAULT_NICE
+    if text.startswith("nice:"):
+        try:
+            value = int(text[5:])
+        except ValueError:
+            value = None
+        if value is not None and -20 <= value <= 19:
+            return "nice", value
+    raise ValueError(f"PLAIT_COMM_PRIORITY={text!r}: write auto, off, nice, nice:N (-20..19) "
+                     "or rt")
 
-    Idempotent and cheap (a look at /proc/self/task): called after a group is made,
-    since each gloo group starts threads of its own. Does nothing with
-    ``PLAIT_COMM_PRIORITY=off``, where there is no /proc (no Linux threads to find), or
-    without the permission, which it logs once.
-    """
-    if os.environ.get("PLAIT_COMM_PRIORITY", "rt").lower() in ("off", "0", "no", "false"):
+
+def raise_comm_threads(setting: str | None = None) -> int:
+    """Put every communication thread at the priority ``comm_priority`` gives; returns how many
+    are there. Idempotent and cheap (a look at /proc/self/task): called after a group is made,
+    since each gloo group starts threads of its own. Does nothing with ``off``, where there
+    is no /proc (no Linux threads to find), or without the permission, which it logs once."""
+    mode, level = comm_priority(setting)
+    if mode == "off":
         return 0
-    raised = 0
+    done = 0
     for tid in comm_threads():
         try:
-            if os.sched_getscheduler(tid) != os.SCHED_FIFO:
-                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(_RT_PRIORITY))
-            raised += 1
+            if mode == "rt":
+                if os.sched_getscheduler(tid) != os.SCHED_FIFO:
+                    os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(level))
+            elif os.getpriority(os.PRIO_PROCESS, tid) != level:
+                os.setpriority(os.PRIO_PROCESS, tid, level)  # a thread id: Linux nices threads
+            done += 1
         except PermissionError:
-            _say_once("eperm", "comm threads keep their priority: SCHED_FIFO needs CAP_SYS_NICE "
-                               "(root); transfers may wait behind compute for a core")
-            return raised
-        except OSError:  # the thread ended meanwhile
+            _say_once("eperm", f"comm threads keep their priority: {mode} {level} needs "
+                               "CAP_SYS_NICE (root); transfers may wait behind compute for a core")
+            return done
+        except (ProcessLookupError, OSError):  # the thread ended meanwhile
             continue
-    return raised
+    return done
 
 
 def prioritize_group(group=None) -> int:
@@ -90,10 +137,33 @@ def prioritize_group(group=None) -> int:
     if dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
         return 0
     dist.barrier(group=group)
-    return raise_comm_threads()
+    # a work thread may not have named itself yet even after the barrier (seen once in ~10
+    # launches): look again until no new comm thread shows up, a few ms at most
+    raised, seen = raise_comm_threads(), len(comm_threads())
+    for _ in range(5):
+        time.sleep(0.002)
+        if len(comm_threads()) == seen:
+            break
+        raised, seen = raise_comm_threads(), len(comm_threads())
+    return raised
 
 
-def _say_once(key: str, message: str) -> None:
+def _local_ranks() -> int:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE (launch sets it too), else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _say_once(key: str, message: str, level: int = logging.INFO) -> None:
     if key not in _said:
         _said.add(key)
-        log.info("plait: %s", message)
+        log.log(level, "plait: %s", message)

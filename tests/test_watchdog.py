@@ -1,0 +1,63 @@
+"""The launcher's watchdog: a run that stops making progress ends, naming the rank."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.runtime import RankError, launch
+from plait.runtime.progress import mark
+from plait.runtime.watchdog import GRACE_S, process_state
+
+
+def _fused_then_stop(stop_rank, at):
+    from plait.ops import matmul_all_reduce
+
+    x = w = torch.ones(32, 32)
+    for i in range(10_000):
+        if i == at and dist.get_rank() == stop_rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        matmul_all_reduce(x, w, chunks=2)
+
+
+def test_a_stopped_rank_is_named_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_fused_then_stop, 3, args=(1, 20), timeout_s=4, threads=1)
+    took = time.monotonic() - start
+    assert info.value.rank == 1, info.value
+    assert "stopped (SIGSTOP" in info.value.summary and "matmul_all_reduce" in info.value.summary
+    assert took < 4 + 10
+
+
+def _progress_then_all_quiet():
+    for _ in range(3):
+        mark("a step")
+    time.sleep(120)  # every rank stops making progress, and no collective is left to time out
+
+
+def test_no_progress_on_any_rank_ends_the_run_after_timeout_plus_grace():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_progress_then_all_quiet, 2, timeout_s=2, threads=1)
+    took = time.monotonic() - start
+    assert "no rank made progress" in info.value.summary and "last in a step" in info.value.summary
+    assert 2 + GRACE_S - 1 < took < 2 + GRACE_S + 5
+
+
+def _never_marks():
+    time.sleep(4)
+    return dist.get_rank()
+
+
+def test_a_run_that_never_marks_is_left_to_run():
+    # no plait operator and no report: the watchdog does not arm (the deadline still holds)
+    assert launch(_never_marks, 2, timeout_s=1, threads=1) == [0, 1]
+
+
+def test_process_state_reads_proc():
+    assert process_state(os.getpid()) == "R"
+    assert process_state(None) is None and process_state(2 ** 22 + 1) is None
