@@ -1,7 +1,10 @@
 """The emulated cluster: namespaces appear and vanish, links are really rate-limited."""
 
+import logging
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -11,6 +14,7 @@ import torch.distributed as dist
 import plait.runtime.cluster as cluster_mod
 from plait.runtime import EmulatedCluster, launch, max_hosts, parse_rate, rank_context
 from plait.runtime.cluster import format_rate
+from plait.runtime.leftovers import remove_leftovers
 
 from conftest import needs_netns
 
@@ -140,3 +144,56 @@ def test_sigterm_mid_launch_leaves_no_namespace_or_process(tmp_path):
         proc.kill()
         cluster_mod.remove_stale_namespaces(tag)
     assert _namespaces(tag) == []
+
+
+_KILLED = """
+import tempfile
+import time
+from plait.runtime import EmulatedCluster, launch
+
+def wait_forever():
+    time.sleep(120)
+
+if __name__ == "__main__":
+    with EmulatedCluster(hosts=2, link="1gbit", require=True) as cluster:
+        print(cluster.tag, flush=True)
+        launch(wait_forever, 2, cluster=cluster)
+"""
+
+
+@needs_netns
+@pytest.mark.netns
+def test_the_next_run_removes_what_a_sigkilled_run_left(tmp_path, caplog):
+    # SIGKILL runs no handler: the namespaces and the launch folder stay until the next run
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        tag = proc.stdout.readline().strip()
+        time.sleep(1.0)  # the ranks are inside wait_forever
+        folders = [f for f in os.listdir(tempfile.gettempdir())
+                   if f.startswith(f"plait-launch-{proc.pid}-")]
+        assert _namespaces(tag) and folders
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert _namespaces(tag), "SIGKILL left them (what this test is about)"
+    with caplog.at_level(logging.WARNING, logger="plait.runtime"):
+        removed = remove_leftovers()
+    assert _namespaces(tag) == []
+    assert not [f for f in os.listdir(tempfile.gettempdir())
+                if f.startswith(f"plait-launch-{proc.pid}-")]
+    assert len(removed) == 4 and f"pid {proc.pid}, no longer running" in caplog.text
+
+
+def test_leftovers_of_a_running_process_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = tmp_path / f"plait-launch-{os.getpid()}-abc"
+    dead = tmp_path / "plait-launch-4194305-abc"  # above the kernel's pid limit (2^22): never running
+    other = tmp_path / "plait-launch-notapid"
+    for folder in (mine, dead, other):
+        folder.mkdir()
+    assert remove_leftovers() == [f"folder {dead}"]
+    assert mine.exists() and other.exists() and not dead.exists()

@@ -26,6 +26,8 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from .leftovers import remove_leftovers
+
 __all__ = [
     "EmulatedCluster",
     "Host",
@@ -154,7 +156,8 @@ class EmulatedCluster:
         self.n_hosts = hosts
         self.link = link
         self.bits_per_s = parse_rate(link)
-        self.tag = tag or uuid.uuid4().hex[:6]
+        # the maker's pid in every name: the next run removes what a dead one left (leftovers)
+        self.tag = tag or f"{os.getpid()}x{uuid.uuid4().hex[:4]}"
         self.require = require
         self.hosts: list[Host] = []
         self.fallback_reason: str | None = None
@@ -198,6 +201,7 @@ class EmulatedCluster:
         return self
 
     def _build(self) -> None:
+        remove_leftovers()
         remove_stale_namespaces(self.tag)
         switch = f"{NETNS_PREFIX}{self.tag}-sw"
         _run("ip", "netns", "add", switch)

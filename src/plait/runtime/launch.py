@@ -40,6 +40,7 @@ from .cluster import EmulatedCluster, Host
 from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
 from .errors import RankError
+from .leftovers import remove_leftovers
 from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
 from .watchdog import Watchdog
@@ -48,7 +49,7 @@ __all__ = ["launch"]
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
-LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid: a dead launcher's folder is found
+LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid: a dead launcher's folder is removed
 _GRACE_S = 0.5  # after the first failure, how long to listen for the others' reports
 
 
@@ -187,6 +188,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
 
 def _launch_once(fn, world_size, args, kwargs, hosts, link, backend, timeout_s, threads, env,
                  slow, deadline_s, on_progress) -> list[Any]:
+    remove_leftovers()
     ctx = _context()
     workdir = tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}-")
     board = ProgressBoard.new(ctx, world_size)

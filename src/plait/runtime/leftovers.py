@@ -1,0 +1,79 @@
+"""What a plait process that died without cleaning up (SIGKILL, OOM) left behind, found and removed.
+
+Everything plait makes on the machine carries its maker's pid in its name:
+network namespaces ``plait-<pid>x<hex>-h0`` (and their bridge and veths, which go
+with them) and launch folders ``plait-launch-<pid>-…`` in the temporary
+directory. When the next run starts it removes those whose maker is no longer
+running, and says so. Anything whose maker still runs is left alone (another
+plait run on the same machine), and so is anything named otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+__all__ = ["owner_alive", "remove_leftovers"]
+
+log = logging.getLogger("plait.runtime")
+
+NETNS_OWNED = re.compile(r"^plait-(\d+)x[0-9a-f]+-")
+LAUNCH_DIR_OWNED = re.compile(r"^plait-launch-(\d+)-")
+
+
+def owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def _dead_owner(name: str, pattern: re.Pattern) -> int | None:
+    match = pattern.match(name)
+    if match is None:
+        return None
+    pid = int(match.group(1))
+    return None if owner_alive(pid) else pid
+
+
+def _stale_namespaces() -> list[str]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return []
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    return [n for n in names if _dead_owner(n, NETNS_OWNED) is not None]
+
+
+def _stale_launch_dirs() -> list[str]:
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in names if _dead_owner(n, LAUNCH_DIR_OWNED) is not None]
+
+
+def remove_leftovers() -> list[str]:
+    """Remove the namespaces and launch folders of plait processes that are gone; returns
+    what was removed, and logs one line when anything was."""
+    removed = []
+    for name in _stale_namespaces():
+        if subprocess.run(["ip", "netns", "del", name], capture_output=True).returncode == 0:
+            removed.append(f"network namespace {name}")
+    for path in _stale_launch_dirs():
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(f"folder {path}")
+    if removed:
+        pids = sorted({int(m.group(1)) for r in removed
+                       for m in [re.search(r"plait-(?:launch-)?(\d+)", r)] if m})
+        log.warning("plait: removed what an earlier plait run (pid %s, no longer running) "
+                    "left behind: %s", ", ".join(map(str, pids)), ", ".join(removed))
+    return removed
