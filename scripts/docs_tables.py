@@ -1,0 +1,577 @@
+"""Rewrite the tables in README.md and docs/*.md from the runs stored in docs/results/.
+
+    python scripts/docs_tables.py            # rewrite every generated region
+    python scripts/docs_tables.py --check    # exit 1 (and show the difference) where a region
+                                             # is not what the stored JSON gives
+
+A generated region is delimited in the Markdown by
+
+    <!-- generated: KEY -->
+    ...
+    <!-- end generated -->
+
+and KEY names one of the tables below (``--list`` prints them). Each run is a folder entry
+docs/results/NAME/run-K.json (the command's own JSON) beside run-K.meta.json (the exact
+command, when it ran, how long, the host), both written by scripts/results.sh. Every table
+shows each run's figure (run 1, run 2, ...) and their median, and names the command and
+the runs' dates; README's headline table takes a figure only once two runs have it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+REGION = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
+DOCS = ("README.md", "docs/*.md")
+MIN_RUNS_README = 2
+
+
+# ---------------------------------------------------------------------------- the runs
+
+
+@dataclass(frozen=True)
+class Run:
+    """One stored run of a headline command: its JSON and the sidecar that says how it ran."""
+
+    k: int
+    data: dict
+    meta: dict
+
+
+class Results:
+    """The runs under one results folder, read once per command name."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._cache: dict[str, list[Run]] = {}
+
+    def runs(self, name: str) -> list[Run]:
+        if name not in self._cache:
+            runs = []
+            for path in sorted((self.folder / name).glob("run-*.json")):
+                m = re.fullmatch(r"run-(\d+)\.json", path.name)
+                if not m:
+                    continue  # the sidecars
+                meta_path = path.with_name(f"run-{m[1]}.meta.json")
+                if not meta_path.exists():
+                    raise SystemExit(f"{path} has no {meta_path.name}: the command that made it is unknown")
+                runs.append(Run(int(m[1]), json.loads(path.read_text()), json.loads(meta_path.read_text())))
+            self._cache[name] = sorted(runs, key=lambda r: r.k)
+        return self._cache[name]
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def fmt(value, spec: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    return format(value, spec)
+
+
+def each(values: list, spec: str) -> str:
+    """Every run's figure, in run order: ``1.33, 1.31``."""
+    return ", ".join(fmt(v, spec) for v in values) if values else "–"
+
+
+def med(values: list, spec: str) -> str:
+    nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not nums:
+        return "–"
+    mid = median(nums)
+    return fmt(round(mid) if spec.endswith("d") else mid, spec)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def generic_command(runs: list[Run]) -> str:
+    """The runs' command with the run number as K (they differ in nothing else)."""
+    cmd = runs[-1].meta["command"]
+    return re.sub(r"run-\d+", "run-K", cmd)
+
+
+def when(run: Run) -> str:
+    started = run.meta.get("started") or run.data.get("meta", {}).get("time", "?")
+    return started[:16].replace("T", " ") + " UTC"
+
+
+def provenance(name: str, runs: list[Run]) -> str:
+    if not runs:
+        return (f"No run stored yet (`scripts/results.sh --only {name}` makes them). ")
+    host = runs[-1].meta.get("host", {})
+    lines = [f"`{generic_command(runs)}`", ""]
+    per_run = "; ".join(
+        f"run {r.k}: {when(r)}, {r.meta.get('wall_s', '?')} s, load {str(r.meta.get('loadavg_before', '?')).split()[0]}"
+        + (f", exit {r.meta['exit']} (a check in its output failed)" if r.meta.get("exit") else "")
+        for r in runs)
+    lines.append(f"Runs ({len(runs)}) — {per_run}. Host: {host.get('cores', '?')} cores "
+                 f"({host.get('cpu') or 'cpu unknown'}), torch {host.get('torch', '?')}, "
+                 f"plait {host.get('plait', '?')} at {host.get('commit', '?')}"
+                 f"{' with local changes' if host.get('dirty') else ''}. "
+                 f"JSON: [docs/results/{name}/]({link_to(name)}).")
+    return "\n".join(lines)
+
+
+def link_to(name: str) -> str:
+    """Relative link from a file in docs/ to a results folder (README's links are rebased)."""
+    return f"results/{name}/"
+
+
+def figures(runs: list[Run], get: Callable[[Run], object]) -> list:
+    out = []
+    for r in runs:
+        try:
+            out.append(get(r))
+        except (KeyError, IndexError, TypeError, ZeroDivisionError, StopIteration):
+            out.append(None)
+    return out
+
+
+def rate_Bps(link: str) -> float | None:
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)bit", str(link).lower())
+    if not m:
+        return None
+    return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
+
+
+# ---------------------------------------------------------------------------- bench collectives
+
+
+def collectives_table(res: Results) -> str:
+    name = "bench-collectives-quick"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    top = max(r["bytes"] for r in runs[0].data["records"])
+    link = runs[0].data["records"][0].get("link")
+    rate = rate_Bps(link)
+    rows = []
+    for coll in dict.fromkeys(r["collective"] for r in runs[0].data["records"]):
+        def pick(run, coll=coll):
+            return next(x for x in run.data["records"] if x["collective"] == coll and x["bytes"] == top)
+        t = figures(runs, lambda r: pick(r)["time_s"] * 1e3)
+        bw = figures(runs, lambda r: pick(r)["busbw_GBps"])
+        share = [b * 1e9 / rate if (b is not None and rate) else None for b in bw]
+        wrong = figures(runs, lambda r: pick(r)["wrong"])
+        rows.append([coll, each(t, ".1f"), each(bw, ".3f"), each(share, ".0%"), med(share, ".0%"),
+                     each(wrong, "d")])
+    head = [f"collective ({top / 2**20:.0f} MiB)", "time (ms)", "busbw (GB/s)",
+            f"busbw / link ({link})", "median", "#wrong"]
+    return provenance(name, runs) + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- bench ops
+
+
+def shape_text(op: str, s: dict) -> str:
+    if "m" in s:
+        return f"{s['m']}×{s['k']}×{s['n']}"
+    if "tables" in s:
+        return f"{s['tables']} tables×{s['rows'] // 1000}k×{s['dim']}, batch {s['batch']}, pool {s['pool']}"
+    if "tokens" in s:
+        return f"{s['tokens']} tokens, H {s['hidden']}, {s['experts']} experts, F {s['ffn']}"
+    return json.dumps(s, sort_keys=True)
+
+
+def ops_key(rec: dict) -> str:
+    return rec["op"] + json.dumps(rec["shape"], sort_keys=True)
+
+
+def ops_table(res: Results) -> str:
+    name = "bench-ops-quick"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for rec0 in runs[0].data["records"]:
+        key = ops_key(rec0)
+
+        def rec(run, key=key):
+            return next(x for x in run.data["records"] if ops_key(x) == key)
+
+        ms = lambda field: figures(runs, lambda r: rec(r)[field] * 1e3)  # noqa: E731
+        speed = figures(runs, lambda r: rec(r)["speedup"])
+        eff = figures(runs, lambda r: rec(r)["efficiency"])
+        balanced = figures(runs, lambda r: 0.5 <= rec(r)["comm_ratio"] <= 2.0)
+        mark = " ⚖" if sum(bool(b) for b in balanced) * 2 > len(runs) else ""
+        pieces = figures(runs, lambda r: rec(r)["chunks"] if rec(r)["path"] == "fused" else "plain")
+        best = figures(runs, lambda r: f"{rec(r)['best_fixed_chunks']}")
+        rows.append([rec0["op"] + mark, shape_text(rec0["op"], rec0["shape"]),
+                     each(ms("t_compute_s"), ".1f"), each(ms("t_comm_s"), ".1f"),
+                     each(ms("t_unfused_s"), ".1f"), each(ms("t_fused_s"), ".1f"),
+                     each(ms("t_limit_s"), ".1f"), each(ms("t_beside_s"), ".1f"),
+                     each(pieces, ""), each(speed, ".2f"), med(speed, ".2f"),
+                     each(eff, ".2f"), med(eff, ".2f"), each(best, ""),
+                     each(figures(runs, lambda r: rec(r)["auto_over_best_fixed"]), ".3f")])
+    head = ["operator", "shape", "compute", "comm", "unfused", "fused (auto)", "limit", "beside",
+            "pieces", "speedup", "median", "efficiency", "median", "best fixed", "auto/best"]
+    return provenance(name, runs) + "\n\n" + table(head, rows)
+
+
+OPS_SUMMARY = [
+    ("⚖ shapes (communication ½–2 × compute)", "balanced_shapes", "d"),
+    ("median speedup over unfused, ⚖", "median_speedup_balanced", ".2f"),
+    ("median efficiency (limit / fused), ⚖", "median_efficiency_balanced", ".3f"),
+    ("median efficiency against *beside*, ⚖", "median_efficiency_vs_beside_balanced", ".3f"),
+    ("worst auto / unfused, all shapes", "worst_auto_over_unfused", ".2f"),
+    ("auto / best fixed count, median", "median_auto_over_best_fixed", ".3f"),
+    ("auto / best fixed count, worst", "worst_auto_over_best_fixed", ".3f"),
+    ("auto / its own count timed as a fixed one, median", "median_auto_over_own_count", ".3f"),
+]
+
+
+def ops_summary_table(res: Results) -> str:
+    name = "bench-ops-quick"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for label, field, spec in OPS_SUMMARY:
+        vals = figures(runs, lambda r, f=field: r.data["meta"]["summary"][f])
+        rows.append([label, each(vals, spec), med(vals, spec)])
+    ok = figures(runs, lambda r: ("yes" if r.data["meta"]["summary"]["all_correct"] else "NO") + "; "
+                 + ("yes" if r.data["meta"]["summary"]["fused_never_uses_more_memory"] else "no"))
+    rows.append(["every result correct; fused memory ≤ plain", each(ok, ""), ""])
+    head = ["figure"] + [f"runs {', '.join(str(r.k) for r in runs)}", "median"]
+    return provenance(name, runs) + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- simulate
+
+
+def sim_table(res: Results) -> str:
+    name = "simulate-h100-16k"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    cfg = runs[0].data["config"]
+    base = lambda r: next(x for x in r.data["records"] if not x["fused"] and x["policy"] == "even")  # noqa: E731
+    rows = []
+    for rec0 in runs[0].data["records"]:
+        def rec(run, f=rec0["fused"], p=rec0["policy"]):
+            return next(x for x in run.data["records"] if x["fused"] == f and x["policy"] == p)
+        step = figures(runs, lambda r: rec(r)["step_s"])
+        speed = figures(runs, lambda r: base(r)["step_s"] / rec(r)["step_s"])
+        rows.append(["fused" if rec0["fused"] else "unfused", rec0["policy"], each(step, ".2f"),
+                     each(speed, ".3f"), each(figures(runs, lambda r: rec(r)["exposed_comm_share"]), ".1%"),
+                     each(figures(runs, lambda r: rec(r)["wait_share"]), ".1%"),
+                     each(figures(runs, lambda r: rec(r)["mfu"]), ".1%")])
+    c, m, p = cfg["cluster"], cfg["model"], cfg["parallel"]
+    gpus = c["gpus_per_node"] * c["nodes"]
+    wall = figures(runs, lambda r: r.data["wall_s"])
+    caption = (f"{gpus:,} × {c['gpu']} ({c['nodes']:,} nodes, {c['intra_link']} inside, {c['inter_link']} "
+               f"between), {m['layers']}-layer transformer, hidden {m['hidden']}, sequence {m['seq_len']}; "
+               f"tp {p['tp']} × dp {p['dp']}; no slow GPU in this preset, so the policies agree. "
+               f"Simulating it took {each(wall, '.1f')} s here.")
+    head = ["fusion", "policy", "step (s)", "× unfused, even", "exposed comm", "waiting", "MFU"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- bench tp
+
+
+def tp_table(res: Results) -> str:
+    name = "bench-tp-quick"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    out = [provenance(name, runs)]
+    for part, ref, unit in (("gpt", "pytorch-tp", "tokens/s"), ("dlrm", "torchrec", "samples/s")):
+        recs0 = [x for x in runs[0].data["records"] if x.get("part", "gpt") == part]
+        skipped = [x for x in recs0 if x.get("skipped")]
+        if skipped:
+            out.append(f"DLRM embeddings against TorchRec: skipped in run {runs[0].k} "
+                       f"({skipped[0]['skipped'].split(':')[0]}); see below to install TorchRec.")
+            continue
+        if not recs0:
+            continue
+        key = f"speedup_vs_{ref.replace('-', '_')}"
+        rows = []
+        for rec0 in recs0:
+            def rec(run, system=rec0["system"]):
+                return next(x for x in run.data["records"]
+                            if x["system"] == system and x.get("part", "gpt") == part)
+            step = figures(runs, lambda r: rec(r)["t_step_s"] * 1e3)
+            rate = figures(runs, lambda r: rec(r)["tokens_per_s"])
+            speed = figures(runs, lambda r: rec(r)[key])
+            diff = figures(runs, lambda r: rec(r)["max_loss_diff"])
+            rows.append([rec0["system"], each(step, ".1f"), each(rate, ",.0f"), each(speed, ".2f"),
+                         med(speed, ".2f"), each(diff, ".1e" if any(diff) else "g")])
+        if part == "gpt":
+            m = recs0[0]["model"]
+            title = (f"GPT {m['n_layer']} × {m['n_embd']}, {m['n_head']} heads, batch "
+                     f"{m['batch_size']} × {m['seq_len']}")
+            wire = figures(runs, lambda r: rec(r)["t_comm_link_s"] * 1e3)
+            note = (f"The all-reduces alone take {med(wire, '.0f')} ms a step at the link rate: "
+                    "the floor of the communication, which fusion can hide but not remove.")
+        else:
+            m = recs0[0].get("model", {})
+            title = (f"DLRM embeddings, {m.get('tables', '?')} × {m.get('rows', '?'):,} × "
+                     f"{m.get('dim', '?')}")
+            note = ""
+        comp = recs0[0].get("compare_steps", 5)
+        head = [title, "step (ms)", unit, f"× {ref}", "median", f"max \\|Δloss\\|, {comp} steps"]
+        out.append(table(head, rows) + ("\n\n" + note if note else ""))
+    return "\n\n".join(out)
+
+
+# ---------------------------------------------------------------------------- bench hetero
+
+
+def hetero_table(res: Results) -> str:
+    name = "bench-hetero-quick"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for row0 in runs[0].data["meta"]["table"]:
+        def row(run, sc=row0["scenario"], po=row0["policy"]):
+            return next(x for x in run.data["meta"]["table"] if x["scenario"] == sc and x["policy"] == po)
+        ms = lambda field: figures(runs, lambda r: row(r)[field] * 1e3)  # noqa: E731
+        ratio = figures(runs, lambda r: row(r)["ratio_to_ideal"])
+        rows.append([row0["scenario"], row0["policy"], each(ms("t_step_s"), ".1f"),
+                     each(ms("t_ideal_s"), ".1f"), each(ratio, ".2f"), med(ratio, ".2f"),
+                     each(figures(runs, lambda r: row(r)["heldout_loss"]), ".3f"),
+                     each(figures(runs, lambda r: 100 * row(r)["heldout_acc"]), ".1f"),
+                     each(figures(runs, lambda r: row(r)["decisions"]), ".0f")])
+    r0 = runs[0].data["records"][0]
+    caption = (f"{r0.get('world_size', '?')} ranks; where: {runs[0].data['meta'].get('where', '?')}. "
+               f"Held-out accuracy in %.")
+    head = ["scenario", "policy", "step (ms)", "ideal (ms)", "× ideal", "median",
+            "held-out loss", "held-out acc", "decisions"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def demo_table(res: Results) -> str:
+    name = "demo"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for row0 in runs[0].data["summary"]:
+        def row(run, system=row0["system"]):
+            return next(x for x in run.data["summary"] if x["system"] == system)
+        ms = lambda field: figures(runs, lambda r: row(r)[field] * 1e3)  # noqa: E731
+        ratio = figures(runs, lambda r: row(r)["ratio_to_ideal"])
+        rows.append([row0["system"], ("fused" if row0["overlap"] else "unfused") + ", " + row0["policy"],
+                     each(ms("t_step_s"), ".1f"), each(ms("t_step_no_straggler_s"), ".1f"),
+                     each(ms("t_ideal_s"), ".1f"), each(ratio, ".2f"),
+                     each(figures(runs, lambda r: row(r)["tokens_per_s"]), ",.0f"),
+                     each(figures(runs, lambda r: row(r)["heldout_loss"]), ".3f"),
+                     each(figures(runs, lambda r: row(r)["decisions"]), "d")])
+    speed = figures(runs, lambda r: next(x for x in r.data["summary"] if x["system"] == "plait")
+                    ["speedup_vs_plain"])
+    cfg = runs[0].data["config"]
+    caption = (f"{runs[0].data['where']}; GPT {cfg['n_layer']} × {cfg['n_embd']} ({cfg['n_head']} heads), "
+               f"{cfg['steps']} steps, the last rank {cfg['factor']:g} × slower from step "
+               f"{cfg['slow_from']}. With the straggler plait runs {each(speed, '.2f')} × the plain "
+               f"way (median {med(speed, '.2f')}).")
+    head = ["system", "path, policy", "step (ms)", "no straggler", "ideal", "× ideal", "tokens/s",
+            "held-out loss", "decisions"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- simulate --validate
+
+VALIDATE_KINDS = {
+    "published": "published figures (nccl-tests, Flux, SC'24, async-TP)",
+    "local": "this machine: collectives and fused operators (fitted on other sizes and shapes)",
+    "local-auto": "`chunks=\"auto\"` against the best fixed piece count",
+}
+
+
+def validate_table(res: Results) -> str:
+    name = "simulate-validate"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for kind, label in VALIDATE_KINDS.items():
+        err = figures(runs, lambda r, k=kind: r.data["summary"][k].get("rel_error"))
+        n = figures(runs, lambda r, k=kind: r.data["summary"][k]["n"])
+        ok = figures(runs, lambda r, k=kind: {True: "pass", False: "FAIL", None: "–"}[r.data["summary"][k]["pass"]])
+        s0 = runs[0].data["summary"][kind]
+        rows.append([label, each(n, "d"), s0.get("statistic", "–") + " rel. error",
+                     each(err, ".1%"), med(err, ".1%"), fmt(s0["threshold"], ".0%"), each(ok, "")])
+    head = ["check", "rows", "statistic", "result", "median", "limit", "verdict"]
+    return provenance(name, runs) + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- README's headline
+
+
+def _ops_summary(field):
+    return lambda r: r.data["meta"]["summary"][field]
+
+
+def _tp_speed(r):
+    return next(x for x in r.data["records"] if x["system"] == "plait" and x.get("part", "gpt") == "gpt"
+                )["speedup_vs_pytorch_tp"]
+
+
+def _collective_share(r):
+    top = max(x["bytes"] for x in r.data["records"] if x["collective"] == "all_reduce")
+    x = next(x for x in r.data["records"] if x["collective"] == "all_reduce" and x["bytes"] == top)
+    return x["busbw_GBps"] * 1e9 / rate_Bps(x["link"])
+
+
+def _hetero(policy):
+    return lambda r: next(x for x in r.data["meta"]["table"]
+                          if x["scenario"] == "straggler-2x" and x["policy"] == policy)["ratio_to_ideal"]
+
+
+def _sim_speed(r):
+    rec = {(x["fused"], x["policy"]): x["step_s"] for x in r.data["records"]}
+    return rec[(False, "even")] / rec[(True, "even")]
+
+
+# (what, results folder, how to read a run's figure, format, where the full table is)
+HEADLINE = [
+    ("Fused operators: median speedup over compute-then-collective, ⚖ shapes (2 ranks, 1 Gbit/s)",
+     "bench-ops-quick", _ops_summary("median_speedup_balanced"), ".2f", "×", "benchmarks.md#fused-operators-plait-bench-ops"),
+    ("Fused operators: median efficiency (physical limit / fused time), ⚖ shapes",
+     "bench-ops-quick", _ops_summary("median_efficiency_balanced"), ".2f", "", "benchmarks.md#fused-operators-plait-bench-ops"),
+    ("GPT training step, plait against PyTorch TP (DTensor), same losses",
+     "bench-tp-quick", _tp_speed, ".2f", "×", "benchmarks.md#plait-against-pytorch-tp-plait-bench-tp"),
+    ("A 2 × straggler: step time / ideal, even shards (no balancing)",
+     "bench-hetero-quick", _hetero("even"), ".2f", "×", "balancing.md#measured-plait-bench-hetero"),
+    ("A 2 × straggler: step time / ideal, `semi` balancer",
+     "bench-hetero-quick", _hetero("semi"), ".2f", "×", "balancing.md#measured-plait-bench-hetero"),
+    ("The demo: plait (fused, `semi`) against plain TP with a straggler, step speed",
+     "demo", lambda r: next(x for x in r.data["summary"] if x["system"] == "plait")["speedup_vs_plain"],
+     ".2f", "×", "benchmarks.md#the-demo-plait-demo"),
+    ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
+     "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
+    ("Model: median error against this machine's measurements",
+     "simulate-validate", lambda r: r.data["summary"]["local"]["rel_error"], ".1%", "", "simulator.md#validation"),
+    ("Model, not measured: fused speedup predicted for Llama 3 70B on 16,384 H100s",
+     "simulate-h100-16k", _sim_speed, ".2f", "×", "simulator.md#a-16384-gpu-cluster"),
+]
+
+
+def user_command(cmd: str) -> str:
+    """The command as a reader types it: without the flags that only store the run."""
+    cmd = re.sub(r" --no-progress", "", cmd)
+    cmd = re.sub(r" --json \S+", "", cmd)
+    cmd = re.sub(r" --out \S+", "", cmd)
+    cmd = re.sub(r" --measurements( docs/results/\S+)+", " --measurements …", cmd)
+    return cmd
+
+
+def headline_table(res: Results) -> str:
+    rows, waiting = [], []
+    for what, name, get, spec, unit, where in HEADLINE:
+        runs = res.runs(name)
+        vals = [v for v in figures(runs, get) if v is not None]
+        if len(vals) < MIN_RUNS_README:
+            waiting.append(name)
+            continue
+        rng = fmt(min(vals), spec) + ("" if fmt(min(vals), spec) == fmt(max(vals), spec)
+                                      else "–" + fmt(max(vals), spec))
+        rows.append([f"[{what}]({where})", f"**{rng}{(' ' + unit) if unit else ''}**",
+                     each(vals, spec), f"`{user_command(runs[-1].meta['command'])}`",
+                     when(runs[-1])[:10]])
+    text = table(["figure", "range", "every run", "command", "date"], rows) if rows else (
+        "No figure has a second run yet, so none is shown here; single runs are in "
+        "[the benchmarks](benchmarks.md).")
+    if rows and waiting:
+        text += ("\n\nAwaiting a second run (shown only in [the benchmarks](benchmarks.md)): "
+                 + ", ".join(f"`{w}`" for w in dict.fromkeys(waiting)) + ".")
+    return text
+
+
+# ---------------------------------------------------------------------------- the registry
+
+GENERATORS: dict[str, Callable[[Results], str]] = {
+    "bench-collectives-quick": collectives_table,
+    "bench-ops-quick": ops_table,
+    "bench-ops-quick-summary": ops_summary_table,
+    "simulate-h100-16k": sim_table,
+    "simulate-validate": validate_table,
+    "bench-tp-quick": tp_table,
+    "bench-hetero-quick": hetero_table,
+    "demo": demo_table,
+    "headline": headline_table,
+}
+
+
+# ---------------------------------------------------------------------------- rewriting
+
+
+def rebase_links(text: str, doc: Path, root: Path) -> str:
+    """Generators write links as seen from docs/; a file elsewhere gets them rebased."""
+    if doc.parent == root / "docs":
+        return text
+    return re.sub(r"\]\((?!https?:|#|/)([^)]+)\)", r"](docs/\1)", text)
+
+
+def render(doc_text: str, doc: Path, root: Path, res: Results) -> str:
+    def one(m: re.Match) -> str:
+        key = m[2]
+        if key not in GENERATORS:
+            raise SystemExit(f"{doc.relative_to(root)}: unknown generated region {key!r} "
+                             f"(known: {', '.join(sorted(GENERATORS))})")
+        body = rebase_links(GENERATORS[key](res), doc, root).rstrip("\n")
+        return f"{m[1]}{body}\n{m[4]}"
+    return REGION.sub(one, doc_text)
+
+
+def documents(root: Path) -> list[Path]:
+    out = []
+    for pattern in DOCS:
+        out += sorted(root.glob(pattern))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 where a region is stale")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the repository (default: this script's)")
+    ap.add_argument("--list", action="store_true", help="list the region keys")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(sorted(GENERATORS)))
+        return 0
+    root = args.root.resolve()
+    res = Results(root / "docs" / "results")
+    stale = []
+    for doc in documents(root):
+        old = doc.read_text()
+        new = render(old, doc, root, res)
+        if new == old:
+            continue
+        stale.append(doc)
+        if args.check:
+            rel = str(doc.relative_to(root))
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       rel, rel + " (from the JSON)", n=1))
+        else:
+            doc.write_text(new)
+            print(f"rewrote {doc.relative_to(root)}")
+    if args.check and stale:
+        print(f"\n{len(stale)} file(s) differ from docs/results/: run python scripts/docs_tables.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Run every headline command N times, in turns (round 1: each command once; round 2: each
+# again; ...), and keep what each run measured under docs/results/NAME/:
+#   run-K.json       the command's own JSON, as it wrote it
+#   run-K.meta.json  the exact command, when it ran, how long it took, and the host
+# then regenerate the tables in README.md and docs/*.md (scripts/docs_tables.py).
+#
+#   scripts/results.sh [-n N] [--only NAME,NAME] [--append] [--list]
+#
+# -n N      rounds (default 2: a figure reaches the README only once a second run has it)
+# --only    run only these commands (names as in --list)
+# --append  keep the runs already stored and number the new ones after them
+#           (default: a command's stored runs are replaced by this call's)
+# Runs take turns so that a slow stretch of a shared machine lands on one run of every
+# command, not on every run of one. A run that writes no JSON keeps nothing and the script
+# exits non-zero; a run that writes its JSON and exits 1 (one of its own checks failed, e.g.
+# simulate --validate over a limit) is kept, with its exit status in the sidecar.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+RESULTS=docs/results
+LIMIT_S=${PLAIT_RESULTS_TIMEOUT_S:-1200}   # per run; a hung run is stopped, not waited for
+
+# NAME|plait arguments. {json}: where the JSON goes; {out}: a report folder (the JSON is
+# taken from {out}/demo.json); {round}: this round's run number of each command.
+COMMANDS=(
+  "bench-collectives-quick|bench collectives --hosts 2 --link 1gbit --quick --no-progress --json {json}"
+  "bench-ops-quick|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}"
+  "bench-tp-quick|bench tp --hosts 2 --link 1gbit --quick --no-progress --json {json}"
+  "bench-hetero-quick|bench hetero --quick --ranks 2 --scenarios none,straggler-2x --policies even,semi --seeds 1 --no-progress --json {json}"
+  "demo|demo --no-progress --out {out}"
+  "simulate-h100-16k|simulate --cluster h100-16k --model llama3-70b --json {json}"
+  "simulate-validate|simulate --validate --measurements $RESULTS/bench-collectives-quick/run-{round}.json $RESULTS/bench-ops-quick/run-{round}.json --json {json}"
+)
+
+rounds=2 only="" append=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -n) rounds=$2; shift 2 ;;
+    --only) only=$2; shift 2 ;;
+    --append) append=1; shift ;;
+    --list) for c in "${COMMANDS[@]}"; do echo "${c%%|*}: ./run.sh ${c#*|}"; done; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "results.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+selected=()
+for c in "${COMMANDS[@]}"; do
+  name=${c%%|*}
+  if [ -z "$only" ] || [[ ",$only," == *",$name,"* ]]; then selected+=("$c"); fi
+done
+[ ${#selected[@]} -gt 0 ] || { echo "results.sh: no command matches --only $only" >&2; exit 2; }
+
+# Set up .venv as run.sh does, and read the host's facts once.
+source scripts/env.sh
+set +e   # env.sh sets -e; a failed run is reported and the others still run
+PY=.venv/bin/python
+host_json=$($PY - <<'EOF'
+import json, os, platform, subprocess, sys
+import torch
+def sh(*cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return None
+cpu = None
+try:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip(); break
+except OSError:
+    pass
+try:
+    import plait; plait_version = plait.__version__
+except Exception:
+    plait_version = None
+print(json.dumps({
+    "cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
+    "python": platform.python_version(), "kernel": platform.release(),
+    "plait": plait_version, "root": os.geteuid() == 0,
+    "commit": sh("git", "rev-parse", "--short", "HEAD"),
+    "dirty": bool(sh("git", "status", "--porcelain", "--untracked-files=no", "src")),
+}))
+EOF
+)
+
+declare -A base
+for c in "${selected[@]}"; do
+  name=${c%%|*}
+  mkdir -p "$RESULTS/$name"
+  if [ $append -eq 0 ]; then
+    rm -f "$RESULTS/$name"/run-*.json
+    base[$name]=0
+  else
+    base[$name]=$(find "$RESULTS/$name" -name 'run-*.meta.json' | wc -l)
+  fi
+done
+
+failed=0
+for r in $(seq 1 "$rounds"); do
+  for c in "${selected[@]}"; do
+    name=${c%%|*}
+    k=$(( ${base[$name]} + r ))
+    json="$RESULTS/$name/run-$k.json"
+    out="reports/results/$name/run-$k"
+    args=${c#*|}
+    args=${args//\{json\}/$json}
+    args=${args//\{out\}/$out}
+    args=${args//\{round\}/$k}
+    log="reports/results/$name/run-$k.log"
+    mkdir -p "reports/results/$name"
+    load=$(cut -d' ' -f1-3 /proc/loadavg)
+    started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    echo "[round $r] $name: ./run.sh $args"
+    t0=$(date +%s%N)
+    # shellcheck disable=SC2086  # the arguments are meant to split on spaces
+    timeout --signal=TERM --kill-after=30 "$LIMIT_S" ./run.sh $args >"$log" 2>&1
+    rc=$?
+    wall_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    if [ $rc -eq 0 ] && [[ "$c" == *"{out}"* ]]; then
+      cp "$out/demo.json" "$json" 2>/dev/null || rc=1
+    fi
+    if [ ! -s "$json" ] || { [ $rc -ne 0 ] && [ $rc -ne 1 ]; }; then
+      echo "  FAILED (exit $rc, $(( wall_ms / 1000 )) s): see $log" >&2
+      rm -f "$json"
+      failed=1
+      continue
+    fi
+    # exit 1 with its JSON written: the command ran and one of its own checks failed (e.g.
+    # simulate --validate over its limit); the run is kept and its tables say so.
+    [ $rc -eq 1 ] && echo "  exit 1: a check in its output failed; its JSON is kept (see $log)" >&2
+    json_from=None
+    [[ "$c" == *"{out}"* ]] && json_from="\"$out/demo.json\""
+    $PY - "$RESULTS/$name/run-$k.meta.json" <<EOF
+import json, sys
+meta = {"name": "$name", "run": $k, "command": "./run.sh $args", "exit": $rc, "json_from": $json_from,
+        "started": "$started", "wall_s": round($wall_ms / 1000, 1), "loadavg_before": "$load",
+        "host": json.loads(r'''$host_json''')}
+with open(sys.argv[1], "w") as f:
+    json.dump(meta, f, indent=1)
+    f.write("\n")
+EOF
+    echo "  done in $(( wall_ms / 1000 )) s"
+  done
+done
+
+$PY scripts/docs_tables.py || failed=1
+exit $failed
