@@ -12,6 +12,8 @@ from plait.runtime import RankError, launch
 from plait.runtime.progress import mark
 from plait.runtime.watchdog import GRACE_S, process_state
 
+from conftest import needs_netns
+
 
 def _fused_then_stop(stop_rank, at):
     from plait.ops import matmul_all_reduce
@@ -61,3 +63,29 @@ def test_a_run_that_never_marks_is_left_to_run():
 def test_process_state_reads_proc():
     assert process_state(os.getpid()) == "R"
     assert process_state(None) is None and process_state(2 ** 22 + 1) is None
+
+
+def _link_down_mid_run():
+    import subprocess
+
+    from plait.ops import matmul_all_reduce
+
+    x = w = torch.ones(64, 64)
+    for i in range(100_000):
+        if i == 20 and dist.get_rank() == 1:  # inside its own host's namespace
+            subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        matmul_all_reduce(x, w, chunks=2)
+
+
+@needs_netns
+def test_a_link_down_names_every_rank_and_host():
+    from plait.runtime import EmulatedCluster
+
+    with EmulatedCluster(hosts=2, link="1gbit", require=True) as cluster:
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            launch(_link_down_mid_run, 2, cluster=cluster, timeout_s=3, threads=1)
+        assert time.monotonic() - start < 3 + 10
+    text = info.value.headline()
+    assert "timed out, as did every rank" in text and "link between their hosts" in text
+    assert "rank 1 on host 1 (10.213.0.2)" in text and "in matmul_all_reduce" in text

@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence
 from .cluster import EmulatedCluster, Host
 from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
-from .errors import RankError
+from .errors import (RankError, all_timed_out, describe_exit, host_label, is_secondary,
+                     raise_first)
 from .leftovers import remove_leftovers
 from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
@@ -125,19 +126,6 @@ def _context() -> mp.context.BaseContext:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "plait.runtime"])
     return _CTX
-
-
-def _is_secondary(summary: str, tb: str) -> bool:
-    """A failure that is the echo of another rank's (a peer hung up on it)."""
-    text = summary + tb
-    return any(s in text for s in ("DistBackendError", "Connection closed by peer",
-                                   "Connection reset by peer", "Broken pipe", "Timed out"))
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"died (killed by {signal.Signals(-code).name}) before returning"
-    return f"died (exit code {code}) before returning"
 
 
 def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs: dict | None = None,
@@ -253,12 +241,15 @@ def _collect(procs: list, conns: list, deadline_s: float | None,
             else:
                 failures.append((rank, *report[1:]))
                 first_failure_at = first_failure_at or time.monotonic()
-    if failures and pending and all(_is_secondary(f[1], f[2]) for f in failures):
+    if failures and pending and all(is_secondary(f[1], f[2]) for f in failures):
         # the others gave up waiting (timed out, peer gone) on a rank that never answered
         rank, why = watchdog.blame(sorted(pending), pids, time.monotonic())
         failures.insert(0, (rank, f"{why}; the others timed out waiting for it", "", None, None))
+    if failures and not pending and all("Timed out" in f[1] for f in failures):
+        failures = all_timed_out(failures, [host_label(h) for h in hosts],
+                                 watchdog.board.last_op)
     if failures:
-        _raise_first(failures, hosts)
+        raise_first(failures, [host_label(h) for h in hosts])
     return [results[r] for r in range(len(procs))]
 
 
@@ -278,20 +269,7 @@ def _read_report(conn, proc) -> tuple | None:
         if conn.closed or not conn.poll():
             return None
     proc.join(timeout=1.0)
-    return ("err", _describe_exit(proc.exitcode), "", proc.exitcode, None)
-
-
-def _host_label(host: Host) -> str:
-    return f"host {host.index} ({host.addr})" if host.netns is not None else "loopback"
-
-
-def _raise_first(failures: list, hosts: list[Host]) -> None:
-    # The root cause: a death or a genuine exception beats the peers' "connection closed" echoes.
-    ordered = sorted(enumerate(failures),
-                     key=lambda item: (_is_secondary(item[1][1], item[1][2]), item[0]))
-    rank, summary, tb, code, exc = ordered[0][1]
-    others = [f"rank {r} {s}" for _, (r, s, *_rest) in ordered[1:]]
-    raise RankError(rank, summary, tb, code, others, _host_label(hosts[rank])) from exc
+    return ("err", describe_exit(proc.exitcode), "", proc.exitcode, None)
 
 
 def _stop(procs: list) -> None:
