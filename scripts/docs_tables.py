@@ -116,14 +116,14 @@ def provenance(name: str, runs: list[Run]) -> str:
     host = runs[-1].meta.get("host", {})
     lines = [f"`{generic_command(runs)}`", ""]
     per_run = "; ".join(
-        f"run {r.k}: {when(r)}, {r.meta.get('wall_s', '?')} s, load {str(r.meta.get('loadavg_before', '?')).split()[0]}"
+        f"run {r.k}: {when(r)}, plait {r.meta.get('host', {}).get('commit', '?')}"
+        + (" with local changes" if r.meta.get("host", {}).get("dirty") else "")
+        + f", {r.meta.get('wall_s', '?')} s, load {str(r.meta.get('loadavg_before', '?')).split()[0]} before"
         + (f", exit {r.meta['exit']} (a check in its output failed)" if r.meta.get("exit") else "")
         for r in runs)
     lines.append(f"Runs ({len(runs)}) — {per_run}. Host: {host.get('cores', '?')} cores "
                  f"({host.get('cpu') or 'cpu unknown'}), torch {host.get('torch', '?')}, "
-                 f"plait {host.get('plait', '?')} at {host.get('commit', '?')}"
-                 f"{' with local changes' if host.get('dirty') else ''}. "
-                 f"JSON: [docs/results/{name}/]({link_to(name)}).")
+                 f"Python {host.get('python', '?')}. JSON: [docs/results/{name}/]({link_to(name)}).")
     return "\n".join(lines)
 
 
@@ -477,25 +477,22 @@ def user_command(cmd: str) -> str:
 
 
 def headline_table(res: Results) -> str:
-    rows, waiting = [], []
+    """One row per headline figure; its value only once two runs have it (before that the row
+    says how many runs there are, and the figure stays in docs/ alone)."""
+    rows = []
     for what, name, get, spec, unit, where in HEADLINE:
         runs = res.runs(name)
         vals = [v for v in figures(runs, get) if v is not None]
+        command = f"`{user_command(runs[-1].meta['command'])}`" if runs else f"`scripts/results.sh --only {name}`"
         if len(vals) < MIN_RUNS_README:
-            waiting.append(name)
+            rows.append([f"[{what}]({where})", f"awaiting a second run ({len(vals)} so far)", "–",
+                         command, when(runs[-1])[:10] if runs else "–"])
             continue
-        rng = fmt(min(vals), spec) + ("" if fmt(min(vals), spec) == fmt(max(vals), spec)
-                                      else "–" + fmt(max(vals), spec))
+        lo, hi = fmt(min(vals), spec), fmt(max(vals), spec)
+        rng = lo if lo == hi else f"{lo}–{hi}"
         rows.append([f"[{what}]({where})", f"**{rng}{(' ' + unit) if unit else ''}**",
-                     each(vals, spec), f"`{user_command(runs[-1].meta['command'])}`",
-                     when(runs[-1])[:10]])
-    text = table(["figure", "range", "every run", "command", "date"], rows) if rows else (
-        "No figure has a second run yet, so none is shown here; single runs are in "
-        "[the benchmarks](benchmarks.md).")
-    if rows and waiting:
-        text += ("\n\nAwaiting a second run (shown only in [the benchmarks](benchmarks.md)): "
-                 + ", ".join(f"`{w}`" for w in dict.fromkeys(waiting)) + ".")
-    return text
+                     each(vals, spec), command, when(runs[-1])[:10]])
+    return table(["figure", "range", "every run", "command", "date"], rows)
 
 
 # ---------------------------------------------------------------------------- the registry
