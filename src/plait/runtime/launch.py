@@ -44,7 +44,7 @@ from .errors import (RankError, all_timed_out, describe_exit, host_label, is_sec
 from .leftovers import remove_leftovers
 from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
-from .watchdog import Watchdog
+from .watchdog import Watchdog, process_state
 
 __all__ = ["launch"]
 
@@ -276,6 +276,8 @@ def _stop(procs: list) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            if process_state(proc.pid) in ("T", "t"):  # a stopped rank acts on SIGTERM only
+                os.kill(proc.pid, signal.SIGCONT)     # once continued
     end = time.monotonic() + 2.0
     for proc in procs:
         proc.join(timeout=max(0.0, end - time.monotonic()))
