@@ -13,8 +13,10 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-__all__ = ["console", "print_table", "write_json", "progress_bar", "human_bytes", "machine_meta"]
+__all__ = ["console", "make_table", "print_table", "write_json", "progress_bar", "human_bytes",
+           "machine_meta"]
 
 # Piped output (CI logs, `| tee`) gets 120 columns instead of rich's 80, so tables stay whole.
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -28,14 +30,60 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-                caption: str | None = None) -> None:
-    table = Table(title=title, caption=caption, header_style="bold")
+_FOLDED = 4  # characters a label keeps a line when labels fold
+
+
+def make_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+               caption: str | None = None, labels: int = 1, width: int = 120) -> tuple[Table, int]:
+    """The table for a console ``width`` columns wide, and the width it needs.
+
+    The first ``labels`` columns are labels, the others hold figures. A figure is never
+    wrapped or shortened with an ellipsis (a ``19195…`` reads as a number it is not): each
+    figure column is as wide as its widest cell. Where that does not fit, the table loses its
+    rules first, then its labels fold onto more lines; where even the figures alone do not
+    fit, the width it needs is more than ``width``.
+    """
+    cells = [[str(v) for v in row] for row in rows]
+
+    def widest(i: int, words: bool) -> int:
+        texts = [Text.from_markup(row[i]).plain for row in cells if i < len(row)] + [columns[i]]
+        if words:  # a label wraps between words
+            texts = [w for t in texts for w in t.split()] or [""]
+        return max(Text(t).cell_len for t in texts)
+
+    least = [widest(i, words=i < labels) + 2 for i in range(len(columns))]  # + padding
+    rules = len(columns) + 1
+    boxed = sum(least) + rules <= width
+    fold = not boxed and sum(least) > width
+    table = Table(title=title, caption=caption, header_style="bold",
+                  **({} if boxed else {"box": None}))
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*[str(v) for v in row])
-    console.print(table)
+        if i < labels:
+            table.add_column(col, justify="left", overflow="fold",
+                             min_width=min(least[i] - 2, _FOLDED) if fold else least[i] - 2)
+        else:
+            table.add_column(col, justify="right", no_wrap=True, overflow="fold",
+                             min_width=least[i] - 2)
+    for row in cells:
+        table.add_row(*row)
+    if fold:
+        least[:labels] = [min(n, _FOLDED + 2) for n in least[:labels]]
+    need = sum(least) + (rules if boxed else 0)
+    return table, need
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                caption: str | None = None, labels: int = 1, to: Console | None = None) -> None:
+    """Print a table whose figures are never cut: in a terminal too narrow even for the
+    figures alone, it is printed wider than the terminal (which then wraps its lines)."""
+    to = to or console
+    table, need = make_table(title, columns, rows, caption, labels, width=to.width)
+    width = to.width
+    try:
+        to.width = max(width, need)  # rich would crop at its width: widen it for this table
+        to.print(table)
+    finally:
+        to.width = width
 
 
 def machine_meta() -> dict:
