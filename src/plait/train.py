@@ -85,7 +85,7 @@ class TrainConfig:
         if self.lr <= 0 or self.eval_batches < 0:
             raise ValueError(f"--lr must be positive and --eval-batches ≥ 0, got {self.lr}, "
                              f"{self.eval_batches}")
-        if self.chunks != "auto" and not str(self.chunks).isdigit():
+        if self.chunks != "auto" and not (str(self.chunks).isdigit() and int(self.chunks) >= 1):
             raise ValueError(f"--chunks must be 'auto' or a positive number, got {self.chunks!r}")
         if self.sequence_parallel and self.model == "dlrm":
             raise ValueError("--sequence-parallel applies to the GPT models, not to dlrm")

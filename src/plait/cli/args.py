@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import typing
 
+from .common import finite_float
+
 __all__ = ["add_dataclass_args", "dataclass_from_args"]
 
 
@@ -14,7 +16,8 @@ def _flag(name: str) -> str:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field whose metadata has a ``help``; tuples become comma-separated lists."""
+    """One flag per field whose metadata has a ``help``; tuples become comma-separated lists;
+    a float must be finite (nan and inf pass every ``x <= 0`` check in ``__post_init__``)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         help_text = f.metadata.get("help")
@@ -32,7 +35,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
                                 help=f"{help_text} (default: {default_text})")
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(_flag(f.name), type=base, default=None,
+        parser.add_argument(_flag(f.name), type=finite_float if base is float else base,
+                            default=None,
                             help=f"{help_text} (default: {default})")
 
 

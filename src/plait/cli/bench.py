@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..bench.collectives import CollectiveBenchConfig, bench_collectives, plot_bandwidth
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
@@ -12,7 +13,8 @@ from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..runtime import parse_rate
 from .args import add_dataclass_args, dataclass_from_args
-from .common import add_launch_args, add_output_args, resolve_placement
+from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
+                     resolve_placement)
 
 __all__ = ["register"]
 
@@ -41,13 +43,15 @@ def register(subparsers) -> None:
          "a slow rank under each balancing policy (even, static, resize, migrate, semi)",
          "Scenarios none, straggler-2x, graded and spike on 4 ranks (--ranks to change); per "
          "scenario and policy the median step time, the capacity-proportional ideal, the "
-         "no-straggler time and the held-out loss and accuracy.")
+         "no-straggler time and the held-out loss and accuracy.",
+         deadline_s=4 * DEFAULT_DEADLINE_S)  # every scenario × policy × seed in one launch
 
 
-def _add(which, name: str, config: type, func, help_text: str, description: str) -> None:
+def _add(which, name: str, config: type, func, help_text: str, description: str,
+         deadline_s: float = DEFAULT_DEADLINE_S) -> None:
     """One benchmark: where it runs, what it writes, and its config's fields as flags."""
     parser = which.add_parser(name, help=help_text, description=description)
-    add_launch_args(parser)
+    add_launch_args(parser, deadline_s=deadline_s)
     add_output_args(parser)
     add_dataclass_args(parser, config)
     parser.set_defaults(func=func)
@@ -57,6 +61,8 @@ def run_collectives(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(CollectiveBenchConfig, args,
                               defaults=QUICK_COLLECTIVES if args.quick else FULL_COLLECTIVES)
+    _check_memory(cfg.max_bytes, ranks)
+    check_outputs(args, "json", "plot")
     from ..bench.collectives import sweep_sizes
 
     total = len(cfg.collectives) * len(sweep_sizes(cfg))
@@ -88,6 +94,22 @@ def run_collectives(args: argparse.Namespace) -> int:
     return 1 if wrong else 0
 
 
+def _check_memory(max_bytes: int, ranks: int) -> None:
+    """Each rank holds at least a send and a receive buffer of the largest message: refuse a
+    sweep this machine's memory cannot hold before starting its ranks."""
+    import os
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    need = 2 * max_bytes * ranks
+    if need > total:
+        raise ValueError(f"--max-bytes {max_bytes} needs at least {human_bytes(need)} on {ranks} "
+                         f"ranks (a send and a receive buffer each); this machine has "
+                         f"{human_bytes(total)}")
+
+
 def _ms(t: float) -> str:
     return f"{t * 1e3:.1f}"
 
@@ -95,6 +117,7 @@ def _ms(t: float) -> str:
 def run_ops(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(OpsBenchConfig, args, defaults={"quick": args.quick})
+    check_outputs(args, "json", "plot")
     shapes = cfg.shapes()
     with progress_bar("bench ops", len(shapes), enabled=not args.no_progress) as advance:
         records, where, calibration = bench_ops(
@@ -171,6 +194,9 @@ def run_tp(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(TPBenchConfig, args, defaults=QUICK_TP if args.quick else None)
     cfg.check_world(ranks)
+    if args.plot:
+        raise ValueError(f"--plot {args.plot}: bench tp draws no plot (its --json has every step)")
+    check_outputs(args, "json")
     total = cfg.total_steps * (2 if cfg.dlrm else 1)
     with progress_bar("bench tp", total, enabled=not args.no_progress) as advance:
         records, where = bench_tp(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
@@ -179,8 +205,6 @@ def run_tp(args: argparse.Namespace) -> int:
     if not where.startswith("loopback (no emulated cluster:"):
         console.print(f"[dim]{where}[/dim]")
     _print_tp(records, ranks, cfg)
-    if args.plot:
-        console.print("[yellow]--plot: bench tp draws no plot (its JSON has every step)[/yellow]")
     summary = summarize_tp(records)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
@@ -195,6 +219,7 @@ def run_hetero(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(HeteroBenchConfig, args, defaults=QUICK_HETERO if args.quick else None)
     cfg.check_world(ranks)
+    check_outputs(args, "json", "plot")
     runs = len(cfg.runs())
     with progress_bar("bench hetero", runs, enabled=not args.no_progress) as advance:
         records, where = bench_hetero(cfg, ranks=ranks, hosts=hosts, link=link,
@@ -218,7 +243,7 @@ def run_hetero(args: argparse.Namespace) -> int:
                   f"{100 * r['heldout_acc']:.1f} % (±{50 * r['heldout_acc_spread']:.1f})",
                   f"{r['decisions']:.0f}"] for r in rows],
                 caption=f"median step time after {cfg.warmup} warm-up steps, slowest rank; held-"
-                        "out figures the mean over seeds (spread: half the range)")
+                        "out figures the mean over seeds (spread: half the range)", labels=2)
     summary = summarize_hetero(records, cfg)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")

@@ -1,25 +1,93 @@
-"""Flags every distributed command shares: where to run and what to write."""
+"""Flags every distributed command shares: where to run and what to write, each refused
+where it is parsed or before any work starts, never after."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
 
-from ..runtime import parse_rate, parse_slow, validate_slow
+from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
 
-__all__ = ["add_launch_args", "add_output_args", "resolve_placement"]
+__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "finite_float",
+           "positive_int", "non_negative_int", "positive_float", "non_negative_float",
+           "port_number", "check_writable", "check_outputs", "check_readable", "max_ranks"]
+
+DEFAULT_DEADLINE_S = 3600.0
 
 
-def add_launch_args(parser: argparse.ArgumentParser, ranks: int = 2) -> None:
+def _number(text: str, kind: type, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    return _number(text, float, "a finite number")
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int, "a whole number")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float, "a finite number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value:g}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float, "a finite number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value:g}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = _number(text, int, "a port number")
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
+    return value
+
+
+def max_ranks() -> int:
+    """Rank processes this machine runs at most: beyond 16 a core the run measures the
+    scheduler (the same bound as runtime.cluster.max_hosts, without the /24's cap)."""
+    return 16 * (os.cpu_count() or 1)
+
+
+def add_launch_args(parser: argparse.ArgumentParser, ranks: int = 2,
+                    deadline_s: float = DEFAULT_DEADLINE_S) -> None:
     group = parser.add_argument_group("where it runs")
-    group.add_argument("--ranks", type=int, default=None,
+    group.add_argument("--ranks", type=positive_int, default=None,
                        help=f"number of ranks (default: --hosts, else {ranks})")
-    group.add_argument("--hosts", type=int, default=0,
+    group.add_argument("--hosts", type=non_negative_int, default=0,
                        help="emulated hosts, each a network namespace (default 0: loopback)")
     group.add_argument("--link", default=None,
                        help="each host's link rate, shaped with tc tbf, e.g. 100mbit, 1gbit "
                             "(default 1gbit when --hosts is given)")
-    group.add_argument("--timeout", type=float, default=None,
+    group.add_argument("--timeout", type=positive_float, default=None,
                        help="seconds before any collective gives up (default 60)")
+    group.add_argument("--deadline", type=non_negative_float, default=deadline_s, metavar="SECONDS",
+                       help=f"stop every rank if the run takes longer (default {deadline_s:g}; "
+                            "0: no deadline)")
     parser.set_defaults(default_ranks=ranks)
 
 
@@ -38,9 +106,15 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
         raise ValueError(f"--hosts must be 0 (loopback) or more, got {hosts}")
     if args.link is not None and hosts == 0:
         hosts = args.ranks or args.default_ranks  # a link rate asks for an emulated cluster
+    if hosts > max_hosts():
+        raise ValueError(f"--hosts {hosts} is more than this machine can make: at most "
+                         f"{max_hosts()} ({os.cpu_count()} cores × 16 rank processes, one /24)")
     ranks = args.ranks if args.ranks is not None else (hosts or args.default_ranks)
     if ranks < 1:
         raise ValueError(f"world size (--ranks) must be at least 1, got {ranks}")
+    if ranks > max_ranks():
+        raise ValueError(f"--ranks {ranks} is more than this machine runs: at most {max_ranks()} "
+                         f"({os.cpu_count()} cores × 16 rank processes)")
     link = args.link or ("1gbit" if hosts else None)
     parse_rate(link)
     if hosts and ranks % hosts:
@@ -49,3 +123,66 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
         args.slow_specs = [parse_slow(s) for s in args.slow]
         validate_slow(args.slow_specs, ranks)
     return ranks, hosts, link
+
+
+def check_writable(path: str | os.PathLike | None, flag: str, *,
+                   directory: bool = False) -> list[Path]:
+    """Refuse an output path that cannot be written, before the work that fills it starts.
+
+    Makes the missing parent folders (``path`` itself too when ``directory``), writes and
+    removes a temporary file there; on failure removes what it made and raises ValueError
+    naming the flag and the path. Returns the folders it made; None passes (not asked for).
+    """
+    if path is None:
+        return []
+    path = Path(path)
+    folder = path if directory else path.parent
+    made: list[Path] = []
+    try:
+        if not directory and path.is_dir():
+            raise OSError(f"{path} is a folder; give a file name")
+        for parent in reversed((folder, *folder.parents)):
+            if parent.exists() and not parent.is_dir():
+                raise OSError(f"{parent} is a file, not a folder")
+            if not parent.exists():
+                parent.mkdir()
+                made.append(parent)
+        if path.exists() and not directory:
+            with open(path, "ab"):  # appends nothing: only asks whether it may be replaced
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".plait-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        _remove_folders(made)
+        reason = exc.strerror or str(exc)
+        raise ValueError(f"{flag} {path}: cannot write there ({reason})") from None
+    return made
+
+
+def check_outputs(args: argparse.Namespace, *flags: str) -> None:
+    """check_writable for each of ``flags`` (file outputs, e.g. "json", "plot") that the user
+    gave; when one is refused, the folders made for the others are removed too."""
+    made: list[Path] = []
+    try:
+        for flag in flags:
+            made += check_writable(getattr(args, flag, None), f"--{flag.replace('_', '-')}")
+    except ValueError:
+        _remove_folders(made)
+        raise
+
+
+def check_readable(path: str | os.PathLike | None, flag: str) -> None:
+    """Refuse an input file that is not there, before any work starts."""
+    if path is not None and not Path(path).is_file():
+        what = "is a folder, not a file" if Path(path).is_dir() else "no such file"
+        raise ValueError(f"{flag} {path}: {what}")
+
+
+def _remove_folders(folders: list[Path]) -> None:
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass

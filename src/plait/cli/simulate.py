@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from .common import (check_outputs, check_readable, check_writable, non_negative_int,
+                     positive_int)
+
 __all__ = ["register", "run"]
 
 _DEFAULT_MEASUREMENTS = "reports/bench/*.json"
@@ -28,10 +31,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="PRESET", help="model preset (see --list)")
     p.add_argument("--config", metavar="PATH", help="JSON (or TOML on 3.11+) SimConfig file")
     for deg in ("tp", "dp", "ep"):
-        p.add_argument(f"--{deg}", type=int, help=f"{deg} degree (default: from the config/preset)")
+        p.add_argument(f"--{deg}", type=positive_int,
+                       help=f"{deg} degree (default: from the config/preset)")
     p.add_argument("--fsdp", action="store_true", default=None, help="shard parameters over dp")
-    p.add_argument("--steps", type=int, help="steps to simulate (first is warm-up)")
-    p.add_argument("--seed", type=int, help="seed of the speed distribution")
+    p.add_argument("--steps", type=positive_int, help="steps to simulate (first is warm-up)")
+    p.add_argument("--seed", type=non_negative_int, help="seed of the speed distribution")
     p.add_argument("--policies", help="comma-separated balancing policies to compare")
     p.add_argument("--validate", action="store_true",
                    help="print predictions next to local measurements and published figures")
@@ -50,20 +54,37 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``plait simulate``; returns the exit status."""
-    from rich.console import Console
-
-    console = Console()
+    from plait.bench.report import console  # 120 columns when piped, so tables stay whole
     try:
         if getattr(args, "list", False):
             return _list(console)
+        _check_flags(args)
         if args.calibrate:
             return _calibrate(args, console)
         if args.validate:
             return _validate(args, console)
         return _simulate(args, console)
     except (ValueError, FileNotFoundError) as e:
-        print(f"plait simulate: error: {e}", file=sys.stderr)
+        print(f"plait: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_flags(args) -> None:
+    """Refuse contradictory flags, missing inputs and unwritable outputs before any work."""
+    if args.calibrate and args.validate:
+        raise ValueError("--calibrate and --validate are two different jobs; run one, then "
+                         "the other")
+    if args.calibrate and (args.json or args.plot):
+        raise ValueError("--calibrate writes a profile (--profile PATH), not --json or --plot")
+    if args.profile and not args.calibrate:
+        raise ValueError("--profile names where --calibrate saves the profile; add --calibrate "
+                         "(the operators read it from $PLAIT_PROFILE)")
+    check_readable(args.config, "--config")
+    for path in args.measurements or ():
+        check_readable(path, "--measurements")
+    check_outputs(args, "json", "plot")
+    if args.calibrate:
+        check_writable(args.profile, "--profile")
 
 
 def _measurement_paths(args) -> list[str]:
@@ -131,8 +152,7 @@ def _build_config(args):
 
 
 def _simulate(args, console) -> int:
-    from rich.table import Table
-
+    from plait.bench.report import print_table
     from plait.perf.simulator import simulate
 
     cfg = _build_config(args)
@@ -141,17 +161,13 @@ def _simulate(args, console) -> int:
     c, par = cfg.cluster, cfg.parallel
     unit = "samples/s" if cfg.model.kind == "dlrm" else "tokens/s"
     shape = "dlrm" if cfg.model.kind == "dlrm" else f"{cfg.model.kind} {cfg.model.layers}L"
-    t = Table(title=f"{c.num_gpus} x {c.gpu} ({c.nodes} nodes), {shape}, "
-                    f"tp={par.tp} dp={par.dp} ep={par.ep}"
-                    f"{' fsdp' if par.fsdp else ''} - simulated in {res.wall_s:.1f} s")
-    for col in ("fusion", "policy", "step ms", unit, "speedup", "comm", "wait", "skip", "MFU"):
-        t.add_column(col, justify="left" if col in ("fusion", "policy") else "right")
-    for v in res.variants:
-        t.add_row("fused" if v.fused else "unfused", v.policy, f"{v.step_s * 1e3:.2f}",
+    print_table(f"{c.num_gpus} x {c.gpu} ({c.nodes} nodes), {shape}, tp={par.tp} dp={par.dp} "
+                f"ep={par.ep}{' fsdp' if par.fsdp else ''} - simulated in {res.wall_s:.1f} s",
+                ["fusion", "policy", "step ms", unit, "speedup", "comm", "wait", "skip", "MFU"],
+                [["fused" if v.fused else "unfused", v.policy, f"{v.step_s * 1e3:.2f}",
                   f"{v.throughput:,.0f}", f"{base.step_s / v.step_s:.3f}x",
                   f"{v.exposed_comm_share:.1%}", f"{v.wait_share:.1%}", f"{v.skipped:.2%}",
-                  f"{v.mfu:.1%}")
-    console.print(t)
+                  f"{v.mfu:.1%}"] for v in res.variants], labels=2, to=console)
     console.print("comm = exposed communication, wait = waiting for slower peers (shares of the "
                   "step); skip = work dropped by resizing", soft_wrap=True, highlight=False)
     records = [{k: (float(x) if isinstance(x, float) else x) for k, x in dataclasses.asdict(v).items()}

@@ -9,7 +9,7 @@ from ..bench.report import console, progress_bar
 from ..train import TrainConfig, train
 from ..train_report import write_train_report
 from .args import add_dataclass_args, dataclass_from_args
-from .common import add_launch_args, resolve_placement
+from .common import add_launch_args, check_writable, resolve_placement
 
 __all__ = ["register", "run_train"]
 
@@ -35,6 +35,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(TrainConfig, args)
     cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
     out = args.out or f"reports/train/{cfg.model}"
+    check_writable(out, "--out", directory=True)
     start = time.perf_counter()
     with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
         def on_progress(rank, p):

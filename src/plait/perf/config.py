@@ -252,6 +252,10 @@ class SimConfig:
                              "cluster")
         model_cfg = _build(ModelConfig, _section(data.pop("model", "gpt-small"), MODELS, "model"), "model")
         par = dict(data.pop("parallel", {}) or {})
+        for key in ("tp", "ep"):  # checked now: the default dp below divides by them
+            value = par.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel.{key}: must be a positive integer, got {value!r}")
         par.setdefault("tp", _default_tp(cluster_cfg, model_cfg, par))
         par.setdefault("ep", 1)
         par.setdefault("dp", max(1, cluster_cfg.num_gpus // (par["tp"] * par["ep"])))
