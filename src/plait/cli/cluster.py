@@ -15,11 +15,12 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from ..runtime import EmulatedCluster
 from ..runtime.cluster import NETNS_PREFIX, _netns_names, remove_stale_namespaces
-from .common import add_launch_args, resolve_placement
+from .common import add_launch_args, port_number, resolve_placement
 
 __all__ = ["register", "run_on_cluster"]
 
@@ -28,8 +29,8 @@ def register(subparsers) -> None:
     cluster = subparsers.add_parser("cluster", help="emulated cluster: run a command on it, clean up")
     which = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
     run = which.add_parser("run", help="run COMMAND once per rank, each rank in its host's namespace")
-    add_launch_args(run)
-    run.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0")
+    add_launch_args(run, deadline_s=0)  # it runs the user's own command: no deadline unless asked
+    run.add_argument("--port", type=port_number, default=29500, help="MASTER_PORT on host 0")
     run.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@FROM[-UNTIL]]",
                      help="make a rank FACTOR× slower at compute (read by plait's layers)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS…]")
@@ -45,13 +46,15 @@ def _set_pdeathsig() -> None:
 
 
 def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
-                   port: int = 29500, timeout_s: float | None = None, slow: str = "") -> int:
-    """Run ``cmd`` on every rank; returns the first failing exit code, or 0."""
+                   port: int = 29500, timeout_s: float | None = None, slow: str = "",
+                   deadline_s: float | None = None) -> int:
+    """Run ``cmd`` on every rank; returns 0, or the first failing rank's exit status in the
+    shell's convention (128 + N for a rank ended by signal N; 124 past ``deadline_s``)."""
     if not cmd:
         raise ValueError("no command given; write: plait cluster run --hosts 2 -- python train.py")
     with EmulatedCluster(hosts=max(hosts, 1), link=link) as cluster:
-        print(f"plait: {cluster.describe()}")
-        procs = []
+        print(f"plait: {cluster.describe()}", flush=True)
+        procs, where = [], []
         try:
             for rank in range(ranks):
                 host = cluster.host_of_rank(rank, ranks)
@@ -64,7 +67,8 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                     env["PLAIT_TIMEOUT_S"] = str(timeout_s)
                 prefix = ["ip", "netns", "exec", host.netns] if host.netns else []
                 procs.append(subprocess.Popen(prefix + cmd, env=env, preexec_fn=_set_pdeathsig))
-            return _wait_all(procs)
+                where.append(f"host {host.index} ({host.addr})" if host.netns else "loopback")
+            return _wait_all(procs, where, deadline_s)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -72,16 +76,26 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                     proc.wait()
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> int:
+def _wait_all(procs: list[subprocess.Popen], where: list[str], deadline_s: float | None) -> int:
+    start = time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
-            print(f"plait: rank {rank} exited with {code}; stopping the others")
-            return code
+            on = f" on {where[rank]}" if where[rank] != "loopback" else ""
+            if code < 0:  # subprocess's way of saying "ended by signal -code"
+                what, status = f"was killed by {signal.Signals(-code).name}", 128 - code
+            else:
+                what, status = f"exited with status {code}", code
+            print(f"plait: rank {rank}{on} {what}; the other ranks were stopped", file=sys.stderr)
+            return status
         if all(c == 0 for c in codes):
             return 0
+        if deadline_s and time.monotonic() - start > deadline_s:
+            print(f"plait: the run passed its {deadline_s:g} s deadline (--deadline); every rank "
+                  "was stopped", file=sys.stderr)
+            return 124
         time.sleep(0.05)
 
 
@@ -89,7 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return run_on_cluster(cmd, ranks=ranks, hosts=hosts, link=link, port=args.port,
-                          timeout_s=args.timeout, slow=",".join(args.slow))
+                          timeout_s=args.timeout, slow=",".join(args.slow),
+                          deadline_s=args.deadline or None)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -1,37 +1,148 @@
-"""``plait``: the command line. Thin: it parses flags into config dataclasses and calls the library."""
+"""``plait``: the command line. Thin: it parses flags into config dataclasses and calls the library.
+
+Every expected failure ends in one line on stderr and a non-zero exit status: 2 for a
+refused input, 1 for a failed run, 128 + N when signal N stopped it. ``--debug`` (or
+PLAIT_DEBUG=1) adds the full traceback, and for a failed rank the traceback on that rank.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import traceback
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "package_version"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (its usage block is one ``--help`` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"plait: error: {message} (see: {self.prog} --help)\n")
+
+
+class Stopped(BaseException):
+    """Raised in the main thread by a SIGTERM (or SIGHUP), so ``finally`` and ``with`` blocks
+    run and stop what the command started; a BaseException, so ``except Exception`` in the
+    library does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _OnePrefix(logging.Formatter):
+    """``plait: message`` for plait's loggers (whose messages often begin with ``plait: ``
+    already), ``plait: NAME: message`` for anyone else's."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        while text.startswith("plait: "):
+            text = text[len("plait: "):]
+        if record.name != "plait" and not record.name.startswith("plait."):
+            text = f"{record.name}: {text}"
+        return f"plait: {text}"
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("plait")
+    except (ImportError, PackageNotFoundError):
+        import plait
+
+        return getattr(plait, "__version__", "unknown")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import bench, cluster, demo, simulate, train
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
                                   "tensor parallelism for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"plait {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true",
+                        help="on a failure, the full traceback (and the failed rank's) after the "
+                             "one-line message (also PLAIT_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (demo, bench, cluster, simulate, train):
         module.register(sub)
     return parser
 
 
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+def _explain(exc: BaseException) -> tuple[str, int]:
+    """(the one line, the exit status) of an expected failure."""
+    from ..runtime.errors import RankError
+
+    if isinstance(exc, RankError):
+        hint = (f" (--debug: the traceback on rank {exc.rank})" if exc.remote_traceback
+                else " (out of memory? dmesg tells)" if exc.exitcode == -signal.SIGKILL else "")
+        return f"{exc.headline()}; the other ranks were stopped{hint}", 1
+    if isinstance(exc, (ValueError, TypeError)):  # a user mistake
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, 2
+    if isinstance(exc, OSError):
+        return (f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror
+                else str(exc) or type(exc).__name__), 1
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first} (--debug: the traceback)", 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--version"]:  # answered before the commands import torch (seconds)
+        print(f"plait {package_version()}")
+        return 0
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, or a refusal argparse has printed in one line
+        return done.code if isinstance(done.code, int) else int(done.code is not None)
+    debug = args.debug or os.environ.get("PLAIT_DEBUG", "") not in ("", "0")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_OnePrefix("%(message)s"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+                        handlers=[handler])
+    if getattr(args, "deadline", None) is not None:
+        os.environ["PLAIT_DEADLINE_S"] = f"{args.deadline:g}"  # read by runtime.launch
+    previous = _catch_stop_signals()
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:  # a user mistake: one clear line, no traceback
-        print(f"plait: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("plait: interrupted; everything it started has been stopped", file=sys.stderr)
         return 130
+    except Stopped as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"plait: stopped by {name}; everything it started has been stopped", file=sys.stderr)
+        return 128 + stop.signum
+    except (RuntimeError, OSError, ValueError, TypeError) as exc:
+        line, status = _explain(exc)
+        if debug:
+            traceback.print_exc()
+        print(f"plait: error: {line}", file=sys.stderr)
+        return status
+    finally:
+        for sig, was in previous.items():
+            signal.signal(sig, was)
+
+
+def _catch_stop_signals() -> dict:
+    """SIGTERM and SIGHUP raise Stopped instead of ending the process where it stands (which
+    leaves rank processes' namespaces and folders behind); not where they are ignored
+    (nohup) or handled already, and only in the main thread. Returns what to restore."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, _raise_stopped)
+    return previous
