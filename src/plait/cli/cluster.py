@@ -60,6 +60,8 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                 host = cluster.host_of_rank(rank, ranks)
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks),
                            LOCAL_RANK=str(rank % (ranks // cluster.n_hosts)),
+                           LOCAL_WORLD_SIZE=str(ranks // cluster.n_hosts),
+                           PLAIT_RANKS_ON_MACHINE=str(ranks),  # every host shares these cores
                            MASTER_ADDR=cluster.hosts[0].addr, MASTER_PORT=str(port),
                            GLOO_SOCKET_IFNAME=host.ifname, PLAIT_SLOW=slow,
                            PLAIT_LINK=cluster.link_label)

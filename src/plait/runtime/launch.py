@@ -77,7 +77,7 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
         os.environ.update(env)
         # every rank of a launch shares this machine's cores, whatever host it emulates
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME=host.ifname,
+                          PLAIT_RANKS_ON_MACHINE=str(world_size), GLOO_SOCKET_IFNAME=host.ifname,
                           MASTER_ADDR=host.addr)
         if host.netns is not None:
             _enter_netns(host.netns)

@@ -10,7 +10,8 @@ GEMM holds, and the wire idles meanwhile.
 ``PLAIT_COMM_PRIORITY`` says what plait does about it:
 
 - ``auto`` (the default): ``nice`` where this machine runs no more ranks than
-  this process may use cores (LOCAL_WORLD_SIZE against the CPU affinity),
+  this process may use cores (PLAIT_RANKS_ON_MACHINE or torchrun's LOCAL_WORLD_SIZE,
+  against the CPU affinity),
   ``off`` where ranks outnumber cores. There a spinning comm thread takes the
   core from a peer's compute that it is waiting for: 3 ranks on 2 cores, 3000
   fused all-reduces of a 64×64 product, took 74 s at nice -10 and 49 s off.
@@ -149,11 +150,14 @@ def prioritize_group(group=None) -> int:
 
 
 def _local_ranks() -> int:
-    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE (launch sets it too), else 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    """Ranks sharing this machine's cores: PLAIT_RANKS_ON_MACHINE (launch and ``plait cluster
+    run`` set it: emulated hosts share the cores), else torchrun's LOCAL_WORLD_SIZE, else 1."""
+    for name in ("PLAIT_RANKS_ON_MACHINE", "LOCAL_WORLD_SIZE"):
+        try:
+            return max(1, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 def _usable_cores() -> int:
