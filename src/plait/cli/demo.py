@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from ..bench.report import console, print_table, progress_bar
-from ..demo import DemoConfig, demo, summarize_demo, write_demo_report
+from ..demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
+from ..demo_report import busy_note, write_demo_report
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, resolve_placement
 
-__all__ = ["register"]
+__all__ = ["register", "demo_config", "demo_placement"]
 
 
 def register(subparsers) -> None:
@@ -19,20 +21,52 @@ def register(subparsers) -> None:
         description="Trains the small GPT with tensor parallelism on an emulated cluster (loopback "
                     "where one cannot be made) while the last rank turns slow part-way, under the "
                     "plain baseline (unfused, even shards) and under plait (fused, semi "
-                    "balancer); a table at the end and a report folder with plots and an HTML page.")
+                    "balancer); a table at the end and a report folder with plots and an HTML page. "
+                    "--quick: a smaller model and fewer steps, about a minute.")
     add_launch_args(parser, ranks=2)
+    hosts = next(a for a in parser._actions if a.dest == "hosts")
+    hosts.default = None  # the demo's default is a cluster; an explicit --hosts 0 is loopback
+    hosts.help = ("emulated hosts, each a network namespace (default: one per rank; 0: loopback, "
+                  "as --loopback)")
     parser.add_argument("--loopback", action="store_true",
-                        help="no emulated cluster: every rank on loopback")
+                        help="no emulated cluster: every rank on this machine's loopback interface "
+                             "(not with --hosts N or --link)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a first look in about a minute: "
+                             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK_DEMO.items())
+                             + " (flags given override these)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dataclass_args(parser, DemoConfig)
     parser.set_defaults(func=run)
 
 
+def demo_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
+    """(ranks, hosts, link): an emulated cluster of one host per rank unless --loopback or
+    --hosts 0; flags that contradict each other are refused before anything starts."""
+    loopback = args.loopback or args.hosts == 0
+    asked = "--loopback" if args.loopback else "--hosts 0"
+    if args.loopback and args.hosts:
+        raise ValueError(f"--loopback runs every rank on loopback, --hosts {args.hosts} asks for "
+                         "an emulated cluster: pass one of them")
+    if loopback and args.link is not None:
+        raise ValueError(f"{asked} runs every rank on loopback, --link {args.link} shapes an "
+                         "emulated cluster's links: pass one of them")
+    if loopback:
+        args.hosts = 0
+    elif args.hosts is None:  # the demo's default: one emulated host per rank
+        args.hosts = args.ranks or args.default_ranks
+    return resolve_placement(args)
+
+
+def demo_config(args: argparse.Namespace) -> DemoConfig:
+    """The flags given, then the --quick preset where asked, then the defaults."""
+    return dataclass_from_args(DemoConfig, args, defaults=QUICK_DEMO if args.quick else None)
+
+
 def run(args: argparse.Namespace) -> int:
-    ranks, hosts, link = resolve_placement(args)
-    if not hosts and not args.loopback:
-        hosts, link = ranks, link or "1gbit"
-    cfg = dataclass_from_args(DemoConfig, args)
+    ranks, hosts, link = demo_placement(args)
+    cfg = demo_config(args)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     with progress_bar("plait demo", 4 * cfg.steps, enabled=not args.no_progress) as advance:
         records, where = demo(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
@@ -51,8 +85,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['t_ideal_s'] * 1e3:.1f}", f"{r['ratio_to_ideal']:.2f}",
                   f"{r['tokens_per_s']:,.0f}", f"{r['heldout_loss']:.3f}",
                   f"{100 * r['heldout_acc']:.1f} %"] for r in rows],
-                caption=f"medians from step {cfg.slow_from + 3}, each step the slowest rank's; "
-                        f"plait {rows[1]['speedup_vs_plain']:.2f}× the plain way")
-    folder = write_demo_report(records, rows, cfg, where, wall)
+                caption=f"medians from step {cfg.slow_from + WARMUP_STEPS}, each step the slowest "
+                        f"rank's; plait {rows[1]['speedup_vs_plain']:.2f}× the plain way")
+    busy = busy_note(load, os.cpu_count() or 1)
+    if busy:
+        console.print(f"[yellow]{busy}[/yellow]")
+    folder = write_demo_report(records, rows, cfg, where, wall, load=load)
     console.print(f"report: {folder}/index.html ({wall:.0f} s)")
     return 0
