@@ -114,7 +114,7 @@ def provenance(name: str, runs: list[Run]) -> str:
     if not runs:
         return (f"No run stored yet (`scripts/results.sh --only {name}` makes them). ")
     host = runs[-1].meta.get("host", {})
-    lines = [f"`{generic_command(runs)}`", ""]
+    lines = [f"`{generic_command(runs)}`" + (" (its `demo.json`)" if runs[-1].meta.get("json_from") else ""), ""]
     per_run = "; ".join(
         f"run {r.k}: {when(r)}, plait {r.meta.get('host', {}).get('commit', '?')}"
         + (" with local changes" if r.meta.get("host", {}).get("dirty") else "")
