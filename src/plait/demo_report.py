@@ -88,7 +88,8 @@ def _marks(ax, cfg: DemoConfig, marks: list, world: int, *, label: bool) -> None
         for x, text, color in texts[:8]:
             ax.annotate(text, (x, 0.97), xycoords=on_top, xytext=(3, 0),
                         textcoords="offset points", rotation=90, va="top", ha="left",
-                        fontsize=7, color=color)
+                        fontsize=7, color=color,
+                        bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.5))
 
 
 def _plot_steps(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: Path, where: str,
@@ -114,7 +115,8 @@ def _plot_steps(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: 
         ax.hlines(row["t_ideal_s"] * 1e3, *window, color=c, lw=1, ls="--",
                   label=f"{row['system']}: ideal {row['t_ideal_s'] * 1e3:.0f} ms")
     _marks(ax, cfg, marks, world, label=True)
-    ax.plot([], [], "^", color="0.4", label="off the scale (its time beside it)")
+    if clipped:
+        ax.plot([], [], "^", color="0.4", label="off the scale (its time beside it)")
     ax.set_ylim(0, top)
     ax.tick_params(labelbottom=True)
     ax.set_ylabel("step time (ms, slowest rank)")
