@@ -33,18 +33,21 @@ def _top(series: list[list[float]], floor: float = 0.0) -> float:
     return 1.15 * max(p98, floor)
 
 
-def _curve(ax, values: list[float], top: float, clipped: dict, *, note: bool, **style) -> None:
+def _curve(ax, values: list[float], top: float, clipped: dict, *, note: bool,
+           labelled: frozenset = frozenset(), **style) -> None:
     """Plot ``values`` (ms) cut at ``top``; a cut point gets a ▲ at the top and, with
-    ``note``, its value beside it (stacked where several share a step)."""
+    ``note``, its value beside it (stacked where several share a step; on the left of the
+    steps in ``labelled``, whose mark has its label on the right)."""
     ax.plot(range(len(values)), [min(v, top) for v in values], **style)
     for x, v in enumerate(values):
         if v > top:
             ax.plot([x], [top], marker="^", ms=7, color=style["color"], clip_on=False, zorder=5)
             if note:
                 k = clipped[x] = clipped.get(x, -1) + 1
-                ax.annotate(f"{v / 1e3:.1f} s", (x, top), xytext=(6, -6 - 9 * k),
+                left = x in labelled
+                ax.annotate(f"{v / 1e3:.1f} s", (x, top), xytext=(-6 if left else 6, -6 - 9 * k),
                             textcoords="offset points", fontsize=7, color=style["color"],
-                            va="top")
+                            va="top", ha="right" if left else "left")
 
 
 def _decision_marks(decisions: list[dict], world: int) -> list[tuple[int, str, str]]:
@@ -102,9 +105,11 @@ def _plot_steps(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: 
     times = {(r["system"], r["scenario"]): [t * 1e3 for t in r["times"]] for r in records}
     top = _top(list(times.values()), max(row["t_step_s"] for row in rows) * 1e3)
     clipped: dict = {}
+    labelled = frozenset([cfg.slow_from, *(step for step, *_ in marks)])
     for (system, scenario), ms in times.items():
         slow = scenario == "slow"
-        _curve(ax, ms, top, clipped, note=True, color=_COLORS[system], ls="-" if slow else ":",
+        _curve(ax, ms, top, clipped, note=True, labelled=labelled, color=_COLORS[system],
+               ls="-" if slow else ":",
                lw=1.4 if slow else 1.0, alpha=1.0 if slow else 0.8,
                label=f"{system}, {'with the straggler' if slow else 'no straggler'}")
     window = (cfg.slow_from + WARMUP_STEPS, cfg.steps - 1)
