@@ -251,6 +251,26 @@ def ops_summary_table(res: Results) -> str:
     return provenance(name, runs) + "\n\n" + table(head, rows)
 
 
+def priority_table(res: Results) -> str:
+    """bench ops under each PLAIT_COMM_PRIORITY, the runs taken in turns (results.sh rounds)."""
+    settings = [("auto (default: nice -10 here)", "bench-ops-quick"),
+                ("off", "comm-priority-off"), ("rt (SCHED_FIFO, the old default)", "comm-priority-rt")]
+    rows, cmds = [], []
+    for label, name in settings:
+        runs = res.runs(name)
+        if not runs:
+            rows.append([label, "–", "–", "–", "–", "no run stored"])
+            continue
+        cmds.append(f"`{generic_command(runs)}`")
+        eff = figures(runs, lambda r: r.data["meta"]["summary"]["median_efficiency_balanced"])
+        spd = figures(runs, lambda r: r.data["meta"]["summary"]["median_speedup_balanced"])
+        rows.append([label, each(eff, ".3f"), med(eff, ".3f"), each(spd, ".2f"), med(spd, ".2f"),
+                     ", ".join(f"{when(r)} ({r.meta.get('wall_s', '?')} s)" for r in runs)])
+    head = ["PLAIT_COMM_PRIORITY", "median efficiency, ⚖ shapes (each run)", "median",
+            "median speedup, ⚖ (each run)", "median", "runs"]
+    return "Commands: " + "; ".join(cmds) + "\n\n" + table(head, rows)
+
+
 # ---------------------------------------------------------------------------- simulate
 
 
@@ -501,6 +521,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-collectives-quick": collectives_table,
     "bench-ops-quick": ops_table,
     "bench-ops-quick-summary": ops_summary_table,
+    "comm-priority": priority_table,
     "simulate-h100-16k": sim_table,
     "simulate-validate": validate_table,
     "bench-tp-quick": tp_table,

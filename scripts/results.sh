@@ -21,11 +21,16 @@ cd "$ROOT"
 RESULTS=docs/results
 LIMIT_S=${PLAIT_RESULTS_TIMEOUT_S:-1200}   # per run; a hung run is stopped, not waited for
 
-# NAME|plait arguments. {json}: where the JSON goes; {out}: a report folder (the JSON is
-# taken from {out}/demo.json); {round}: this round's run number of each command.
+# NAME|plait arguments[|VAR=VALUE …]. {json}: where the JSON goes; {out}: a report folder (the
+# JSON is taken from {out}/demo.json); {round}: this round's run number of each command; the
+# optional third field sets environment variables for that command alone.
 COMMANDS=(
   "bench-collectives-quick|bench collectives --hosts 2 --link 1gbit --quick --no-progress --json {json}"
   "bench-ops-quick|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}"
+  # the same with gloo's comm threads left alone, and at SCHED_FIFO (the old default): the
+  # default (auto: nice -10 where ranks fit the cores) is bench-ops-quick, run just before
+  "comm-priority-off|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}|PLAIT_COMM_PRIORITY=off"
+  "comm-priority-rt|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}|PLAIT_COMM_PRIORITY=rt"
   "bench-tp-quick|bench tp --hosts 2 --link 1gbit --quick --no-progress --json {json}"
   "bench-hetero-quick|bench hetero --quick --ranks 2 --scenarios none,straggler-2x --policies even,semi --seeds 1 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
@@ -105,6 +110,8 @@ for r in $(seq 1 "$rounds"); do
     json="$RESULTS/$name/run-$k.json"
     out="reports/results/$name/run-$k"
     args=${c#*|}
+    envs=""
+    if [[ "$args" == *"|"* ]]; then envs=${args#*|}; args=${args%%|*}; fi
     args=${args//\{json\}/$json}
     args=${args//\{out\}/$out}
     args=${args//\{round\}/$k}
@@ -115,7 +122,8 @@ for r in $(seq 1 "$rounds"); do
     echo "[round $r] $name: ./run.sh $args"
     t0=$(date +%s%N)
     # shellcheck disable=SC2086  # the arguments are meant to split on spaces
-    timeout --signal=TERM --kill-after=30 "$LIMIT_S" ./run.sh $args >"$log" 2>&1
+    # shellcheck disable=SC2086
+    timeout --signal=TERM --kill-after=30 "$LIMIT_S" env $envs ./run.sh $args >"$log" 2>&1
     rc=$?
     wall_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
     if [ $rc -eq 0 ] && [[ "$c" == *"{out}"* ]]; then
@@ -134,7 +142,7 @@ for r in $(seq 1 "$rounds"); do
     [[ "$c" == *"{out}"* ]] && json_from="\"$out/demo.json\""
     $PY - "$RESULTS/$name/run-$k.meta.json" <<EOF
 import json, sys
-meta = {"name": "$name", "run": $k, "command": "./run.sh $args", "exit": $rc, "json_from": $json_from,
+meta = {"name": "$name", "run": $k, "command": "${envs:+$envs }./run.sh $args", "exit": $rc, "json_from": $json_from,
         "started": "$started", "wall_s": round($wall_ms / 1000, 1), "loadavg_before": "$load",
         "host": json.loads(r'''$host_json''')}
 with open(sys.argv[1], "w") as f:
