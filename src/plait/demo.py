@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ._fields import help_meta as _h
 from .balance import PolicyConfig
 from .bench.hetero import BalancedRun, factors_at, ideal_step
+from .bench.placement import LOOPBACK
 from .data import CharCorpus
 from .runtime import rank_context
 from .runtime.straggler import SlowSpec
@@ -33,8 +34,6 @@ __all__ = ["DemoConfig", "SYSTEMS", "QUICK_DEMO", "WARMUP_STEPS", "LOOPBACK", "r
 
 SYSTEMS = {"plain": (False, "even"), "plait": (True, "semi")}  # overlap, policy
 WARMUP_STEPS = 3  # left out of every median: the first steps pay for allocation and calibration
-LOOPBACK = ("on loopback: every rank on this machine's loopback interface "
-            "(pass --hosts N for an emulated cluster)")
 # ``plait demo --quick``: about a minute on two cores, set-up included; the balancer still
 # resizes, then migrates, and 12 steps after its warm-up give the medians. chunks=2 is what
 # auto picks for these shapes on 1 Gbit/s links, and skips the calibration auto runs first

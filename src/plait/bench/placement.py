@@ -7,7 +7,11 @@ from typing import Any, Callable
 
 from ..runtime import EmulatedCluster, launch, parse_rate
 
-__all__ = ["run_placed"]
+__all__ = ["LOOPBACK", "run_placed"]
+
+
+LOOPBACK = ("on loopback: every rank on this machine's loopback interface "
+            "(pass --hosts N for an emulated cluster)")
 
 
 def run_placed(fn: Callable[[Any], list[dict]], cfg: Any, *, ranks: int, hosts: int = 0,
@@ -24,7 +28,7 @@ def run_placed(fn: Callable[[Any], list[dict]], cfg: Any, *, ranks: int, hosts: 
         cfg = replace(cfg, extra={**cfg.extra, "link": "loopback", "hosts": 0})
         records = launch(fn, ranks, args=(cfg,), timeout_s=timeout_s, on_progress=on_progress,
                          slow=slow)[0]
-        return records, "loopback (no emulated cluster asked for)"
+        return records, LOOPBACK
     if ranks % hosts:
         raise ValueError(f"{ranks} ranks do not divide over {hosts} hosts")
     with EmulatedCluster(hosts=hosts, link=link) as cluster:
