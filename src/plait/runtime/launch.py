@@ -124,7 +124,10 @@ def _context() -> mp.context.BaseContext:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "plait.runtime"])
+        # torch._dynamo: every optimizer imports it on construction (3.4 s a rank here, paid
+        # by every rank at once); once in the server, the ranks inherit it
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                     "plait.runtime"])
     return _CTX
 
 
