@@ -196,7 +196,7 @@ def _bad_inputs():
 def test_bad_input_raises_on_every_rank():
     expected = {
         "two_dims": ("ValueError", "one D; got shapes [(4, 3), (4, 2)]"),
-        "dims_across_ranks": ("ValueError", "ranks disagree on (dtype, D"),
+        "dims_across_ranks": ("ValueError", "ranks disagree on D: rank 0 has 3, rank 1 has 4"),
         "float_indices": ("TypeError", "torch.float64"),
         "mixed_dtypes": ("TypeError", "share one dtype"),
         "batch_sizes": ("ValueError", "batch_sizes [1, 2]"),

@@ -214,7 +214,7 @@ def test_bad_input_raises_on_every_rank():
         "counts_after_a_good_call": disagree,
         "rows": ("ValueError", "send_counts sum to 5, but x has 4 rows"),
         "dtypes": ("TypeError", "share one dtype"),
-        "hidden_across_ranks": ("ValueError", "ranks disagree on (dtype, K, N"),
+        "hidden_across_ranks": ("ValueError", "ranks disagree on K: rank 0 has 4, rank 1 has 5"),
         "recv_shape": ("ValueError", "recv_counts must be [2][2]"),
         "float_counts": ("TypeError",
                          "send_counts must be a 2-D integer tensor, got torch.float32"),

@@ -1,25 +1,47 @@
 """What every rank must agree on before data moves: shapes, and each rank's verdict on its input.
 
 One small all_gather per call carries every rank's integers (dtype code, dims,
-per-rank sizes) and whether its own input passed its local checks, so a bad
-input on any rank raises the same error on every rank, before any data
-collective, instead of leaving the peers inside a collective it never joins.
+per-rank sizes, ``chunks``, whether a backward collective will follow: all that
+fixes the wire schedule, forward and backward) and whether its own input passed
+its local checks, so a bad input on any rank raises the same error on every
+rank, before any data collective, instead of leaving the peers inside a
+collective it never joins (gloo then aborts on a size check, or waits out its
+timeout).
 It is never cached: a cache per rank would let one rank skip a gather its
 peers join, the moment one rank's shapes change alone (the balancer does that).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from contextvars import ContextVar
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.compat import all_gather_into
 from ..runtime.progress import mark
+from .pieces import DTYPE_CODES
 
-__all__ = ["attempt", "check_chunks", "chunks_code", "gather_checked", "start_gather_checked",
-           "meta_device", "raise_together"]
+__all__ = ["attempt", "refused", "check_chunks", "chunks_code", "check_same", "dtype_code",
+           "gather_checked",
+           "start_gather_checked", "meta_device", "raise_together"]
+
+# the fused operators' float dtypes keep their codes; a plain collective may carry any other
+_OTHER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                 torch.complex64, torch.complex128)
+_DTYPES = {**{code: dtype for dtype, code in DTYPE_CODES.items()},
+           **{100 + i: dtype for i, dtype in enumerate(_OTHER_DTYPES)}}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as one integer for the cross-rank check (named again in its messages)."""
+    if dtype in DTYPE_CODES:
+        return DTYPE_CODES[dtype]
+    if dtype in _OTHER_DTYPES:
+        return 100 + _OTHER_DTYPES.index(dtype)
+    raise TypeError(f"dtype {dtype} cannot cross ranks here")
 
 
 def chunks_code(chunks) -> int:
@@ -27,13 +49,68 @@ def chunks_code(chunks) -> int:
     return 0 if chunks == "auto" else chunks
 
 
+def check_same(op: str, names: Sequence[str], values: Sequence[Sequence]) -> None:
+    """Raise when the ranks' ``values`` (one tuple per rank, a field per name) differ.
+
+    ``values`` come from one gather, so every rank raises the same ValueError, naming
+    the fields that differ and what each rank has (a dtype by name, chunks 0 as 'auto').
+    """
+    first = values[0]
+    differ = [i for i in range(len(names)) if any(v[i] != first[i] for v in values)]
+    if not differ:
+        return
+
+    def shown(v) -> str:
+        parts = [_shown(names[i], v[i]) for i in differ]
+        return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+    label = names[differ[0]] if len(differ) == 1 else \
+        "(" + ", ".join(names[i] for i in differ) + ")"
+    ranks = [0] + [r for r, v in enumerate(values) if shown(v) != shown(first)]
+    told = [f"rank {r} has {shown(values[r])}" for r in ranks[:4]]
+    more = f" (and {len(ranks) - 4} more ranks)" if len(ranks) > 4 else ""
+    raise ValueError(f"{op}: ranks disagree on {label}: " + ", ".join(told) + more)
+
+
+def _shown(name: str, value) -> str:
+    if name == "dtype":
+        return str(_DTYPES.get(value, value))
+    if name == "chunks":
+        return "'auto'" if value == 0 else str(value)
+    if "grad" in name:
+        return str(bool(value))
+    return str(list(value)) if isinstance(value, tuple) else repr(value)
+
+
 def check_chunks(op: str, chunks) -> None:
     if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"{op}: chunks must be 'auto' or a positive integer, got {chunks!r}")
 
 
+_REFUSED: ContextVar = ContextVar("plait_refused", default=None)
+
+
+@contextlib.contextmanager
+def refused(problem: Exception | None) -> Iterator[None]:
+    """Have the next operator's check refuse ``problem`` on every rank (None: nothing).
+
+    For a caller (a layer) whose own check of this rank's arguments failed before the
+    operator it calls: raised here, it would leave the other ranks waiting in that
+    operator's check. Call an operator that checks across ranks inside the block.
+    """
+    token = _REFUSED.set(problem)
+    try:
+        yield
+    finally:
+        _REFUSED.reset(token)
+
+
 def attempt(check):
-    """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``."""
+    """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``; or
+    ``(None, the problem)`` inside ``refused(problem)`` (then ``check`` is not called)."""
+    given = _REFUSED.get()
+    if given is not None:
+        _REFUSED.set(None)  # one operator's check refuses it
+        return None, given
     try:
         return check(), None
     except (TypeError, ValueError) as err:

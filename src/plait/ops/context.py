@@ -47,7 +47,8 @@ class Decision:
     reason: str
 
     def line(self) -> str:
-        return f"{self.op}: {self.path} ({self.chunks} pieces): {self.reason}"
+        pieces = "1 piece" if self.chunks == 1 else f"{self.chunks} pieces"
+        return f"{self.op}: {self.path} ({pieces}): {self.reason}"
 
 
 @dataclass

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .agree import attempt, check_chunks, chunks_code, gather_checked
+from .agree import attempt, check_chunks, check_same, chunks_code, gather_checked
 from .context import OpsContext, get_context
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
@@ -169,10 +169,9 @@ def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
         row = [DTYPE_CODES[dtype], tables[0].shape[1], batch, _MODES[mode], chunks_code(chunks),
                needs_grad, *sizes, len(tables), sum(len(i) for i in indices)]
     metas = gather_checked(op, group, problem, row, 8 + world)
-    shared = [m[:-2] for m in metas]  # all but T_r and the lookups
-    if any(s != shared[0] for s in shared):
-        raise ValueError(f"{op}: ranks disagree on (dtype, D, batch, mode, chunks, needs_grad, "
-                         f"*batch_sizes): {[tuple(s) for s in shared]}")
+    modes = {code: name for name, code in _MODES.items()}
+    check_same(op, ("dtype", "D", "batch", "mode", "chunks", "needs grad", "batch_sizes"),
+               [(*m[:3], modes[m[3]], *m[4:6], tuple(m[6:-2])) for m in metas])  # not T_r, lookups
     tables_per_rank, dim = [m[-2] for m in metas], metas[0][1]
     max_nnz = max(m[-1] for m in metas)
     busiest = max(t * (batch - b) for t, b in zip(tables_per_rank, sizes))  # rows off this rank

@@ -30,12 +30,18 @@ def start_gather(out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int], gr
     if len(set(rows)) == 1:
         return all_gather_into(out, piece.contiguous(), group=group, async_op=True)
     world = len(rows)
-    send = piece.unsqueeze(0).expand(world, *piece.shape).reshape(-1, *piece.shape[1:]).contiguous()
+    send = piece.unsqueeze(0).expand(world, *piece.shape) \
+        .reshape(world * piece.shape[0], *piece.shape[1:]).contiguous()
     return start_all_to_all(out, send, list(rows), [piece.shape[0]] * world, group)
 
 
 def start_all_to_all(out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
                      in_rows: Sequence[int], group=None):
-    """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order in ``out``."""
-    return dist.all_to_all_single(out, send, [int(r) for r in out_rows], [int(r) for r in in_rows],
+    """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order in ``out``.
+
+    gloo moves contiguous buffers only: a strided ``send`` is copied (the work holds the
+    copy until it is done); ``out`` must be contiguous, since it is written in place."""
+    assert out.is_contiguous(), "a receive buffer is written in place"
+    return dist.all_to_all_single(out, send.contiguous(), [int(r) for r in out_rows],
+                                  [int(r) for r in in_rows],
                                   group=group, async_op=True)

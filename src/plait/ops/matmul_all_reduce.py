@@ -23,9 +23,9 @@ size: they are the pipeline's exposed ends); each piece is computed straight
 into its rows of the output with ``matmul(out=)`` and its all_reduce starts at
 once, while the next piece is computed. For GEMV (M ≤ 8, decoding) rows cannot
 be cut, so pieces are column blocks of N, each computed into a contiguous slot:
-rows of one transposed output when every rank's w is column-major (as
-row-parallel layers pass it; nothing is copied), else a flat buffer laid side
-by side at the end (a copy of the few output rows).
+rows of one transposed buffer when every rank's w is column-major (as
+row-parallel layers pass it), else a flat buffer laid side by side; either is
+copied once into the contiguous output at the end (the few output rows).
 
 ``column_parallel_matmul``: ``y_r = x @ w_r`` (x replicated, w [K, N_r]); its
 backward's dgrad ``dx = Σ_r dy_r @ w_rᵀ`` is exactly a ``matmul_all_reduce``
@@ -39,12 +39,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .agree import attempt, check_chunks
+from .agree import attempt, check_chunks, check_same, chunks_code
 from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, get_context
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
-from .pieces import DTYPE_CODES, check_float, offsets, tapered
+from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
            "GEMV_ROWS"]
@@ -52,12 +52,23 @@ __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_p
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
 
 
-def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, int]:
+def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[int, ...]:
+    """This rank's part of the check: (dtype, M, N, chunks, K_r, w column-major).
+
+    The first four fix the wire schedule and must agree; K_r may differ (uneven shards).
+    """
+    check_chunks(op, chunks)
+    if not isinstance(x2, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError(f"{op}: x and w must be tensors, got {type(x2).__name__} and "
+                        f"{type(w).__name__}")
     check_float(op, x2, w)
+    if x2.dim() != 2:
+        raise ValueError(f"{op}: x must be [..., K], got a scalar")
     if w.dim() != 2 or w.shape[0] != x2.shape[1]:
         raise ValueError(f"{op}: x has K={x2.shape[1]} columns but w is {tuple(w.shape)}; "
                          "w must be [K, N]")
-    return DTYPE_CODES[x2.dtype], x2.shape[0], w.shape[1], x2.shape[1], int(_column_major(w))
+    return (DTYPE_CODES[x2.dtype], x2.shape[0], w.shape[1], chunks_code(chunks), x2.shape[1],
+            int(_column_major(w)))
 
 
 def _column_major(w: torch.Tensor) -> bool:
@@ -65,31 +76,34 @@ def _column_major(w: torch.Tensor) -> bool:
     return w.stride(0) == 1 and (w.shape[1] == 1 or w.stride(1) >= w.shape[0])
 
 
-def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks,
-          ctx: OpsContext) -> tuple[Decision, bool]:
+def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext,
+          wgrad_into: torch.Tensor | None = None) -> tuple[Decision, bool]:
     """The decision, and whether a GEMV holds its output transposed: only when every
     rank's w is column-major, since all ranks must reduce buffers of the same layout."""
-    row, problem = attempt(lambda: (check_chunks(op, chunks), _local_row(op, x2, w))[1])
-    return _decide(op, ctx.gather_meta(op, 5, row, problem), x2.element_size(), chunks, ctx)
+    def local():
+        row = _local_row(op, x2, w, chunks)
+        if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
+            raise ValueError(f"{op}: wgrad_into {tuple(wgrad_into.shape)} is not the "
+                             f"transposed shape of w {tuple(w.shape)}")
+        return row
+    row, problem = attempt(local)
+    return _decide(op, ctx.gather_meta(op, 6, row, problem), x2.element_size(), chunks, ctx)
 
 
 def _decide(op: str, metas, itemsize: int, chunks, ctx: OpsContext) -> tuple[Decision, bool]:
     """``_plan`` from every rank's ``_local_row``, once gathered."""
     _same_rows(op, metas)
     world, m, n = len(metas), metas[0][1], metas[0][2]
-    k_max = max(meta[3] for meta in metas)
+    k_max = max(meta[4] for meta in metas)
     wire = 2 * (world - 1) / world * m * n * itemsize
     gemv = m <= GEMV_ROWS  # pieces cut N: [M, N_j] each
     work = Work(flops=2.0 * m * k_max * n, wire_bytes=wire, kind="all_reduce",
                 length=n if gemv else m, width=m if gemv else n, columns=gemv)
-    return ctx.decide(op, chunks, work=work, rows=work.length), all(meta[4] for meta in metas)
+    return ctx.decide(op, chunks, work=work, rows=work.length), all(meta[5] for meta in metas)
 
 
 def _same_rows(op: str, metas) -> None:
-    for r, meta in enumerate(metas):
-        if meta[:3] != metas[0][:3]:
-            raise ValueError(f"{op}: ranks disagree on (dtype, M, N): rank 0 has {metas[0][:3]}, "
-                             f"rank {r} has {meta[:3]}")
+    check_same(op, ("dtype", "M", "N", "chunks"), [meta[:4] for meta in metas])
 
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
@@ -142,8 +156,8 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
     A column block of a row-major [M, N] is not contiguous (gloo sends contiguous
     buffers). When w is column-major (a row-parallel layer passes ``weight.t()`` of its
     [N, K_r] weight) on every rank, the output is held transposed: block j is rows [lo, hi) of one
-    [N, M] buffer, the result is that buffer's transpose (a view), and nothing is held
-    beyond the output; BLAS also runs this orientation about 2x faster here than x2 @ w.
+    [N, M] buffer, the result is a contiguous copy of that buffer's transpose (M ≤ 8
+    rows); BLAS also runs this orientation about 2x faster here than x2 @ w.
     A row-major w runs the transposed orientation 2x slower, so its blocks go into
     one flat buffer and are laid side by side at the end (one copy of the M ≤ 8 rows).
     """
@@ -158,7 +172,9 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
         works.append(dist.all_reduce(block, group=group, async_op=True))
         blocks.append(block)
     _waited(buf, works, meanwhile)
-    return buf.t() if transposed else torch.cat(blocks, dim=1)
+    # a contiguous [M, N] either way, as the row path returns: the transposed buffer's
+    # copy is M ≤ 8 rows, as the flat buffer's
+    return buf.t().contiguous() if transposed else torch.cat(blocks, dim=1)
 
 
 class InFlight:
@@ -221,11 +237,8 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     does not read the result, and start other collectives on the group (they queue
     behind these pieces); the backward is the same as ``matmul_all_reduce``'s."""
     ctx = ctx or get_context(group)
-    x2 = x.reshape(-1, x.shape[-1])
-    if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
-        raise ValueError(f"matmul_all_reduce: wgrad_into {tuple(wgrad_into.shape)} is not the "
-                         f"transposed shape of w {tuple(w.shape)}")
-    decision, transposed = _plan("matmul_all_reduce", x2, w, chunks, ctx)
+    x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
+    decision, transposed = _plan("matmul_all_reduce", x2, w, chunks, ctx, wgrad_into)
     works: list = []
     out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
@@ -241,7 +254,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             y = x2 @ w
         if agreed is not None:  # it travelled under the GEMM
             ctx.metas = agreed()
-            _same_rows(DGRAD, ctx.metas)
+            _same_dgrad(ctx.metas)
         return y
 
     @staticmethod
@@ -269,30 +282,38 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 DGRAD = "column_parallel_matmul.dgrad"
 
 
-def _dgrad_row(x2: torch.Tensor, w: torch.Tensor) -> tuple[int, ...]:
-    """The backward's ``_local_row``, known in the forward: dy [M, N_r] @ wᵀ [N_r, K]."""
-    _local_row("column_parallel_matmul", x2, w)
-    return DTYPE_CODES[x2.dtype], x2.shape[0], x2.shape[1], w.shape[1], int(_column_major(w.t()))
+def _dgrad_row(x2: torch.Tensor, w: torch.Tensor, chunks, needs_dgrad: bool) -> tuple[int, ...]:
+    """The backward's ``_local_row``, known in the forward: dy [M, N_r] @ wᵀ [N_r, K]; and
+    whether this rank will run that all-reduce (x needs a gradient)."""
+    _local_row("column_parallel_matmul", x2, w, chunks)
+    return (DTYPE_CODES[x2.dtype], x2.shape[0], x2.shape[1], chunks_code(chunks), w.shape[1],
+            int(_column_major(w.t())), int(needs_dgrad))
+
+
+def _same_dgrad(metas) -> None:
+    check_same(DGRAD, ("dtype", "M", "K", "chunks", "x needs grad"),
+               [meta[:4] + meta[6:] for meta in metas])
 
 
 def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
                            ctx: OpsContext | None = None) -> torch.Tensor:
     """``x @ w_r`` forward (x replicated); backward's dgrad is a fused ``matmul_all_reduce``.
 
-    The forward computes locally. When x needs a gradient, the backward's cross-rank
+    The forward computes locally. With gradients enabled, the backward's cross-rank
     check is made here, its small gather travelling under the local GEMM, so the
-    backward's all-reduce starts without one.
+    backward's all-reduce starts without one; it includes whether x needs a gradient,
+    so a rank whose x does not (and will skip that all-reduce) is refused everywhere.
+    Under ``torch.no_grad()`` nothing crosses ranks: local checks only.
     """
     ctx = ctx or get_context(group)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
     agreed = None
-    if torch.is_grad_enabled() and x.requires_grad:
-        row, problem = attempt(lambda: (check_chunks(DGRAD, chunks), _dgrad_row(x2, w))[1])
-        agreed = ctx.start_meta(DGRAD, 5, row, problem)
+    if torch.is_grad_enabled():
+        row, problem = attempt(lambda: _dgrad_row(x2, w, chunks, x.requires_grad))
+        agreed = ctx.start_meta(DGRAD, 7, row, problem)
         if problem is not None:
             agreed()  # raises on every rank
     else:
-        check_chunks(DGRAD, chunks)  # no backward all-reduce: local checks only
-        _local_row("column_parallel_matmul", x2, w)
+        _local_row("column_parallel_matmul", x2, w, chunks)  # no backward all-reduce
     out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx, agreed)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out

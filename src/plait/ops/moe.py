@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from .context import OpsContext, get_context
 from ..perf.pieces import Work
-from .agree import attempt, check_chunks, chunks_code, gather_checked
+from .agree import attempt, check_chunks, check_same, chunks_code, gather_checked
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, offsets, row_parts
 
@@ -320,10 +320,8 @@ def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, 
                grads and inp.requires_grad, grads and w.requires_grad, w.shape[0],
                *map(sum, send), *map(sum, recv), *map(_digest, send), *map(_digest, recv)]
     metas = gather_checked(op, group, problem, row, 7 + 4 * world)  # one per call: counts change
-    shared = [m[:6] for m in metas]
-    if any(s != shared[0] for s in shared):
-        raise ValueError(f"{op}: ranks disagree on (dtype, K, N, chunks, input needs grad, "
-                         f"w needs grad): {[tuple(s) for s in shared]}")
+    check_same(op, ("dtype", "K", "N", "chunks", "input needs grad", "w needs grad"),
+               [m[:6] for m in metas])
     # per rank: 7 fields, then W send totals, W recv totals, W send digests, W recv digests
     totals = [(m[7:7 + world], m[7 + world:7 + 2 * world]) for m in metas]
     digests = [(m[7 + 2 * world:7 + 3 * world], m[7 + 3 * world:]) for m in metas]

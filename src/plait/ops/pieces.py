@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from ..perf.pieces import offsets, split, tapered  # pure: the cost model cuts pieces the same way
 
-__all__ = ["split", "row_parts", "tapered", "offsets", "even_sizes", "check_sizes", "check_float", "DTYPE_CODES"]
+__all__ = ["split", "row_parts", "as_rows", "tapered", "offsets", "even_sizes", "check_sizes",
+           "check_float", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -19,8 +21,16 @@ def row_parts(total: int, pieces: int) -> list[int]:
     return sizes + [0] * (pieces - len(sizes))
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] (a view where it can be): ``reshape(-1, K)`` refuses a tensor
+    with no elements (an empty share: no rows, or K_r = 0), this does not."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
 def even_sizes(total: int, world: int) -> list[int]:
-    return split(total, world) if total >= world else [total // world] * world
+    """``total`` in ``world`` near-equal shares, larger first: ``even_sizes(2, 3) == [1, 1, 0]``
+    (a share may be empty; every operator and layer takes one)."""
+    return row_parts(total, world)
 
 
 def check_sizes(op: str, what: str, sizes: Sequence[int], world: int, local: int, rank: int) -> None:

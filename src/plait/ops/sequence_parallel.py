@@ -44,11 +44,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agree import attempt, check_chunks
+from .agree import attempt, check_chunks, check_same, chunks_code
 from .context import Decision, OpsContext, get_context
 from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
-from .pieces import DTYPE_CODES, check_float, check_sizes, even_sizes, offsets, tapered
+from .pieces import (DTYPE_CODES, as_rows, check_float, check_sizes, even_sizes, offsets,
+                     tapered)
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -133,30 +134,40 @@ def _chain(op: str, x: torch.Tensor, w: torch.Tensor, k_name: str) -> None:
                          f"need x [M{k_name}] and w [K, N]")
 
 
-def _gather_plan(op, x, w, group, sizes, chunks, ctx) -> tuple[list[int], Decision]:
+def _gather_plan(op, group, chunks, ctx, prepare) -> tuple[torch.Tensor, list[int], Decision]:
+    """(x [M_r, K], every rank's rows, the decision), once every rank agrees on all that
+    fixes the wire schedule: dtype, K, chunks, sizes, the rows per index of the gathered
+    dim, and whether a backward (a reduce-scatter) will follow.
+
+    ``prepare()``: this rank's ``(x [M_r, K], w [K, N_r], row sizes or None, rows per
+    index, x needs grad)``; whatever it raises is refused on every rank, as the checks
+    here are.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    got = {}
 
     def local():
+        x, w, sizes, unit, needs_grad = got["args"] = prepare()
         check_chunks(op, chunks)
         _chain(op, x, w, "_r, K")
         if sizes is not None:
             check_sizes(op, "sizes", sizes, world, x.shape[0], rank)
         # w's width N_r may differ per rank (an uneven column plan): the busiest prices auto
-        return (x.shape[0], w.shape[1], DTYPE_CODES[x.dtype], x.shape[1],
+        return (x.shape[0], w.shape[1], DTYPE_CODES[x.dtype], x.shape[1], chunks_code(chunks),
+                int(needs_grad), unit,
                 *([int(v) for v in sizes] if sizes is not None else [-1] * world))
     row, problem = attempt(local)
-    metas = ctx.gather_meta(op, 4 + world, row, problem)
-    if any(m[2:] != metas[0][2:] for m in metas):
-        raise ValueError(f"{op}: ranks disagree on (dtype, K, sizes): {[m[2:] for m in metas]}")
+    metas = ctx.gather_meta(op, 7 + world, row, problem)
+    check_same(op, ("dtype", "K", "chunks", "x needs grad", "rows per index of dim", "sizes"),
+               [(*m[2:7], tuple(m[7:])) for m in metas])
+    x = got["args"][0]
     rows = [m[0] for m in metas]
-    if sizes is not None and list(map(int, sizes)) != rows:
-        raise ValueError(f"{op}: sizes {list(sizes)} do not match the ranks' rows {rows}")
     m, k, n = sum(rows), x.shape[1], max(meta[1] for meta in metas)
     own = min(rows)  # the busiest rank: fewest own rows, most to wait for
     work = Work(flops=2.0 * (m - own) * k * n, lead_flops=2.0 * own * k * n, receive=True,
                 wire_bytes=(world - 1) / world * m * k * x.element_size(), kind="all_gather",
                 length=max(1, m // world), width=n)
-    return rows, ctx.decide(op, chunks, work=work, rows=own or 1)
+    return x, rows, ctx.decide(op, chunks, work=work, rows=own or 1)
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -180,8 +191,8 @@ class _AllGatherMatmul(torch.autograd.Function):
                 grads["dw"] = gathered.t_matmul(dy)
         if ctx.needs_input_grad[0]:
             wt = w.t()
-            decision = _scatter_plan("all_gather_matmul.dgrad", dy, wt, ctx.group, ctx.rows,
-                                     ctx.chunks, ctx.ops_ctx)
+            decision = _scatter_plan("all_gather_matmul.dgrad", ctx.group, ctx.chunks,
+                                     ctx.ops_ctx, lambda: (dy, wt, ctx.rows, False))
             dx = _scatter_forward(dy, wt, ctx.group, ctx.rows, decision, meanwhile=wgrad)
         else:
             wgrad()
@@ -198,12 +209,19 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0
     """
     ctx = ctx or get_context(group)
     op = "all_gather_matmul"
-    x2, restore = _rows_view(x, dim)
-    unit = _rows_per_unit(x, dim)
-    row_sizes = None if sizes is None else [int(s) * unit for s in sizes]
-    rows, decision = _gather_plan(op, x2, w, group, row_sizes, chunks, ctx)
+    view = {}
+
+    def prepare():
+        view["x2"], view["restore"] = _rows_view(op, x, dim)
+        view["unit"] = unit = _rows_per_unit(x, dim)
+        if sizes is not None:
+            check_sizes(op, "sizes", sizes, dist.get_world_size(group), x.shape[dim],
+                        dist.get_rank(group))
+        row_sizes = None if sizes is None else [int(s) * unit for s in sizes]
+        return view["x2"], w, row_sizes, unit, torch.is_grad_enabled() and x.requires_grad
+    x2, rows, decision = _gather_plan(op, group, chunks, ctx, prepare)
     y = _AllGatherMatmul.apply(x2, w, group, rows, decision, chunks, ctx)
-    return restore(y, sum(rows) // unit)
+    return view["restore"](y, sum(rows) // max(1, view["unit"]))
 
 
 # --- matmul_reduce_scatter --------------------------------------------------
@@ -270,10 +288,18 @@ def _reduce_into(y, work, recv, n, row, rank, world):
     out.copy_(total)
 
 
-def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
+def _scatter_plan(op, group, chunks, ctx, prepare) -> Decision:
+    """The decision, once every rank agrees on all that fixes the wire schedule: dtype,
+    M, N, chunks, sizes, and whether a backward (a gather) will follow.
+
+    ``prepare()``: this rank's ``(x [M, K_r], w [K_r, N], row sizes, needs grad)``;
+    whatever it raises is refused on every rank, as the checks here are.
+    """
     world = dist.get_world_size(group)
+    got = {}
 
     def local():
+        x, w, sizes, needs_grad = got["args"] = prepare()
         check_chunks(op, chunks)
         _chain(op, x, w, ", K_r")
         if len(sizes) != world or any(s < 0 for s in sizes):
@@ -282,14 +308,15 @@ def _scatter_plan(op, x, w, group, sizes, chunks, ctx) -> Decision:
         if sum(sizes) != x.shape[0]:
             raise ValueError(f"{op}: sizes {list(sizes)} sum to {sum(sizes)}, "
                              f"but x has {x.shape[0]} rows")
-        return (DTYPE_CODES[x.dtype], x.shape[0], w.shape[1], x.shape[1], *sizes)
+        return (DTYPE_CODES[x.dtype], x.shape[0], w.shape[1], chunks_code(chunks),
+                int(needs_grad), x.shape[1], *sizes)
     row, problem = attempt(local)
-    metas = ctx.gather_meta(op, 4 + world, row, problem)
-    if any(meta[:3] != metas[0][:3] or meta[4:] != metas[0][4:] for meta in metas):
-        raise ValueError(f"{op}: ranks disagree on (dtype, M, N, sizes): "
-                         f"{[meta[:3] + meta[4:] for meta in metas]}")
-    m, n = x.shape[0], w.shape[1]
-    k_max = max(meta[3] for meta in metas)
+    metas = ctx.gather_meta(op, 6 + world, row, problem)
+    check_same(op, ("dtype", "M", "N", "chunks", "needs grad", "sizes"),
+               [(*m[:5], tuple(m[6:])) for m in metas])
+    x, _, sizes, _ = got["args"]
+    m, n = metas[0][1], metas[0][2]
+    k_max = max(meta[5] for meta in metas)
     own = min(sizes)  # the busiest rank: fewest own rows, most to compute before the wire
     work = Work(flops=2.0 * (m - own) * k_max * n, tail_flops=2.0 * own * k_max * n,
                 wire_bytes=(world - 1) / world * m * n * x.element_size(),
@@ -308,9 +335,10 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         wt = w.t()
-        rows, decision = _gather_plan("matmul_reduce_scatter.dgrad", dy.contiguous(), wt,
-                                      ctx.group, ctx.rows, ctx.chunks, ctx.ops_ctx)
-        dx, gathered_dy = _gather_forward(dy.contiguous(), wt, ctx.group, rows, decision)
+        dy = dy.contiguous()
+        _, rows, decision = _gather_plan("matmul_reduce_scatter.dgrad", ctx.group, ctx.chunks,
+                                         ctx.ops_ctx, lambda: (dy, wt, ctx.rows, 1, False))
+        dx, gathered_dy = _gather_forward(dy, wt, ctx.group, rows, decision)
         dw = gathered_dy.left_t_matmul(x) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None, None
 
@@ -323,15 +351,23 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, dim: int
     ``sizes``: every rank's share of ``dim`` of the output (default: even).
     """
     ctx = ctx or get_context(group)
-    world = dist.get_world_size(group)
-    x2, restore = _rows_view(x, dim)
-    length = x.shape[dim]
-    unit = _rows_per_unit(x, dim)
-    sizes = even_sizes(length, world) if sizes is None else [int(s) for s in sizes]
-    rows = [s * unit for s in sizes]
-    decision = _scatter_plan("matmul_reduce_scatter", x2, w, group, rows, chunks, ctx)
+    op, world = "matmul_reduce_scatter", dist.get_world_size(group)
+    view = {}
+
+    def prepare():
+        view["x2"], view["restore"] = _rows_view(op, x, dim)
+        length = x.shape[dim]
+        view["sizes"] = even_sizes(length, world) if sizes is None else [int(s) for s in sizes]
+        if sum(view["sizes"]) != length:
+            raise ValueError(f"{op}: sizes {view['sizes']} sum to {sum(view['sizes'])}, "
+                             f"but x has {length} rows along dim {dim}")
+        view["rows"] = [s * _rows_per_unit(x, dim) for s in view["sizes"]]
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+        return view["x2"], w, view["rows"], needs_grad
+    decision = _scatter_plan(op, group, chunks, ctx, prepare)
+    x2, rows = view["x2"], view["rows"]
     y = _MatmulReduceScatter.apply(x2, w, group, rows, decision, chunks, ctx)
-    return restore(y, sizes[dist.get_rank(group)])
+    return view["restore"](y, view["sizes"][dist.get_rank(group)])
 
 
 def _rows_per_unit(x: torch.Tensor, dim: int) -> int:
@@ -341,14 +377,16 @@ def _rows_per_unit(x: torch.Tensor, dim: int) -> int:
     return int(torch.Size(others).numel())
 
 
-def _rows_view(x: torch.Tensor, dim: int):
+def _rows_view(op: str, x: torch.Tensor, dim: int):
     """x as [rows, K] with ``dim`` leading (a view when dim == 0), and how to undo it for y."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not -x.dim() <= dim < x.dim() - 1:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{op}: dim {dim} of x {shape} is not a row dim (the last dim "
+                         "is the feature dim)")
     dim = dim % x.dim()
-    if x.dim() == 1 or dim == x.dim() - 1:
-        raise ValueError(f"dim {dim} of a {x.dim()}-d tensor is its feature dim; pick a row dim")
     moved = x.movedim(dim, 0)
     middle = moved.shape[1:-1]
-    x2 = moved.reshape(-1, x.shape[-1])
+    x2 = as_rows(moved)
 
     def restore(y: torch.Tensor, length: int) -> torch.Tensor:
         out = y.view(length, *middle, y.shape[-1])
