@@ -28,6 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .agree import attempt, check_same, dtype_code
+from .context import get_context
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
 
@@ -79,21 +81,55 @@ def _own(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor
     return x.narrow(dim, at[rank], sizes[rank]).contiguous()
 
 
-def _gathered_sizes(x: torch.Tensor, dim: int, sizes, group) -> list[int]:
-    if sizes is not None:
-        return [int(s) for s in sizes]
-    mine = torch.tensor([x.shape[dim]], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(_world(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [int(t) for t in everyone]
-
-
 def _split_sizes(x: torch.Tensor, dim: int, sizes, group) -> list[int]:
     sizes = even_sizes(x.shape[dim], _world(group)) if sizes is None else [int(s) for s in sizes]
     if len(sizes) != _world(group) or sum(sizes) != x.shape[dim] or min(sizes) < 0:
         raise ValueError(f"sizes {sizes} must give each of {_world(group)} ranks a share of "
                          f"dim {dim}, whose length is {x.shape[dim]}")
     return sizes
+
+
+def _agreed(op: str, x, group, dim: int | None, sizes, *, split: bool,
+            needs_grad: bool = False) -> list[int]:
+    """Every rank's length along ``dim``, once every rank agrees on all the wire will carry
+    (dtype, the other dims, ``sizes``, whether a backward collective follows): one small
+    gather, refused on every rank if any rank's input is bad or they differ.
+
+    ``dim`` None: the whole tensor (an all-reduce). ``split``: x is whole on every rank
+    and ``sizes`` (default even) cut its ``dim``; else x is this rank's share and
+    ``sizes`` (default: as found) are every rank's shares.
+    """
+    world, rank = _world(group), dist.get_rank(group)
+    got = {}
+
+    def local():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
+        if dim is None:
+            return dtype_code(x.dtype), x.numel(), int(needs_grad), 0, *[-1] * world
+        if not -x.dim() <= dim < max(1, x.dim()):
+            raise ValueError(f"{op}: dim {dim} is not a dim of x {tuple(x.shape)}")
+        d = dim % x.dim()
+        length, others = x.shape[d], math.prod(x.shape[:d]) * math.prod(x.shape[d + 1:])
+        shares = [int(s) for s in sizes] if sizes is not None else \
+            even_sizes(length, world) if split else None
+        if shares is not None:
+            if len(shares) != world or min(shares) < 0:
+                raise ValueError(f"{op}: sizes {shares} must give each of {world} ranks a "
+                                 "non-negative share")
+            if (sum(shares) if split else shares[rank]) != length:
+                raise ValueError(f"{op}: sizes {shares} do not fit dim {d} of x "
+                                 f"{tuple(x.shape)} on rank {rank}")
+        got["shares"] = shares
+        return (dtype_code(x.dtype), others, int(needs_grad), length,
+                *(shares if shares is not None else [-1] * world))
+    row, problem = attempt(local)
+    metas = get_context(group).gather_meta(op, 4 + world, row, problem)
+    check_same(op, ("dtype", "elements" if dim is None else "other dims", "needs grad",
+                    "sizes"), [(*m[:3], tuple(m[4:])) for m in metas])
+    if split:
+        check_same(op, ("length",), [m[3:4] for m in metas])
+    return got["shares"] if got.get("shares") is not None else [m[3] for m in metas]
 
 
 class _Copy(torch.autograd.Function):
@@ -158,12 +194,19 @@ class _ReduceScatter(torch.autograd.Function):
 
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity; the backward all-reduces (entry of a tensor-parallel region, replicated x)."""
-    return x if _world(group) == 1 else _Copy.apply(x, group)
+    if _world(group) == 1:
+        return x
+    if torch.is_grad_enabled():  # the backward's all-reduce is agreed here
+        _agreed("copy_to_region", x, group, None, None, split=False, needs_grad=x.requires_grad)
+    return _Copy.apply(x, group)
 
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum); the backward is the identity (exit of a tensor-parallel region)."""
-    return x if _world(group) == 1 else _Reduce.apply(x, group)
+    if _world(group) == 1:
+        return x
+    _agreed("reduce_from_region", x, group, None, None, split=False)
+    return _Reduce.apply(x, group)
 
 
 def scatter_to_region(x: torch.Tensor, group=None, dim: int = 0,
@@ -172,8 +215,12 @@ def scatter_to_region(x: torch.Tensor, group=None, dim: int = 0,
     every rank gets the whole (replicated) gradient."""
     if _world(group) == 1:
         return x
-    dim = dim % x.dim()
-    return _Scatter.apply(x, group, dim, _split_sizes(x, dim, sizes, group))
+    if torch.is_grad_enabled():  # the backward's gather is agreed here
+        sizes = _agreed("scatter_to_region", x, group, dim, sizes, split=True,
+                        needs_grad=x.requires_grad)
+    else:
+        sizes = _split_sizes(x, dim % x.dim(), sizes, group)  # nothing crosses ranks
+    return _Scatter.apply(x, group, dim % x.dim(), sizes)
 
 
 def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
@@ -182,8 +229,8 @@ def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
     the gathered tensor is replicated: every rank computed the same loss from it)."""
     if _world(group) == 1:
         return x
-    dim = dim % x.dim()
-    return _Gather.apply(x, group, dim, _gathered_sizes(x, dim, sizes, group), False)
+    sizes = _agreed("gather_from_region", x, group, dim, sizes, split=False)
+    return _Gather.apply(x, group, dim % x.dim(), sizes, False)
 
 
 def gather_for_matmul(x: torch.Tensor, group=None, dim: int = 0,
@@ -192,8 +239,9 @@ def gather_for_matmul(x: torch.Tensor, group=None, dim: int = 0,
     reduce-scatters (each rank's gradient is a partial sum over its column shard)."""
     if _world(group) == 1:
         return x
-    dim = dim % x.dim()
-    return _Gather.apply(x, group, dim, _gathered_sizes(x, dim, sizes, group), True)
+    sizes = _agreed("gather_for_matmul", x, group, dim, sizes, split=False,
+                    needs_grad=torch.is_grad_enabled() and x.requires_grad)
+    return _Gather.apply(x, group, dim % x.dim(), sizes, True)
 
 
 def reduce_scatter_region(x: torch.Tensor, group=None, dim: int = 0,
@@ -201,5 +249,6 @@ def reduce_scatter_region(x: torch.Tensor, group=None, dim: int = 0,
     """Sum over ranks and keep this rank's slice of ``dim``; the backward all-gathers."""
     if _world(group) == 1:
         return x
-    dim = dim % x.dim()
-    return _ReduceScatter.apply(x, group, dim, _split_sizes(x, dim, sizes, group))
+    sizes = _agreed("reduce_scatter_region", x, group, dim, sizes, split=True,
+                    needs_grad=torch.is_grad_enabled() and x.requires_grad)
+    return _ReduceScatter.apply(x, group, dim % x.dim(), sizes)
