@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.agree import attempt, refused
 from ..ops.embedding import embedding_all_to_all
 from ..ops.pieces import even_sizes
 from ..plan import ShardPlan
@@ -103,21 +104,34 @@ class ShardedEmbeddingBag(nn.Module):
     def forward(self, indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor],
                 batch_sizes: Sequence[int] | None = None) -> torch.Tensor:
         """Every table's bags for the whole batch → this rank's rows ``[B_r, T, D]``."""
-        if len(indices) != len(self.num_embeddings) or len(offsets) != len(indices):
-            raise ValueError(f"ShardedEmbeddingBag: {len(indices)} indices and {len(offsets)} "
-                             f"offsets for {len(self.num_embeddings)} tables")
         weights = [self.bags[str(t)].weight for t in self.owned]
         if self.info.world == 1:
+            self._check_tables(indices, offsets)
             with compute_scope(weights[0].device):
                 return torch.stack([F.embedding_bag(indices[t], w, offsets[t], mode=self.mode)
                                     for t, w in zip(self.owned, weights)], dim=1)
-        batch = len(offsets[0])
-        sizes = self.batch_sizes(batch) if batch_sizes is None else list(batch_sizes)
-        with compute_scope(weights[0].device):  # the fused op: pooling and wire interleaved
-            return embedding_all_to_all(weights, [indices[t] for t in self.owned],
-                                        [offsets[t] for t in self.owned], self.group,
-                                        batch_sizes=sizes, mode=self.mode,
-                                        chunks=self.chunks if self.overlap else 1)
+        # a bad count raised here would leave the other ranks in the operator's check:
+        # its check refuses it on every rank instead
+        _, problem = attempt(lambda: self._check_tables(indices, offsets))
+        mine = [] if problem is not None else [indices[t] for t in self.owned]
+        bags = [] if problem is not None else [offsets[t] for t in self.owned]
+        first = bags[0] if bags else None
+        batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
+        sizes = self._shares(batch) if batch_sizes is None else list(batch_sizes)
+        with compute_scope(weights[0].device), refused(problem):  # pooling and wire interleaved
+            return embedding_all_to_all(weights, mine, bags, self.group, batch_sizes=sizes,
+                                        mode=self.mode, chunks=self.chunks if self.overlap else 1)
+
+    def _check_tables(self, indices, offsets) -> None:
+        if not isinstance(indices, (list, tuple)) or not isinstance(offsets, (list, tuple)) \
+                or len(indices) != len(self.num_embeddings) or len(offsets) != len(indices):
+            raise ValueError(f"ShardedEmbeddingBag: {_count(indices)} indices and "
+                             f"{_count(offsets)} offsets for {len(self.num_embeddings)} tables")
+
+    def _shares(self, batch: int) -> list[int]:
+        """``batch_sizes`` unchecked: the operator checks them on every rank at once."""
+        return even_sizes(batch, self.info.world) if self.batch_plan is None \
+            else list(self.batch_plan.sizes)
 
     def batch_sizes(self, batch: int) -> list[int]:
         """Every rank's share of a batch of ``batch`` bags: the batch plan's, or even."""
@@ -170,3 +184,7 @@ class ShardedEmbeddingBag(nn.Module):
         return (f"tables={len(self.num_embeddings)}, D={self.embedding_dim}, "
                 f"plan={list(self.plan.sizes)} tables, owned={list(self.owned)}, "
                 f"mode={self.mode}, {'fused' if self.overlap else 'plain'}")
+
+
+def _count(seq) -> str:
+    return str(len(seq)) if isinstance(seq, (list, tuple)) else type(seq).__name__

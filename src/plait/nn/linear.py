@@ -63,16 +63,14 @@ rank).
 
 from __future__ import annotations
 
-import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
+from ..ops.agree import attempt, refused
 from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
-from ..ops.pieces import even_sizes
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, pieces,
@@ -316,15 +314,12 @@ class _ParallelLinear(nn.Module):
     def _gather_bias(self, local: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _seq_sizes(self, length: int, gathered: bool) -> list[int] | None:
-        """Every rank's sequence length: the plan's, or even (None: as found, for a gather)."""
-        if self.seq_plan is None:
-            return None if gathered else even_sizes(length, self.info.world)
-        total = self.seq_plan.sizes[self.info.rank] if gathered else self.seq_plan.total
-        if total != length:
-            raise ValueError(f"{type(self).__name__}: seq_plan {list(self.seq_plan.sizes)} "
-                             f"does not fit a sequence of {length} on rank {self.info.rank}")
-        return list(self.seq_plan.sizes)
+    def _seq_sizes(self, gathered: bool) -> list[int] | None:
+        """Every rank's sequence length: the plan's, or None (as found for a gather, even
+        for a reduce-scatter). The operator checks that they fit this rank's tensor, on
+        every rank at once: a check here would raise on one rank and leave the others
+        waiting in the operator's."""
+        return None if self.seq_plan is None else list(self.seq_plan.sizes)
 
     def extra_repr(self) -> str:
         mode = "fused" if self.overlap else "plain"
@@ -367,9 +362,10 @@ class ColumnParallelLinear(_ParallelLinear):
             with compute_scope(x.device, self.compute_timer, self._work()):
                 return self._impute(F.linear(x, weight, bias), rows)
         if self.sequence_parallel:
-            sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=True)
+            sizes = self._seq_sizes(gathered=True)
             if self.overlap:  # the fused op: compute and wire interleaved
-                y = self._region(lambda x: self._gather_matmul(x, w, sizes), x)  # [B, S, N_r]
+                y = self._region(lambda x: all_gather_matmul(  # [B, S, N_r]
+                    x, w, self.group, self.seq_dim, sizes=sizes, chunks=self.chunks), x)
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
                 y = self._region(lambda x: F.linear(x, weight), x)
@@ -392,27 +388,6 @@ class ColumnParallelLinear(_ParallelLinear):
         if rows is None:
             return y
         return y.new_zeros(*y.shape[:-1], self.weight.shape[0]).index_copy(-1, rows, y)
-
-    def _gather_matmul(self, x: torch.Tensor, w: torch.Tensor, sizes) -> torch.Tensor:
-        """``all_gather_matmul`` along the sequence, given rows with the sequence leading: the
-        operator infers rows per sequence step from the local length, which fails on a rank
-        whose share is empty, so the per-step row count is given here explicitly."""
-        dim = self.seq_dim % x.dim()
-        moved = x.movedim(dim, 0)                    # [S_r, B, K]
-        per_step = math.prod(moved.shape[1:-1])
-        if sizes is None:
-            sizes = _found_lengths(moved.shape[0], self.group)
-        rows = moved.reshape(-1, moved.shape[-1])    # [S_r·B, K]
-        y = all_gather_matmul(rows, w, self.group, 0, sizes=[s * per_step for s in sizes],
-                              chunks=self.chunks)    # [S·B, N_r]
-        return y.view(sum(sizes), *moved.shape[1:-1], w.shape[1]).movedim(0, dim)
-
-
-def _found_lengths(length: int, group) -> list[int]:
-    mine = torch.tensor([length], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [int(t) for t in everyone]
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -454,22 +429,38 @@ class RowParallelLinear(_ParallelLinear):
             with compute_scope(x.device, self.compute_timer, self._work()):
                 return Started(InFlight(F.linear(x, weight, self.bias), []))
         if self.sequence_parallel:
-            sizes = self._seq_sizes(x.shape[self.seq_dim], gathered=False)
+            sizes = self._seq_sizes(gathered=False)
             if self.overlap:
                 y = self._region(lambda x: matmul_reduce_scatter(
                     x, w, self.group, self.seq_dim, sizes=sizes, chunks=self.chunks), x)  # [B, S_r, N]
             else:
-                y = self._region(lambda x: F.linear(x, weight), x)
-                y = reduce_scatter_region(y, self.group, self.seq_dim, sizes)
+                y, problem = attempt(lambda: self._plain_local(x, weight))
+                with refused(problem):
+                    y = reduce_scatter_region(x if y is None else y, self.group, self.seq_dim,
+                                              sizes)
         elif self.overlap:
             into = self.weight if self._kept is None else None  # a resized weight is a copy
             chunks = self.chunks if chunks is None else chunks
             return Started(self._pieces(lambda x: matmul_all_reduce_start(
                 x, w, self.group, chunks=chunks, wgrad_into=into), x), self.bias)
         else:
-            y = self._region(lambda x: F.linear(x, weight), x)
-            y = reduce_from_region(y, self.group)
+            y, problem = attempt(lambda: self._plain_local(x, weight))
+            with refused(problem):  # refused on every rank, by the all-reduce's check
+                y = reduce_from_region(x if y is None else y, self.group)
         return Started(InFlight(y, []), self.bias)  # nothing left on the wire
+
+    def _plain_local(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The plain path's local GEMM, once x is known to fit (a ValueError/TypeError
+        naming the mismatch if not, for every rank to raise)."""
+        name = f"{type(self).__name__}({self.in_features}, {self.out_features})"
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise TypeError(f"{name}: x must be a tensor [..., K_r], got {type(x).__name__}")
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"{name}: x {tuple(x.shape)} has {x.shape[-1]} features, but "
+                             f"this rank's shard takes {weight.shape[1]}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"{name}: x is {x.dtype}, the weight {weight.dtype}")
+        return self._region(lambda x: F.linear(x, weight), x)
 
 
 class Started:

@@ -34,7 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.agree import attempt, raise_together
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
+from ..ops.pieces import as_rows
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
@@ -111,12 +113,13 @@ class MoE(nn.Module):
                    full_w1=w1, full_w2=module.w2.detach(), dtype=w1.dtype, device=w1.device, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.hidden)  # [T, H]
         if self.info.world == 1:
+            self._check(x)
+            x2 = as_rows(x)  # [T, H]
             with compute_scope(x.device):
                 weights, experts = route_top_k(self.router(x2), self.top_k)
-                return experts_reference(x2, weights, experts, self.w1, self.w2).view(shape)
+                return experts_reference(x2, weights, experts, self.w1, self.w2).view(x.shape)
+        x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [T, H]
         if self.replicated_input:
             x2 = scatter_to_region(x2, self.group, 0)  # [T_r, H]: this rank's share
         # the fused ops interleave the expert GEMMs and the wire, and the small count exchange
@@ -124,9 +127,24 @@ class MoE(nn.Module):
         out = straggled(self._expert_parallel, x2)
         if self.replicated_input:
             out = gather_from_region(out, self.group, 0)
-        return out.view(shape)
+        return out.view(x.shape)
+
+    def _check(self, x) -> None:
+        """x must be [..., H] in the layer's dtype (a ValueError/TypeError naming it if not)."""
+        name = f"MoE(H={self.hidden}, E={self.num_experts})"
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise TypeError(f"{name}: x must be a tensor [..., H], got {type(x).__name__}")
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"{name}: x {tuple(x.shape)} has {x.shape[-1]} features, "
+                             f"the layer takes H={self.hidden}")
+        if x.dtype != self.w1.dtype:
+            raise TypeError(f"{name}: x is {x.dtype}, the experts {self.w1.dtype}")
 
     def _expert_parallel(self, x2: torch.Tensor) -> torch.Tensor:
+        _, problem = attempt(lambda: self._check(x2))
+        if problem is not None:  # join the count exchange, which refuses it on every rank
+            self._counts(torch.zeros(self.num_experts, dtype=torch.int64,
+                                     device=self.w1.device), problem)
         weights, experts = route_top_k(self.router(x2), self.top_k)  # [T, k] each
         flat = experts.reshape(-1)                                     # [T·k]
         order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
@@ -141,11 +159,17 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(x2).index_add(0, token, y)
 
-    def _counts(self, counts: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-        """(send_counts [W][E_d], recv_counts [W][E_r]) from every rank's per-expert counts."""
-        everyone = counts.new_empty(self.info.world * self.num_experts)
-        all_gather_into(everyone, counts.contiguous(), group=self.group)
-        table = everyone.view(self.info.world, self.num_experts).tolist()  # [W][E]
+    def _counts(self, counts: torch.Tensor, problem: Exception | None = None
+                ) -> tuple[list[list[int]], list[list[int]]]:
+        """(send_counts [W][E_d], recv_counts [W][E_r]) from every rank's per-expert counts;
+        the same gather carries every rank's verdict on its input (each rank raises if any
+        rank's was bad, before a token moves)."""
+        row = torch.cat([counts.new_tensor([int(problem is not None)]), counts])  # [1 + E]
+        everyone = row.new_empty(self.info.world * row.numel())
+        all_gather_into(everyone, row, group=self.group)
+        table = everyone.view(self.info.world, row.numel()).tolist()  # [W][1 + E]
+        raise_together("MoE", self.group, any(row[0] for row in table), problem)
+        table = [row[1:] for row in table]  # [W][E]
         cuts = [self.plan.slice_of(r) for r in range(self.info.world)]
         send = [table[self.info.rank][c] for c in cuts]
         mine = cuts[self.info.rank]

@@ -39,7 +39,6 @@ import logging
 import torch
 import torch.nn as nn
 
-from ..ops.pieces import even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ._shard import GroupInfo, mark_partial_grad
@@ -182,22 +181,15 @@ def _unsharded_params(module: nn.Module):
 
 def _split_sequence(first: nn.Module, last: nn.Module, group, seq: ShardPlan | None) -> None:
     """Scatter the residual stream [B, S, D] along S before ``first``, gather it after ``last``."""
-    def sizes(length: int) -> list[int]:
-        if seq is None:
-            return even_sizes(length, GroupInfo(group).world)
-        if seq.total != length:
-            raise ValueError(f"seq plan {list(seq.sizes)} does not fit a sequence of {length}")
-        return list(seq.sizes)
-
-    split: dict[str, list[int]] = {}  # this forward's sizes, from the scatter to the gather
+    # even, or the plan's: the scatter checks that they fit, on every rank at once; the
+    # gather finds what the scatter left
+    sizes = None if seq is None else list(seq.sizes)
 
     def scatter(module, args):
-        x = args[0]
-        split["sizes"] = sizes(x.shape[1])
-        return (scatter_to_region(x, group, 1, split["sizes"]), *args[1:])
+        return (scatter_to_region(args[0], group, 1, sizes), *args[1:])
 
     def gather(module, args, out):
-        return gather_from_region(out, group, 1, split["sizes"])
+        return gather_from_region(out, group, 1, sizes)
 
     first.register_forward_pre_hook(scatter)
     last.register_forward_hook(gather)
@@ -218,7 +210,7 @@ def parallelize_dlrm(model: nn.Module, group=None, plans=None, *, overlap: bool 
 
     def split_batch(module, args):
         dense, *rest = args
-        split["sizes"] = tables.batch_sizes(dense.shape[0])
+        split["sizes"] = tables._shares(dense.shape[0])  # the scatter checks them
         return (scatter_to_region(dense, group, 0, split["sizes"]), *rest)
 
     def gather_logits(module, args, out):
