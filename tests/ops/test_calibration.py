@@ -91,3 +91,26 @@ def test_a_dip_in_the_rate_table_is_read_as_noise():
     cal = Calibration(DEFAULT_PROFILE, gemm=table)
     assert cal.gemm_rate(GEMM_ROWS[-1], GEMM_WIDTHS[0]) == pytest.approx(55.0)
     assert cal.gemm_rate(GEMM_ROWS[-1], GEMM_WIDTHS[0]) >= cal.gemm_rate(GEMM_ROWS[-3], GEMM_WIDTHS[0])
+
+
+def _auto_with_a_profile_on_rank_0_only(path):
+    import os
+
+    import torch
+
+    from plait.ops import get_context, matmul_all_reduce
+
+    if dist.get_rank() == 0:  # a profile saved on one host only
+        os.environ["PLAIT_PROFILE"] = path
+    x, w = torch.ones(512, 256), torch.ones(256, 512)
+    y = matmul_all_reduce(x, w, chunks="auto")
+    cal = get_context().calibration()
+    return cal.profile.source, get_context().decisions["matmul_all_reduce"], float(y[0, 0])
+
+
+def test_auto_follows_rank_0s_profile_on_every_rank(tmp_path):
+    path = tmp_path / "profile.json"
+    DEFAULT_PROFILE.save(path)
+    (src0, d0, y0), (src1, d1, y1) = run_ranks(_auto_with_a_profile_on_rank_0_only, 2, str(path))
+    assert src0 == src1 == DEFAULT_PROFILE.source  # rank 1 took rank 0's, measured nothing
+    assert d0 == d1 and y0 == y1 == 2 * 256

@@ -74,9 +74,15 @@ class OpsContext:
         (PLAIT_PROFILE or ~/.cache/plait/profile.json, from ``plait simulate --calibrate``),
         else measured on this group once (:func:`plait.ops.calibration.measure`)."""
         if self.calibrated is None:
+            # Rank 0's word, everywhere: a profile saved on one host only (or a different
+            # one per host) would otherwise have one rank measure, a collective its peers
+            # never join, or pick piece counts its peers do not.
             path = default_profile_path()
-            self.calibrated = (from_profile(MachineProfile.load(path)) if path.exists()
-                               else measure(self.group))
+            box = [from_profile(MachineProfile.load(path)) if path.exists() else None]
+            if dist.get_world_size(self.group) > 1:
+                root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+                dist.broadcast_object_list(box, src=root, group=self.group)
+            self.calibrated = box[0] if box[0] is not None else measure(self.group)
         return self.calibrated
 
     # --- decisions ---------------------------------------------------------
