@@ -66,6 +66,9 @@ class DemoConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.steps < WARMUP_STEPS + 2:
+            raise ValueError(f"--steps must be at least {WARMUP_STEPS + 2} (a {WARMUP_STEPS}-step "
+                             f"warm-up, then steps before and after the straggler), got {self.steps}")
         if not 0 < self.slow_from < self.steps - WARMUP_STEPS:
             raise ValueError(f"--slow-from {self.slow_from} must be above 0 and leave steps after "
                              f"its {WARMUP_STEPS}-step warm-up in --steps {self.steps} (at most "

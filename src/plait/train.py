@@ -82,9 +82,10 @@ class TrainConfig:
                      "n_experts", "top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0 or self.eval_batches < 0:
-            raise ValueError(f"--lr must be positive and --eval-batches ≥ 0, got {self.lr}, "
-                             f"{self.eval_batches}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.eval_batches < 0:
+            raise ValueError(f"--eval-batches must be 0 or more, got {self.eval_batches}")
         if self.chunks != "auto" and not (str(self.chunks).isdigit() and int(self.chunks) >= 1):
             raise ValueError(f"--chunks must be 'auto' or a positive number, got {self.chunks!r}")
         if self.sequence_parallel and self.model == "dlrm":

@@ -46,12 +46,17 @@ ROWS = [
     ("train-slow-rank-missing", ["train", "--slow", "5:2"], "rank 5", ()),
     ("train-plans-garbled", ["train", "--plans", "heads=a:b"], "--plans", ()),
     ("train-unknown-flag", ["train", "--fast"], "unrecognized arguments: --fast", ()),
+    # found by the ranks, after the report folder was made: the folder goes with the run
+    ("train-plan-names-3-ranks", ["train", "--plans", "heads=3:1:1", "--out", "t", "--no-progress"],
+     "name 3 ranks", ()),
+    ("demo-out-proc", ["demo", "--quick", "--out", "/proc/plait-demo"], "--out /proc/plait-demo",
+     ()),
     # plait bench
     ("collectives-json-proc", ["bench", "collectives", "--json", "/proc/plait.json"], "--json", ()),
     ("collectives-plot-proc", ["bench", "collectives", "--plot", "/proc/plait.png"], "--plot", ()),
     ("collectives-one-bad-of-two", ["bench", "collectives", "--json", "out/c.json",
                                     "--plot", "/dev/null/c.png"], "--plot /dev/null/c.png", ()),
-    ("collectives-min-bytes-zero", ["bench", "collectives", "--min-bytes", "0"], "min_bytes", ()),
+    ("collectives-min-bytes-zero", ["bench", "collectives", "--min-bytes", "0"], "--min-bytes 0 must be above 0", ()),
     ("collectives-step-factor-one", ["bench", "collectives", "--step-factor", "1"], "step_factor",
      ()),
     ("collectives-unknown", ["bench", "collectives", "--collectives", "gossip"], "gossip", ()),

@@ -63,7 +63,8 @@ class CollectiveBenchConfig:
         if unknown:
             raise ValueError(f"unknown collectives {unknown}; choose from {list(COLLECTIVES)}")
         if not 0 < self.min_bytes <= self.max_bytes:
-            raise ValueError(f"need 0 < min_bytes ≤ max_bytes, got {self.min_bytes}, {self.max_bytes}")
+            raise ValueError(f"--min-bytes {self.min_bytes} must be above 0 and at most "
+                             f"--max-bytes {self.max_bytes}")
         if self.step_factor < 2:
             raise ValueError(f"step_factor must be at least 2, got {self.step_factor}")
         if not 1 <= self.min_iters <= self.max_iters:

@@ -13,7 +13,8 @@ from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
 
 __all__ = ["add_launch_args", "add_output_args", "resolve_placement", "finite_float",
            "positive_int", "non_negative_int", "positive_float", "non_negative_float",
-           "port_number", "check_writable", "check_outputs", "check_readable", "max_ranks"]
+           "port_number", "check_writable", "check_outputs", "check_readable", "max_ranks",
+           "remove_empty_folders"]
 
 DEFAULT_DEADLINE_S = 3600.0
 
@@ -155,7 +156,7 @@ def check_writable(path: str | os.PathLike | None, flag: str, *,
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
-        _remove_folders(made)
+        remove_empty_folders(made)
         reason = exc.strerror or str(exc)
         raise ValueError(f"{flag} {path}: cannot write there ({reason})") from None
     return made
@@ -169,7 +170,7 @@ def check_outputs(args: argparse.Namespace, *flags: str) -> None:
         for flag in flags:
             made += check_writable(getattr(args, flag, None), f"--{flag.replace('_', '-')}")
     except ValueError:
-        _remove_folders(made)
+        remove_empty_folders(made)
         raise
 
 
@@ -180,7 +181,8 @@ def check_readable(path: str | os.PathLike | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {what}")
 
 
-def _remove_folders(folders: list[Path]) -> None:
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove ``folders`` (as check_writable made them) where they are still empty."""
     for folder in reversed(folders):
         try:
             folder.rmdir()

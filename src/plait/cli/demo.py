@@ -10,7 +10,7 @@ from ..bench.report import console, print_table, progress_bar
 from ..demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
 from ..demo_report import busy_note, write_demo_report
 from .args import add_dataclass_args, dataclass_from_args
-from .common import add_launch_args, resolve_placement
+from .common import add_launch_args, check_writable, resolve_placement
 
 __all__ = ["register", "demo_config", "demo_placement"]
 
@@ -66,6 +66,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
 def run(args: argparse.Namespace) -> int:
     ranks, hosts, link = demo_placement(args)
     cfg = demo_config(args)
+    check_writable(cfg.out, "--out", directory=True)  # before the runs, not after them
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     with progress_bar("plait demo", 4 * cfg.steps, enabled=not args.no_progress) as advance:

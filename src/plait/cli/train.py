@@ -9,7 +9,7 @@ from ..bench.report import console, progress_bar
 from ..train import TrainConfig, train
 from ..train_report import write_train_report
 from .args import add_dataclass_args, dataclass_from_args
-from .common import add_launch_args, check_writable, resolve_placement
+from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement
 
 __all__ = ["register", "run_train"]
 
@@ -35,13 +35,17 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(TrainConfig, args)
     cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
     out = args.out or f"reports/train/{cfg.model}"
-    check_writable(out, "--out", directory=True)
+    made = check_writable(out, "--out", directory=True)
     start = time.perf_counter()
-    with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
-        def on_progress(rank, p):
-            advance(note=f"loss {p['loss']:.3f}  {p['rate']:,.0f} {p['unit']}/s")
-        result, where = train(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
-                              on_progress=on_progress, slow=getattr(args, "slow_specs", ()))
+    try:
+        with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
+            def on_progress(rank, p):
+                advance(note=f"loss {p['loss']:.3f}  {p['rate']:,.0f} {p['unit']}/s")
+            result, where = train(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
+                                  on_progress=on_progress, slow=getattr(args, "slow_specs", ()))
+    except BaseException:
+        remove_empty_folders(made)  # a refused or failed run leaves no empty report folder
+        raise
     wall = time.perf_counter() - start
     summary = write_train_report(result, cfg, out, where, wall)
     console.print(f"[dim]{where}; {result['parallel']}[/dim]")

@@ -33,7 +33,8 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+            raise ValueError(f"n_embd {self.n_embd} (--n-embd) does not divide into n_head "
+                             f"{self.n_head} (--n-head) heads of equal width")
         if min(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.mlp_ratio) < 1:
             raise ValueError(f"GPT sizes must be positive: {self}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
