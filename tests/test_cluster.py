@@ -197,3 +197,13 @@ def test_leftovers_of_a_running_process_are_kept(tmp_path, monkeypatch):
         folder.mkdir()
     assert remove_leftovers() == [f"folder {dead}"]
     assert mine.exists() and other.exists() and not dead.exists()
+
+
+@needs_netns
+def test_cluster_clean_spares_a_running_plait_and_status_says_who_made_what():
+    with EmulatedCluster(hosts=2, link="1gbit", require=True) as cluster:
+        run = [sys.executable, "-m", "plait", "cluster"]
+        status = subprocess.run(run + ["status"], capture_output=True, text=True, timeout=60)
+        assert f"{cluster.hosts[0].netns}  (made by pid {os.getpid()}, still running)" in status.stdout
+        clean = subprocess.run(run + ["clean"], capture_output=True, text=True, timeout=60)
+        assert clean.returncode == 0 and _namespaces(cluster.tag), clean.stdout  # ours survive

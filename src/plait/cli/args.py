@@ -35,9 +35,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
                                 help=f"{help_text} (default: {default_text})")
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        # a field whose help states its own default (None: it depends on another) says it once
+        said = "" if default is None and "default" in help_text else f" (default: {default})"
         parser.add_argument(_flag(f.name), type=finite_float if base is float else base,
-                            default=None,
-                            help=f"{help_text} (default: {default})")
+                            default=None, help=f"{help_text}{said}")
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, defaults: dict | None = None):

@@ -44,14 +44,14 @@ def register(subparsers) -> None:
          "Scenarios none, straggler-2x, graded and spike on 4 ranks (--ranks to change); per "
          "scenario and policy the median step time, the capacity-proportional ideal, the "
          "no-straggler time and the held-out loss and accuracy.",
-         deadline_s=4 * DEFAULT_DEADLINE_S)  # every scenario × policy × seed in one launch
+         deadline_s=4 * DEFAULT_DEADLINE_S, ranks=4)  # every scenario × policy × seed, one launch
 
 
 def _add(which, name: str, config: type, func, help_text: str, description: str,
-         deadline_s: float = DEFAULT_DEADLINE_S) -> None:
+         deadline_s: float = DEFAULT_DEADLINE_S, ranks: int = 2) -> None:
     """One benchmark: where it runs, what it writes, and its config's fields as flags."""
     parser = which.add_parser(name, help=help_text, description=description)
-    add_launch_args(parser, deadline_s=deadline_s)
+    add_launch_args(parser, ranks=ranks, deadline_s=deadline_s)
     add_output_args(parser)
     add_dataclass_args(parser, config)
     parser.set_defaults(func=func)
@@ -215,7 +215,6 @@ def run_tp(args: argparse.Namespace) -> int:
 
 
 def run_hetero(args: argparse.Namespace) -> int:
-    args.default_ranks = 4
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(HeteroBenchConfig, args, defaults=QUICK_HETERO if args.quick else None)
     cfg.check_world(ranks)

@@ -20,6 +20,7 @@ import time
 
 from ..runtime import EmulatedCluster
 from ..runtime.cluster import NETNS_PREFIX, _netns_names, remove_stale_namespaces
+from ..runtime.leftovers import NETNS_OWNED, owner_alive, remove_leftovers
 from .common import add_launch_args, port_number, resolve_placement
 
 __all__ = ["register", "run_on_cluster"]
@@ -37,7 +38,10 @@ def register(subparsers) -> None:
     run.set_defaults(func=_run)
     status = which.add_parser("status", help="list namespaces plait made that still exist")
     status.set_defaults(func=_status)
-    clean = which.add_parser("clean", help="remove every namespace plait made (after a crash)")
+    clean = which.add_parser("clean", help="remove what plait runs that are gone left behind "
+                                           "(namespaces, launch folders)")
+    clean.add_argument("--all", action="store_true",
+                       help="every plait namespace, a running plait's too (which breaks it)")
     clean.set_defaults(func=_clean)
 
 
@@ -109,13 +113,27 @@ def _run(args: argparse.Namespace) -> int:
                           deadline_s=args.deadline or None)
 
 
+def _owner(name: str) -> str:
+    match = NETNS_OWNED.match(name)
+    if match is None:
+        return "maker unknown"
+    pid = int(match.group(1))
+    return f"made by pid {pid}, " + ("still running" if owner_alive(pid) else "gone")
+
+
 def _status(args: argparse.Namespace) -> int:
     names = [n for n in _netns_names() if n.startswith(NETNS_PREFIX)]
-    print("\n".join(names) if names else "no plait namespaces")
+    print("\n".join(f"{n}  ({_owner(n)})" for n in names) if names else "no plait namespaces")
     return 0
 
 
 def _clean(args: argparse.Namespace) -> int:
-    removed = remove_stale_namespaces()
-    print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else ""))
+    """What dead runs left; with --all, every plait namespace (a live run's too: it breaks)."""
+    if args.all:
+        removed = remove_stale_namespaces()
+    else:
+        removed = [r.split(" ", 2)[-1] for r in remove_leftovers()]
+    print(f"removed {len(removed)}" + (f": {', '.join(removed)}" if removed else "")
+          + ("" if args.all else " (what plait runs that are gone left; --all also removes "
+                                 "a running one's)"))
     return 0

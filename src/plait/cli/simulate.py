@@ -26,7 +26,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``simulate`` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser(
         "simulate", help="performance model and cluster simulator",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=("Predict step time, exposed communication, and what fusion and each "
+                     "balancing policy save; --validate shows the model beside measurements "
+                     "and published figures; --calibrate fits this machine's profile."))
     p.add_argument("--cluster", metavar="PRESET", help="cluster preset (see --list)")
     p.add_argument("--model", metavar="PRESET", help="model preset (see --list)")
     p.add_argument("--config", metavar="PATH", help="JSON (or TOML on 3.11+) SimConfig file")
