@@ -23,6 +23,7 @@ __all__ = ["write_demo_report", "busy_note"]
 
 _COLORS = {"plain": "tab:red", "plait": "tab:blue"}
 _DECISION = {"resize": ("--", "resizes"), "migrate": ("-", "migrates"), "undo": (":", "undoes")}
+_DECISION_COLOR = "tab:green"  # the balancer's decisions, apart from both systems' lines
 
 
 def _top(series: list[list[float]], floor: float = 0.0) -> float:
@@ -84,9 +85,10 @@ def _marks(ax, cfg: DemoConfig, marks: list, world: int, *, label: bool) -> None
         f"rank {world - 1} turns {cfg.factor:g}× slower (step {cfg.slow_from})" if label else None))
     texts = [(cfg.slow_from, f"{cfg.factor:g}× slower", "k")]
     for step, kind, text in marks:
-        ax.axvline(step, color=_COLORS["plait"], ls=_DECISION.get(kind, ("-",))[0], lw=1.2,
+        # a colour of their own: in plait's blue a migration read as plait's step-time line
+        ax.axvline(step, color=_DECISION_COLOR, ls=_DECISION.get(kind, ("-",))[0], lw=1.2,
                    label=text if label else None)
-        texts.append((step, kind, _COLORS["plait"]))
+        texts.append((step, kind, _DECISION_COLOR))
     if label:
         for x, text, color in texts[:8]:
             ax.annotate(text, (x, 0.97), xycoords=on_top, xytext=(3, 0),
