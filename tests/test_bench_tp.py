@@ -77,7 +77,7 @@ def test_dlrm_embeddings_match_torchrec_or_say_why(tiny_records):
 @pytest.mark.parametrize("kw, message", [
     (dict(systems=("megatron",)), "choose from"),
     (dict(optimizer="lamb"), "adamw or sgd"),
-    (dict(n_embd=100, n_head=8), "multiple of n_head"),
+    (dict(n_embd=100, n_head=8), "does not divide into n_head"),
     (dict(steps=0), "positive"),
     (dict(microbatches=0), "--microbatches must be positive"),
 ])
