@@ -33,32 +33,22 @@ def finite_float(text: str) -> float:
     return _number(text, float, "a finite number")
 
 
-def positive_int(text: str) -> int:
-    value = _number(text, int, "a whole number")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(kind: type, what: str, low: float, *, above: bool = False):
+    """An argparse type: a ``kind`` number of at least ``low`` (above it, with ``above``)."""
+    def parse(text: str):
+        value = _number(text, kind, what)
+        if value < low or (above and value == low):
+            need = f"above {low:g}" if above else "at least 1" if low == 1 else "0 or more"
+            raise argparse.ArgumentTypeError(
+                f"must be {need}, got {value:g}" if kind is float else f"must be {need}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = _number(text, int, "a whole number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _number(text, float, "a finite number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value:g}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text, float, "a finite number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value:g}")
-    return value
+positive_int = _at_least(int, "a whole number", 1)
+non_negative_int = _at_least(int, "a whole number", 0)
+positive_float = _at_least(float, "a finite number", 0, above=True)
+non_negative_float = _at_least(float, "a finite number", 0)
 
 
 def port_number(text: str) -> int:

@@ -41,7 +41,7 @@ from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
 from .errors import (RankError, all_timed_out, describe_exit, host_label, is_secondary,
                      raise_first)
-from .leftovers import remove_leftovers
+from .leftovers import LAUNCH_DIR_PREFIX, remove_leftovers
 from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
 from .watchdog import Watchdog, process_state
@@ -50,7 +50,6 @@ __all__ = ["launch"]
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
-LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid: a dead launcher's folder is removed
 _GRACE_S = 0.5  # after the first failure, how long to listen for the others' reports
 
 

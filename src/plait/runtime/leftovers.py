@@ -17,12 +17,13 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["owner_alive", "remove_leftovers"]
+__all__ = ["LAUNCH_DIR_PREFIX", "owner_alive", "remove_leftovers"]
 
 log = logging.getLogger("plait.runtime")
 
 NETNS_OWNED = re.compile(r"^plait-(\d+)x[0-9a-f]+-")
-LAUNCH_DIR_OWNED = re.compile(r"^plait-launch-(\d+)-")
+LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid + "-" (runtime.launch makes them)
+LAUNCH_DIR_OWNED = re.compile(rf"^{LAUNCH_DIR_PREFIX}(\d+)-")
 
 
 def owner_alive(pid: int) -> bool:
