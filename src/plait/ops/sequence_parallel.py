@@ -274,7 +274,7 @@ def _reduce_into(y, work, recv, n, row, rank, world):
     in rank order without this one) so the sum runs in rank order: deterministic, and
     the plain path's order."""
     work.wait()
-    if n == 0:
+    if n == 0 or world == 1:  # a world of one: its own sums are the whole sum
         return
     out = y[row:row + n]
     others = recv.view(world - 1, n, -1)
