@@ -1,18 +1,55 @@
-"""``plait simulate``: tables, JSON, plots, validation records, clear config errors."""
+"""``plait simulate``: tables, JSON, plots, validation records, clear config errors.
+
+The validation is checked row by row: each published figure against its own tolerance
+(references.py), the rows the model is known to miss marked as such with the reason;
+local rows predict real measurements, recorded by ``plait bench`` on plait's
+development VM (tests/data/perf, see its README), never data made by the model itself."""
 
 import argparse
 import json
+import re
+import statistics
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 from plait.cli.simulate import register
-from plait.perf.collectives import collective_time
-from plait.perf.calibrate import MachineProfile
-from plait.perf.pipeline import fused_time
-from plait.perf.validate import published_rows
+from plait.perf.calibrate import MachineProfile, load_records, split_records
+from plait.perf.references import REFERENCES
+from plait.perf.validate import THRESHOLDS, published_rows
 
 REQUIRED = {"case", "source", "predicted", "reference", "rel_error"}
+DATA = Path(__file__).resolve().parents[1] / "data" / "perf"
+RECORDED = sorted(str(p) for p in DATA.glob("bench-*-quick-run-*.json"))
+LINK_BPS = 1e9 / 8  # the 1 Gbit/s emulated link the recordings ran over, per direction
+
+# published rows the model misses, and why; strict: a fix makes these tests fail until the
+# mark is taken off
+KNOWN_MISSES = {
+    "SC'24 fused operators, 4 GPUs: lower combined time": (
+        "the model prices every piece as two kernel launches (2 x 5 us) plus a whole collective "
+        "call (12 us latency); for the decode GEMV+AllReduce (30 us compute, 15 us all-reduce) "
+        "that is more than a piece can hide, so it predicts no gain (0 %) where the paper's one "
+        "persistent kernel with GPU-initiated puts pays neither; with the MoE case's 14.6 % "
+        "the mean is 7.3 % against the published 12-20 % (and the shapes are plait's, the "
+        "paper's are not encoded)"),
+    "async TP Llama 3 8B, 64xH100 (FSDP 8, TP 8): throughput gain": (
+        "the simulator prices overlapped pieces with no overlap slowdown (compute beside a "
+        "transfer at full speed) and no cost for cutting each TP matmul into 8 smaller GEMMs; "
+        "it predicts 16.9 % against the measured 9.9 % (an overlap slowdown of 0.5 would give "
+        "9.3 %, but no published figure sets one)"),
+    "async TP Llama 3 70B, 256xH100 (FSDP 32, TP 8): throughput gain": (
+        "as for 8B: no overlap slowdown and free matmul decomposition in the simulator; it "
+        "predicts 20.1 % against the measured 9.2 %"),
+}
+# the operators' chunks="auto" against the best fixed count on the recorded runs: most
+# shapes within the 5 % the CLI asks, these not
+AUTO_MISS = (
+    "recorded runs: at embedding_all_to_all pool=32 auto took 8 pieces (its cost model: 22-24 % "
+    "faster than plain) where 2 pieces were fastest in both runs and 8 were 15-17 % slower "
+    "(auto_choice_over_best_fixed 1.15 and 1.17): the model underprices an embedding piece at "
+    "that pool; four more shapes are 5-10 % off, about the round-to-round spread of two "
+    "equally good counts on the shared 2-core VM")
 
 
 def _run(argv: list[str]) -> int:
@@ -31,58 +68,134 @@ def test_validate_json_has_required_keys_and_names_every_source(tmp_path, monkey
     data = json.loads(out.read_text())
     assert data["records"] and all(REQUIRED <= set(r) for r in data["records"])
     assert all(r["source"] for r in data["records"])
+    # every published row carries its own tolerance into the JSON
+    assert {r["case"]: r["tolerance"] for r in data["records"]} == {
+        c: ref.tolerance for c, ref in REFERENCES.items()}
     pub = data["summary"]["published"]
     assert pub["n"] >= 8 and pub["rel_error"] <= 0.25 and rc == 0
     assert (tmp_path / "v.png").stat().st_size > 1000
 
 
-def test_published_predictions_are_genuine():
-    rows = {r.case: r for r in published_rows()}
+@pytest.fixture(scope="module")
+def published() -> dict:
+    return {r.case: r for r in published_rows()}
+
+
+def test_every_reference_has_a_row(published):
+    assert set(published) == set(REFERENCES)
+
+
+def _case(case: str):
+    if case not in KNOWN_MISSES:
+        return case
+    return pytest.param(case, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                      reason=KNOWN_MISSES[case]))
+
+
+@pytest.mark.parametrize("case", [_case(c) for c in REFERENCES])
+def test_published_row_within_its_own_tolerance(case, published):
+    row = published[case]
+    assert row.rel_error <= row.tolerance == REFERENCES[case].tolerance, (
+        f"{case}: predicted {row.predicted:.4g} against {row.reference:.4g} {row.unit}, "
+        f"{row.rel_error:.1%} off; tolerance {row.tolerance:.0%}")
+
+
+def test_published_predictions_are_genuine(published):
+    rows = published
     # predictions change with the catalog: not copies of the references
     assert len({round(r.predicted, 6) for r in rows.values()}) > len(rows) // 2
     assert all(r.rel_error > 1e-6 for r in rows.values())
 
 
-def _bench_files(tmp_path):
-    prof = MachineProfile(latency_s=0.2e-3, bandwidth_Bps=0.1e9, base_latency_s=0.5e-3)
-    rng = np.random.default_rng(0)
-    coll = []
-    for c in ("all_reduce", "all_gather"):
-        for b in [2 ** k for k in range(12, 26)]:
-            t = collective_time(c, b, 2, prof) * (1 + rng.normal(0, 0.03))
-            coll.append({"collective": c, "bytes": b, "time_s": t, "world_size": 2, "link": "1gbit",
-                         "hosts": 2, "algbw_GBps": 0.0, "busbw_GBps": 0.0,
-                         "time_min_s": t * 0.9, "time_max_s": t * 1.1})
-    ops = []
-    for m in (256, 512, 1024):
-        tc, tm = m * 1e-4, collective_time("all_reduce", m * 4096, 2, prof)
-        lat = collective_time("all_reduce", 0, 2, prof)
-        for p in (1, 2, 4, 8):
-            tf = fused_time(tc, tm, p, 1e-3, comm_latency_s=lat) * (1 + rng.normal(0, 0.01))
-            ops.append({"op": "matmul_all_reduce", "shape": {"m": m, "k": 1024, "n": 1024},
-                        "world_size": 2, "t_compute_s": tc, "t_comm_s": tm, "t_unfused_s": tc + tm,
-                        "t_fused_s": tf, "t_limit_s": max(tc, tm), "chunks": p,
-                        "path": "fused" if p > 1 else "fallback", "correct": True, "link": "1gbit"})
-    (tmp_path / "c.json").write_text(json.dumps({"records": coll}))
-    (tmp_path / "o.json").write_text(json.dumps(ops))  # a bare list is accepted too
-    return [str(tmp_path / "c.json"), str(tmp_path / "o.json")]
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[int, dict]:
+    """``plait simulate --validate`` on the recorded runs: (exit status, its JSON)."""
+    assert len(RECORDED) == 4, f"tests/data/perf holds {RECORDED}"
+    out = tmp_path_factory.mktemp("validate") / "v.json"
+    rc = _run(["--validate", "--measurements", *RECORDED, "--json", str(out)])
+    return rc, json.loads(out.read_text())
 
 
-def test_local_rows_from_bench_files_and_calibration(tmp_path, capsys):
-    files = _bench_files(tmp_path)
-    out = tmp_path / "v.json"
-    rc = _run(["--validate", "--measurements", *files, "--json", str(out)])
-    data = json.loads(out.read_text())
-    kinds = {r["kind"] for r in data["records"]}
-    assert {"published", "local", "local-auto"} <= kinds
-    assert data["summary"]["local"]["rel_error"] <= 0.15
-    assert data["summary"]["local-auto"]["rel_error"] <= 0.05
-    assert rc == 0
+def _rows(data: dict, kind: str, source: str = "") -> list[dict]:
+    return [r for r in data["records"] if r["kind"] == kind and source in r["source"]]
+
+
+_COLL_CASE = re.compile(r"local (\w+) n=(\d+) (\d+) B on (\S+)$")
+
+
+def test_local_collective_rows_predict_measured_sizes_never_fitted(recorded):
+    """Each row's reference is a recorded time; alpha-beta is fitted on every other size
+    (sorted) of its series, so no size a row predicts was fitted, in any run."""
+    coll, _ = split_records(load_records(RECORDED))
+    series: dict = {}
+    for r in coll:
+        series.setdefault((r["collective"], r["world_size"], r["link"]), []).append(r)
+    rows = _rows(recorded[1], "local", "bench collectives")
+    by_series: dict = {}
+    for row in rows:
+        name, n, size, link = _COLL_CASE.match(row["case"]).groups()
+        by_series.setdefault((name, int(n), link), []).append((int(size), row["reference"]))
+    assert set(by_series) == set(series)  # every collective of the recordings, all 5
+    for key, recs in series.items():
+        held_out = sorted({r["bytes"] for r in recs})[1::2]
+        expected = sorted((r["bytes"], r["time_s"] * 1e3) for r in recs if r["bytes"] in held_out)
+        got = sorted(by_series[key])
+        assert [s for s, _ in got] == [s for s, _ in expected], key  # every run's record, no other
+        assert [t for _, t in got] == pytest.approx([t for _, t in expected], rel=1e-12), key
+    assert all(r["predicted"] != r["reference"] for r in rows)
+
+
+def test_local_op_rows_predict_every_recorded_fused_op(recorded):
+    _, ops = split_records(load_records(RECORDED))
+    measured = sorted(r["t_fused_s"] * 1e3 for r in ops if r["path"] == "fused" and r["chunks"] > 1)
+    rows = _rows(recorded[1], "local", "bench ops")
+    assert sorted(r["reference"] for r in rows) == pytest.approx(measured, rel=1e-12)
+    assert {r["case"].split()[1] for r in rows} == {"matmul_all_reduce", "matmul_reduce_scatter",
+                                                   "embedding_all_to_all", "all_to_all_matmul",
+                                                   "matmul_all_to_all"}
+    assert all("fitted on other groups" in r["note"] for r in rows)
+    groups = {(r["op"], json.dumps(r["shape"], sort_keys=True)) for r in ops}
+    assert len(_rows(recorded[1], "local-auto")) == len(groups) == 16  # one per op and shape
+
+
+def test_local_rows_median_error_on_recorded_runs(recorded):
+    """The CLI's local rule (median within 15 %), and the same for the collectives and the
+    fused ops apart, so neither half's model can hide behind the other's."""
+    rc, data = recorded
+    local = data["summary"]["local"]
+    assert local["n"] >= 30 and local["rel_error"] <= THRESHOLDS["local"] and local["pass"]
+    for source in ("bench collectives", "bench ops"):
+        errs = [r["rel_error"] for r in _rows(data, "local", source) if r["role"] == "validation"]
+        assert len(errs) >= 10 and statistics.median(errs) <= THRESHOLDS["local"], source
+
+
+def test_auto_is_as_fast_as_the_best_fixed_count_on_most_recorded_shapes(recorded):
+    """Weaker than the CLI's rule (every shape within 5 %, xfailed below): the median."""
+    errs = [r["rel_error"] for r in _rows(recorded[1], "local-auto")]
+    assert statistics.median(errs) <= THRESHOLDS["local-auto"]
+    assert max(errs) <= 0.2  # none past the worst recorded miss (15.8 %) by much
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=AUTO_MISS)
+def test_auto_within_5_percent_of_the_best_fixed_count_on_every_recorded_shape(recorded):
+    rc, data = recorded
+    assert data["summary"]["local-auto"]["pass"] and rc == 0
+
+
+def test_calibration_from_recorded_runs_finds_the_link_rate(tmp_path):
+    """The fit of the recorded collectives: no collective faster than the 1 Gbit/s link,
+    all_reduce close to it (gloo's all_reduce ran at 93-94 % of the link)."""
     prof_path = tmp_path / "profile.json"
-    assert _run(["--calibrate", "--measurements", *files, "--profile", str(prof_path)]) == 0
+    assert _run(["--calibrate", "--measurements", *RECORDED, "--profile", str(prof_path)]) == 0
     prof = MachineProfile.load(prof_path)
-    assert prof.bandwidth_Bps == pytest.approx(0.1e9, rel=0.1)
-    assert prof.per_piece_overhead_s == pytest.approx(1e-3, rel=0.3)
+    assert prof.link == "1gbit" and prof.world_size == 2
+    bw = {name: b for name, _, _, b in prof.collectives}
+    assert set(bw) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                       "all_to_all_uneven"}
+    assert all(0 < b <= LINK_BPS for b in bw.values()) and prof.bandwidth_Bps <= LINK_BPS
+    assert bw["all_reduce"] == pytest.approx(0.94 * LINK_BPS, rel=0.1)
+    # the pieces model bench ops measured (its meta) comes with it
+    assert prof.per_piece_overhead_s > 0 and prof.curves and prof.gemm
 
 
 def test_simulate_presets_table_json_plot(tmp_path, capsys):
@@ -94,6 +207,8 @@ def test_simulate_presets_table_json_plot(tmp_path, capsys):
     assert "exposed communication" in text and "semi" in text
     data = json.loads(out.read_text())
     assert len(data["records"]) == 10 and {"step_s", "exposed_comm_share"} <= set(data["records"][0])
+    # how long the simulation took is reported by the command, not asserted by a test
+    assert re.search(r"simulated in \d+\.\d s", text) and data["wall_s"] > 0
     assert png.stat().st_size > 1000
 
 

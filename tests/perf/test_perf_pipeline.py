@@ -1,14 +1,12 @@
 """The fused-operator piece pipeline and chunks="auto"."""
 
-import time
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.perf.calibrate import MachineProfile
-from plait.perf.pipeline import PipelineOverheads, best_chunks, choose_chunks, fused_time
+from plait.perf.pipeline import PipelineOverheads, _choose, best_chunks, choose_chunks, fused_time
 
 PROFILE = MachineProfile(latency_s=20e-6, bandwidth_Bps=1e9, per_piece_overhead_s=10e-6)
 times = st.floats(1e-6, 1.0)
@@ -58,11 +56,18 @@ def test_choose_chunks_fuses_balanced_work_and_explains_refusals():
     assert coll.t_pred_unfused_s > tm  # all_reduce moves 2(n-1)/n of the buffer
 
 
-def test_choose_chunks_is_cheap_enough_per_call():
-    t = time.perf_counter()
-    for i in range(2000):
-        choose_chunks(t_compute_s=1e-3 * (1 + i % 7), comm_bytes=4e6, profile=PROFILE)
-    assert (time.perf_counter() - t) / 2000 < 1e-3
+def test_choose_chunks_is_cached_so_operators_may_call_it_every_time():
+    """The operators ask on every call; a repeated question is answered from the cache (the
+    same object), not recomputed. How long a call takes is a benchmark's figure, not a
+    unit test's."""
+    args = dict(t_compute_s=1.234e-3, comm_bytes=4e6, profile=PROFILE)
+    first = choose_chunks(**args)
+    hits = _choose.cache_info().hits
+    again = [choose_chunks(**args) for _ in range(3)]
+    assert all(c is first for c in again)
+    assert _choose.cache_info().hits == hits + 3
+    other = choose_chunks(**{**args, "comm_bytes": 8e6})  # another question: another answer
+    assert other is not first and other.t_pred_unfused_s > first.t_pred_unfused_s
 
 
 def test_best_chunks_prefers_fewer_pieces_on_a_flat_optimum():

@@ -4,8 +4,9 @@ Published rows (references.py) are predicted from the catalog and the model
 alone.  Local rows come from this machine's benchmark JSON, and never predict
 a record with constants fitted on that record:
 
-* collectives: within each (collective, world size, link) series sorted by
-  size, alpha-beta is fitted on the even-indexed sizes and predicts the odd ones;
+* collectives: within each (collective, world size, link) series, alpha-beta is
+  fitted on the even-indexed sizes (sorted) and predicts the odd ones, every run's
+  record of a held-out size held out;
   records whose own iterations spread by more than their median (scheduling
   noise on small messages) are shown but neither fitted nor counted;
 * fused ops: each fused record's time is predicted from its own measured compute
@@ -58,6 +59,7 @@ class Row:
     kind: str = "published"  # published | local | local-auto
     role: str = "validation"  # validation | calibration (shown, not counted)
     note: str = ""
+    tolerance: float | None = None  # published rows: the source's own (references.py)
 
     @property
     def rel_error(self) -> float:
@@ -70,7 +72,7 @@ class Row:
 def _pub(case: str, predicted: float, note: str = "") -> Row:
     ref = REFERENCES[case]
     return Row(case, ref.source, predicted, ref.value, ref.unit, "published", ref.role,
-               "; ".join(x for x in (ref.note, note) if x))
+               "; ".join(x for x in (ref.note, note) if x), ref.tolerance)
 
 
 def _nccl_rows() -> list[Row]:
@@ -180,9 +182,11 @@ def _collective_rows(coll: list[dict]) -> list[Row]:
         series[(r["collective"], int(r["world_size"]), str(r.get("link", "")))].append(r)
     train, test = [], []
     for recs in series.values():
-        recs.sort(key=lambda r: r["bytes"])
-        train += recs[0::2]
-        test += recs[1::2]
+        # held out by size, not by record: with several runs, a size one run fitted must
+        # not be predicted in another run's record
+        held_out = set(sorted({r["bytes"] for r in recs})[1::2])
+        train += [r for r in recs if r["bytes"] not in held_out]
+        test += sorted((r for r in recs if r["bytes"] in held_out), key=lambda r: r["bytes"])
     profiles = _profiles(train)
     rows = []
     for r in test:
