@@ -16,7 +16,7 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -77,12 +77,20 @@ def validate_slow(specs: Sequence[SlowSpec], world_size: int) -> None:
 
 
 class Straggler:
-    """Per-rank owner of the emulated slowdown; ``compute()`` wraps each piece of compute."""
+    """Per-rank owner of the emulated slowdown; ``compute()`` wraps each piece of compute.
 
-    def __init__(self, specs: Sequence[SlowSpec], rank: int):
+    ``clock`` (seconds, no argument) measures the compute, default :func:`compute_clock`
+    of the device; ``sleep(seconds)`` waits out the delay, default :func:`time.sleep`.
+    """
+
+    def __init__(self, specs: Sequence[SlowSpec], rank: int, *,
+                 clock: Callable[[], float] | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
         self.specs = [s for s in specs if s.rank == rank]
         self.step = 0
         self.delayed_s = 0.0  # total emulated delay so far, for reporting
+        self.clock = clock
+        self.sleep = sleep
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -104,11 +112,11 @@ class Straggler:
         cuda = device is not None and device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(device)
-        clock = compute_clock(device)
+        clock = compute_clock(device) if self.clock is None else self.clock
         start = clock()
         yield
         if cuda:
             torch.cuda.synchronize(device)
         delay = (factor - 1.0) * (clock() - start)
         self.delayed_s += delay
-        time.sleep(delay)
+        self.sleep(delay)
