@@ -16,7 +16,7 @@ import pytest
 from plait.cli.simulate import register
 from plait.perf.calibrate import MachineProfile, load_records, split_records
 from plait.perf.references import REFERENCES
-from plait.perf.validate import THRESHOLDS, published_rows
+from plait.perf.validate import THRESHOLDS, local_rows, published_rows
 
 REQUIRED = {"case", "source", "predicted", "reference", "rel_error"}
 DATA = Path(__file__).resolve().parents[1] / "data" / "perf"
@@ -145,6 +145,44 @@ def test_local_collective_rows_predict_measured_sizes_never_fitted(recorded):
     assert all(r["predicted"] != r["reference"] for r in rows)
 
 
+def _scaled(records: list[dict], which, factor: float) -> list[dict]:
+    """``records`` with the measured times of those ``which`` picks multiplied by ``factor``."""
+    keys = ("time_s", "time_min_s", "time_max_s", "t_fused_s")
+    return [{**r, **{k: r[k] * factor for k in keys if k in r}} if which(r) else r for r in records]
+
+
+def test_no_local_row_is_predicted_from_its_own_measurement():
+    """Triple the held-out sizes' measured times: their predictions do not move (the fit
+    never saw them); the same for one op/shape group's fused times (its per-piece overhead
+    is fitted on the other groups), while the other groups' predictions do move."""
+    records = load_records(RECORDED)
+    coll, _ = split_records(records)
+    held_out = {(name, size) for name in {r["collective"] for r in coll}
+                for size in sorted({r["bytes"] for r in coll if r["collective"] == name})[1::2]}
+    base = local_rows(records)
+
+    def moved(which) -> list:
+        rows = local_rows(_scaled(records, which, 3.0))
+        assert [r.case for r in rows] == [r.case for r in base]
+        return rows
+
+    after = moved(lambda r: (r.get("collective"), r.get("bytes")) in held_out)
+    pairs = [(b, a) for b, a in zip(base, after) if "bench collectives" in b.source]
+    assert len(pairs) >= 20 and all(a.predicted == b.predicted for b, a in pairs)
+    assert all(a.reference == pytest.approx(3 * b.reference) for b, a in pairs)
+
+    def in_group(r: dict) -> bool:  # embedding_all_to_all [pool=8], both runs
+        return r.get("op") == "embedding_all_to_all" and r["shape"]["pool"] == 8
+    after = moved(in_group)
+    ops = [(b, a) for b, a in zip(base, after) if b.kind == "local" and "bench ops" in b.source]
+    mine = [(b, a) for b, a in ops if b.case.startswith("local embedding_all_to_all [")
+            and "pool=8," in b.case]
+    assert len(mine) == 2 and all(a.predicted == b.predicted for b, a in mine)
+    assert all(a.reference == pytest.approx(3 * b.reference) for b, a in mine)
+    # the other groups' overhead was fitted on this group too: theirs do move
+    assert any(a.predicted != b.predicted for b, a in ops if (b, a) not in mine)
+
+
 def test_local_op_rows_predict_every_recorded_fused_op(recorded):
     _, ops = split_records(load_records(RECORDED))
     measured = sorted(r["t_fused_s"] * 1e3 for r in ops if r["path"] == "fused" and r["chunks"] > 1)
@@ -167,6 +205,18 @@ def test_local_rows_median_error_on_recorded_runs(recorded):
     for source in ("bench collectives", "bench ops"):
         errs = [r["rel_error"] for r in _rows(data, "local", source) if r["role"] == "validation"]
         assert len(errs) >= 10 and statistics.median(errs) <= THRESHOLDS["local"], source
+
+
+def test_fused_op_model_beats_no_overlap_and_perfect_overlap(recorded):
+    """The piece pipeline must explain the recorded fused times better than either bound it
+    sits between: compute then communication (no overlap) and max of the two (perfect)."""
+    _, ops = split_records(load_records(RECORDED))
+    fused = [r for r in ops if r["path"] == "fused" and r["chunks"] > 1]
+    model = statistics.median(r["rel_error"] for r in _rows(recorded[1], "local", "bench ops"))
+    for bound in (lambda r: r["t_compute_s"] + r["t_comm_s"],
+                  lambda r: max(r["t_compute_s"], r["t_comm_s"])):
+        naive = statistics.median(abs(bound(r) - r["t_fused_s"]) / r["t_fused_s"] for r in fused)
+        assert model < 0.6 * naive, (model, naive)
 
 
 def test_auto_is_as_fast_as_the_best_fixed_count_on_most_recorded_shapes(recorded):
