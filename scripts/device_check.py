@@ -38,7 +38,7 @@ from plait.ops import (all_gather_matmul, column_parallel_matmul, explain,  # no
 from plait.runtime.launch import launch  # noqa: E402
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}
-SHARES = {2: [40, 24], 3: [40, 8, 16]}  # uneven: K_r, M_r or N_r of each rank
+SHARES = {1: [64], 2: [40, 24], 3: [40, 8, 16]}  # uneven: K_r, M_r or N_r of each rank
 
 
 def _full(seed, *shape):
@@ -96,6 +96,8 @@ def _check_rank(device_type, dtypes, side_stream):
     output and the input gradients against the float64 reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)  # autograd's backward thread inherits it
     stream = torch.cuda.Stream(device) if side_stream else None
     rows = []
     for dtype in dtypes:
@@ -127,6 +129,8 @@ def _timing_rank(device_type, repeats):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     big = device_type == "cuda"
+    if big:
+        torch.cuda.set_device(device)
     m, k, n = (4096, 65536 // world, 1024) if big else (512, 1024, 256)
     x = torch.randn(m, k, device=device)
     w = torch.randn(k, n, device=device)
@@ -164,16 +168,17 @@ def _timing_rank(device_type, repeats):
 
 
 def _nccl_world_of_one():
-    """NCCL initialises with one rank; each operator gives the plain result and says why."""
-    device = torch.device("cuda", 0)
-    x, w = torch.randn(64, 32, device=device), torch.randn(32, 48, device=device)
+    """NCCL initialises with one rank; each operator gives the plain result, forward and
+    backward, and says why it did not cut."""
+    torch.cuda.set_device(0)
     rows = {}
-    y = matmul_all_reduce(x, w, chunks=2)
-    rows["matmul_all_reduce"] = _rel(y, (x @ w).double().cpu())
-    y = all_gather_matmul(x, w, chunks=2)
-    rows["all_gather_matmul"] = _rel(y, (x @ w).double().cpu())
-    y = matmul_reduce_scatter(x, w, chunks=2)
-    rows["matmul_reduce_scatter"] = _rel(y, (x @ w).double().cpu())
+    for name in OPS:
+        mine, fn, g, (y_ref, g_ref) = _case(name, 0, 1, 2)
+        a, b = (t.to("cuda").float().requires_grad_(True) for t in mine)
+        y = fn(a, b)
+        y.backward(g.to("cuda").float())
+        rows[name] = max([_rel(y.detach(), y_ref)]
+                         + [_rel(t.grad, r) for t, r in zip((a, b), g_ref)])
     return dict(rel_err=rows, explain=explain(), backend=dist.get_backend())
 
 
@@ -222,7 +227,8 @@ def main(argv=None) -> int:
         try:
             result["nccl"] = launch(_nccl_world_of_one, 1, backend="nccl", timeout_s=60)[0]
         except Exception as err:  # reported, not hidden: the row says what broke
-            result["nccl"] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            result["nccl"] = dict(error=f"{type(err).__name__}: {str(err)[-2000:]}")
+        failed += "error" in result["nccl"] or max(result["nccl"]["rel_err"].values()) > 1e-4
         print("nccl world of one:", json.dumps(result["nccl"]), flush=True)
     for world in (2, 3):
         timing = launch(_timing_rank, world, args=(device, args.repeats), timeout_s=300,
