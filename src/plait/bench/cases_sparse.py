@@ -2,8 +2,9 @@
 
 Each case is a :class:`plait.bench.case.Case`: ``compute`` (the
 operator's local work alone), ``comm`` (its plain-path all_to_all alone, on
-ready buffers) and ``run(chunks)``; ``flops`` and ``comm_bytes`` per rank.
-Routing is uneven and the same on every rank (one shared seed).
+ready buffers), ``result`` (what the two give, one after the other) and
+``run(chunks)``; ``flops`` and ``comm_bytes`` per rank. Routing is uneven and
+the same on every rank (one shared seed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .case import Case
+from .case import SLOTS, Case
 from ..ops import all_to_all_matmul, embedding_all_to_all, matmul_all_to_all
 
 __all__ = ["SPARSE_CASES", "SPARSE_QUICK_SHAPES", "SPARSE_FULL_SHAPES", "EmbeddingCase",
@@ -34,18 +35,24 @@ class EmbeddingCase(_Base):
         self.tables = [torch.randn(n, d, generator=self.gen, dtype=dtype) for _ in range(t)]
         self.indices = [torch.randint(0, n, (b * pool,), generator=self.gen) for _ in range(t)]
         self.offsets = [torch.arange(0, b * pool, pool) for _ in range(t)]
-        self.pooled = torch.empty(t, b, d, dtype=dtype)
-        self.recv = torch.empty_like(self.pooled)
+        self.pooled = [torch.empty(t, b, d, dtype=dtype) for _ in range(SLOTS)]
+        self.recv = [torch.empty_like(p) for p in self.pooled]
         self.flops = 2.0 * t * b * pool * d  # one add per looked-up element (memory-bound)
         self.comm_bytes = (self.world - 1) / self.world * t * b * d * 4
 
-    def compute(self):
-        for t, table in enumerate(self.tables):
-            self.pooled[t] = F.embedding_bag(self.indices[t], table, self.offsets[t], mode="sum")
+    def result(self, slot=0):  # [B_r, T, D], tables by owner rank, as the operator returns it
+        t, b, d = self.recv[slot].shape
+        by_source = self.recv[slot].view(self.world, b // self.world, t, d)  # [W, B_r, T_s, D]
+        return by_source.transpose(0, 1).reshape(b // self.world, self.world * t, d)
 
-    def comm(self, async_op=False):  # [T, B, D] cut along B: each destination's rows of every table
-        send = self.pooled.transpose(0, 1).contiguous()
-        return dist.all_to_all_single(self.recv.view_as(send), send, async_op=async_op)
+    def compute(self, slot=0):
+        for t, table in enumerate(self.tables):
+            self.pooled[slot][t] = F.embedding_bag(self.indices[t], table, self.offsets[t],
+                                                   mode="sum")
+
+    def comm(self, async_op=False, slot=0):  # [T, B, D] cut along B: each destination's rows
+        send = self.pooled[slot].transpose(0, 1).contiguous()
+        return dist.all_to_all_single(self.recv[slot].view_as(send), send, async_op=async_op)
 
     def run(self, chunks):
         return embedding_all_to_all(self.tables, self.indices, self.offsets, chunks=chunks)
@@ -86,20 +93,25 @@ class _MoE(_Base):
 
 class DispatchCase(_MoE):
     op = "all_to_all_matmul"
+    comm_first = True
 
     def __init__(self, shape, dtype):
         super().__init__(shape, dtype)
         self.x = torch.randn(self.t_send, self.h, generator=self.gen, dtype=dtype)
         self.w = torch.randn(self.e, self.h, self.f, generator=self.gen, dtype=dtype) / self.h ** 0.5
-        self.arrived = torch.randn(self.t_recv, self.h, generator=self.gen, dtype=dtype)
-        self.y = torch.empty(self.t_recv, self.f, dtype=dtype)
+        self.arrived = [torch.randn(self.t_recv, self.h, generator=self.gen, dtype=dtype)
+                        for _ in range(SLOTS)]
+        self.y = [torch.empty(self.t_recv, self.f, dtype=dtype) for _ in range(SLOTS)]
         self.comm_bytes = self.remote * self.h * 4
 
-    def compute(self):
-        self._expert_matmuls(self.arrived, self.w, self.y)
+    def result(self, slot=0):
+        return self.y[slot]
 
-    def comm(self, async_op=False):
-        return dist.all_to_all_single(self.arrived, self.x, self.recv_rows, self.send_rows,
+    def compute(self, slot=0):
+        self._expert_matmuls(self.arrived[slot], self.w, self.y[slot])
+
+    def comm(self, async_op=False, slot=0):
+        return dist.all_to_all_single(self.arrived[slot], self.x, self.recv_rows, self.send_rows,
                                       async_op=async_op)
 
     def run(self, chunks):
@@ -113,20 +125,23 @@ class CombineCase(_MoE):
         super().__init__(shape, dtype)
         self.y = torch.randn(self.t_recv, self.f, generator=self.gen, dtype=dtype)
         self.w = torch.randn(self.e, self.f, self.h, generator=self.gen, dtype=dtype) / self.f ** 0.5
-        self.out_local = torch.empty(self.t_recv, self.h, dtype=dtype)
-        self.back = torch.empty(self.t_send, self.h, dtype=dtype)
+        self.out_local = [torch.empty(self.t_recv, self.h, dtype=dtype) for _ in range(SLOTS)]
+        self.back = [torch.empty(self.t_send, self.h, dtype=dtype) for _ in range(SLOTS)]
         self.flops = 2.0 * self.t_recv * self.h * self.f
         self.comm_bytes = (self.t_recv - self.recv_counts_own()) * self.h * 4
 
     def recv_counts_own(self) -> int:
         return sum(self.recv_counts[self.rank])
 
-    def compute(self):
-        self._expert_matmuls(self.y, self.w, self.out_local)
+    def result(self, slot=0):
+        return self.back[slot]
 
-    def comm(self, async_op=False):
-        return dist.all_to_all_single(self.back, self.out_local, self.send_rows, self.recv_rows,
-                                      async_op=async_op)
+    def compute(self, slot=0):
+        self._expert_matmuls(self.y, self.w, self.out_local[slot])
+
+    def comm(self, async_op=False, slot=0):
+        return dist.all_to_all_single(self.back[slot], self.out_local[slot], self.send_rows,
+                                      self.recv_rows, async_op=async_op)
 
     def run(self, chunks):
         return matmul_all_to_all(self.y, self.w, self.send_counts, self.recv_counts, chunks=chunks)

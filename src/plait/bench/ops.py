@@ -11,10 +11,15 @@ the slowest rank's; the median over iterations is reported):
 - ``t_fused``: ``chunks="auto"``, and each fixed piece count of the sweep (and auto's
   own count, timed as a fixed one beside them, to compare its choice count to count);
 - ``t_limit = max(t_compute, t_comm)``: no schedule can beat it;
+- ``t_beside``: the compute and the transfer at once, neither waiting for the other
+  (:meth:`plait.bench.case.Case.beside`): what this machine allows;
 - ``peak_bytes_*``: the most tensor memory each path holds at once (outputs included).
 
-``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every
-fused result is compared with the plain path's (``correct``). The timings of
+``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every timed
+variant's output (unfused, beside, auto, each count) is compared with the case's own
+compute-then-collective, written with plain torch.distributed calls
+(``correct_by_variant``; ``correct`` is all of them), and the path and pieces auto and
+each count took are recorded (``path_by_variant``). The timings of
 all variants are interleaved iteration by iteration, so drift of a shared
 machine hits them alike, and their orders form a Williams design
 (:func:`plait.runtime.timing.balanced_orders`), so each variant follows a
@@ -38,8 +43,8 @@ from ..ops.pieces import even_sizes
 from ..perf.pieces import calibration_dict
 from ..runtime import rank_context
 from ..runtime.compat import all_gather_into
-from ..runtime.timing import agreed_max, median, time_interleaved
-from .case import Case
+from ..runtime.timing import median, time_interleaved
+from .case import SLOTS, Case, check_outputs
 from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
 from .memory import peak_bytes
 
@@ -56,15 +61,19 @@ class MatmulAllReduceCase(Case):
         # the weight as a row-parallel layer holds it ([N, K_r], like nn.Linear) and passes it
         self.x, self.w = self.randn(m, k_r), self.randn(n, k_r).t()
         # the output in the layout the operator computes it: a GEMV's is held transposed
-        self.wire = self.x.new_empty(n, m) if m <= GEMV_ROWS else self.x.new_empty(m, n)
-        self.buf = self.wire.t() if m <= GEMV_ROWS else self.wire
+        self.gemv = m <= GEMV_ROWS
+        self.wire = [self.x.new_empty(n, m) if self.gemv else self.x.new_empty(m, n)
+                     for _ in range(SLOTS)]
         self.flops, self.comm_bytes = 2 * m * k_r * n, 2 * (self.world - 1) / self.world * m * n * 4
 
-    def compute(self):
-        torch.mm(self.x, self.w, out=self.buf)
+    def result(self, slot=0):  # a view of the wire buffer (made here: it follows it to a device)
+        return self.wire[slot].t() if self.gemv else self.wire[slot]
 
-    def comm(self, async_op=False):
-        return dist.all_reduce(self.wire, async_op=async_op)
+    def compute(self, slot=0):
+        torch.mm(self.x, self.w, out=self.result(slot))
+
+    def comm(self, async_op=False, slot=0):
+        return dist.all_reduce(self.wire[slot], async_op=async_op)
 
     def run(self, chunks):
         return matmul_all_reduce(self.x, self.w, chunks=chunks)
@@ -72,21 +81,25 @@ class MatmulAllReduceCase(Case):
 
 class AllGatherMatmulCase(Case):
     op = "all_gather_matmul"
+    comm_first = True
 
     def __init__(self, shape, dtype):
         super().__init__(shape, dtype)
         m, k, n = shape["m"], shape["k"], shape["n"]
         n_r = even_sizes(n, self.world)[self.rank]
         self.x, self.w = self.randn(m // self.world, k), self.randn(k, n_r)
-        self.gathered = self.x.new_empty(m // self.world * self.world, k)
-        self.y = self.gathered @ self.w
+        self.gathered = [self.x.new_empty(m // self.world * self.world, k) for _ in range(SLOTS)]
+        self.y = [g @ self.w for g in self.gathered]
         self.flops, self.comm_bytes = 2 * m * k * n_r, (self.world - 1) / self.world * m * k * 4
 
-    def compute(self):
-        torch.matmul(self.gathered, self.w, out=self.y)
+    def result(self, slot=0):
+        return self.y[slot]
 
-    def comm(self, async_op=False):
-        return all_gather_into(self.gathered, self.x, async_op=async_op)
+    def compute(self, slot=0):
+        torch.matmul(self.gathered[slot], self.w, out=self.y[slot])
+
+    def comm(self, async_op=False, slot=0):
+        return all_gather_into(self.gathered[slot], self.x, async_op=async_op)
 
     def run(self, chunks):
         return all_gather_matmul(self.x, self.w, chunks=chunks)
@@ -94,7 +107,7 @@ class AllGatherMatmulCase(Case):
     def plain(self):
         # not run(1): with one piece the operator still multiplies its own rows while the
         # gather is on the wire; the plain path (Megatron's, plait.nn's overlap=False) waits
-        gathered = self.x.new_empty(self.gathered.shape)  # the plain path's own buffer
+        gathered = self.x.new_empty(self.gathered[0].shape)  # the plain path's own buffer
         all_gather_into(gathered, self.x)
         return gathered @ self.w
 
@@ -107,15 +120,18 @@ class MatmulReduceScatterCase(Case):
         m, k, n = shape["m"], shape["k"], shape["n"]
         k_r = even_sizes(k, self.world)[self.rank]
         self.x, self.w = self.randn(m, k_r), self.randn(k_r, n)
-        self.partial = self.x @ self.w
-        self.recv = torch.empty_like(self.partial)
+        self.partial = [self.x @ self.w for _ in range(SLOTS)]
+        self.recv = [torch.empty_like(p) for p in self.partial]
         self.flops, self.comm_bytes = 2 * m * k_r * n, (self.world - 1) / self.world * m * n * 4
 
-    def compute(self):
-        torch.matmul(self.x, self.w, out=self.partial)
+    def result(self, slot=0):  # the sum over sources of this rank's rows, in rank order
+        return self.recv[slot].view(self.world, -1, self.recv[slot].shape[1]).sum(0)
 
-    def comm(self, async_op=False):  # the plain path's transfer: one all_to_all of the partial sums
-        return dist.all_to_all_single(self.recv, self.partial, async_op=async_op)
+    def compute(self, slot=0):
+        torch.matmul(self.x, self.w, out=self.partial[slot])
+
+    def comm(self, async_op=False, slot=0):  # the plain path's: one all_to_all of partial sums
+        return dist.all_to_all_single(self.recv[slot], self.partial[slot], async_op=async_op)
 
     def run(self, chunks):
         return matmul_reduce_scatter(self.x, self.w, chunks=chunks)
@@ -170,10 +186,6 @@ class OpsBenchConfig:
         return [(op, shape) for op in self.ops for shape in table.get(op, [])]
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
-
 def _paired(a: list[float], b: list[float]) -> float:
     """The median over rounds of a / b timed in the same round: the two ran moments apart,
     so a slow stretch of the machine divides out (the ratio of their medians keeps it)."""
@@ -186,25 +198,23 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     decision = get_context().decisions[case.op]
     # auto's own count is timed as a fixed count too (beside the sweep's, not among them)
     own = f"chunks={decision.chunks}"
+    counts = list(dict.fromkeys([*map(int, cfg.fixed_chunks), decision.chunks]))
     variants = {"compute": case.compute, "comm": case.comm, "beside": case.beside,
                 "unfused": case.plain, "auto": lambda: case.run("auto")}
-    for c in dict.fromkeys([*map(int, cfg.fixed_chunks), decision.chunks]):
+    for c in counts:
         variants[f"chunks={c}"] = lambda c=c: case.run(c)
+    case.start_beside()
     for fn in variants.values():
         for _ in range(cfg.warmup):
             fn()
     timed = time_interleaved(variants, cfg.iters, device)
     times = {name: median(ts) for name, ts in timed.items()}
-    reference = case.plain()
-    case.run(decision.chunks)  # the fixed count takes the same path with as many pieces?
-    counted = get_context().decisions[case.op]
-    same_code = (counted.path, counted.chunks) == (decision.path, decision.chunks)
-    fused = case.run("auto")
+    outputs, paths = _variant_outputs(case, counts)
+    checked = check_outputs(case, outputs)
+    # the fixed count takes the same path with as many pieces?
+    same_code = paths[str(decision.chunks)] == [decision.path, decision.chunks]
     peak_unfused = peak_bytes(case.plain)
     peak_fused = peak_bytes(lambda: case.run("auto"))
-    diff = _max_diff(fused, reference)
-    scale = float(reference.abs().max()) if reference.numel() else 1.0
-    correct = agreed_max([0.0 if diff <= case.tolerance() * max(scale, 1.0) else 1.0])[0] == 0.0
     fixed = {name: times[name] for name in (f"chunks={int(c)}" for c in cfg.fixed_chunks)}
     best_name = min(fixed, key=fixed.get) if fixed else own
     t_limit = max(times["compute"], times["comm"])
@@ -231,11 +241,35 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
         "speedup": times["unfused"] / times["auto"], "efficiency": t_limit / times["auto"],
         "efficiency_vs_beside": times["beside"] / times["auto"],
         "comm_ratio": times["comm"] / max(times["compute"], 1e-12),
-        "correct": bool(correct), "max_abs_diff": diff,
+        # every timed variant's output against the case's own compute-then-collective
+        "correct": all(ok for _, ok in checked.values()),
+        "correct_by_variant": {name: ok for name, (_, ok) in checked.items()},
+        "max_abs_diff": max(diff for diff, _ in checked.values()),
+        "max_abs_diff_by_variant": {name: diff for name, (diff, _) in checked.items()},
+        # the path and pieces of auto and of each count, as the operator recorded them
+        "path_by_variant": paths,
         "peak_bytes_unfused": peak_unfused, "peak_bytes_fused": peak_fused,
         "flops": case.flops, "comm_bytes": case.comm_bytes,
         "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra,
     }
+
+
+def _variant_outputs(case: Case, counts: list[int]) -> tuple[dict, dict]:
+    """Every timed variant's output from one more call each, after the timing (``beside``:
+    one call finishing each slot), and the path and pieces (``[path, chunks]``) that auto
+    and each count took."""
+    outputs = {"unfused": [case.plain()]}
+    case.start_beside()
+    outputs["beside"] = []
+    for _ in range(SLOTS):
+        case.beside()
+        outputs["beside"].append(case.beside_result().clone())  # the next call overwrites it
+    paths = {}
+    for name, chunks in [("auto", "auto"), *((str(c), c) for c in counts)]:
+        outputs[name] = [case.run(chunks)]
+        made = get_context().decisions[case.op]
+        paths[name] = [made.path, made.chunks]
+    return outputs, paths
 
 
 def _on_device(case, device: torch.device):
