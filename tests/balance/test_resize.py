@@ -5,16 +5,18 @@ output and the input gradient equal it, and the weight gradients equal its gradi
 kept weights and are zero (imputed) at the skipped ones.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.balance import Balancer, PolicyConfig
 from plait.bench.hetero import HeteroBenchConfig, scenario_specs, with_ideal
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
-from plait.runtime.straggler import SlowSpec
 from plait.runtime.testing import run_ranks
 
 
@@ -147,35 +149,119 @@ def test_resize_refuses_bad_input_and_priority_keeps_changed_features():
     assert y.shape == (3, 12) and (y[:, [0, 1, 3, 4, 5, 7, 8, 9, 11]] == 0).all()
 
 
-def _balanced_run(policy, slow, steps):
-    from plait.bench.hetero import train_balanced
-    from plait.data import CharCorpus
-    from plait.train import TrainConfig
+_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
-    torch.set_num_threads(1)
-    cfg = TrainConfig(model="gpt", steps=steps, batch_size=4, seq_len=32, n_layer=1, n_head=4,
-                      n_embd=64, lr=3e-3, eval_batches=1)
-    specs = [SlowSpec(rank=1, factor=slow)] if slow > 1 else []
-    out = train_balanced(cfg, PolicyConfig(name=policy, spike_steps=6), specs, CharCorpus.load(),
-                         every=2)
-    return {k: out[k] for k in ("losses", "decisions", "final_state")}
+
+class _VirtualDevice(TorchDispatchMode):
+    """This rank as a device that takes ``slowness`` ns per FLOP of its matrix products: the
+    speed monitor's clock (``clock()``) moves only as they run, so what it measures, and with it
+    every decision the balancer takes, is known in advance whatever the machine's load."""
+
+    def __init__(self):
+        super().__init__()
+        self.now, self.slowness = 0.0, 1.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _PRODUCTS:
+            a, b = args[-2], args[-1]
+            self.now += 2 * a.numel() * b.shape[-1] * self.slowness * 1e-9
+        return out
+
+    def clock(self, device=None):
+        return lambda: self.now
+
+
+SLOW_UNTIL, STEPS = 9, 15
+
+
+def _batches(steps):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 32, (4, 16), generator=gen),
+             torch.randint(0, 32, (4, 16), generator=gen)) for _ in range(steps)]
+
+
+def _balanced_gpt(policies):
+    """A float64 GPT (fused, 2 pieces) trained with AdamW under each policy in turn on 2 ranks,
+    rank 1 a virtual device 2× slower for the steps before SLOW_UNTIL; the balancer's decisions,
+    every step's loss and the final plans. Also the single-process GPT's losses."""
+    from plait.balance import speed
+    from plait.models import GPT, GPTConfig
+    from plait.nn import apply_tp
+
+    device = _VirtualDevice()
+    speed.compute_clock = device.clock  # the monitor's clock, in this rank's process only
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=4, n_embd=32)).double()
+    batches = _batches(STEPS)
+    out = {}
+    for policy in policies:
+        model = apply_tp(copy.deepcopy(ref), overlap=True, chunks=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        balancer = Balancer(model, opt, None, PolicyConfig(name=policy, spike_steps=6),
+                            every=2, alpha=1.0, warmup=3)
+        losses = []
+        for step, (idx, targets) in enumerate(batches):
+            device.slowness = 2.0 if dist.get_rank() == 1 and step < SLOW_UNTIL else 1.0
+            with device:  # the timed compute
+                loss = model(idx, targets)[1]
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+            balancer.step(step)
+            losses.append(loss.item())
+        decisions = [d.to_json() for d in balancer.log]
+        for d in decisions:
+            d.get("migration", {}).pop("seconds", None)  # wall time, this rank's own
+        out[policy] = {"losses": losses, "decisions": decisions, "final_state": balancer.state()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    out["reference"] = []
+    for idx, targets in batches:
+        loss = ref(idx, targets)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out["reference"].append(loss.item())
+    return out
 
 
 def test_balancer_migrates_a_persistent_straggler_exactly():
-    """2 ranks, rank 1 2× slower: ``migrate`` moves work off it and keeps the losses of the
-    run without a straggler (exact migration); ``semi`` resizes first, then migrates."""
-    ref = run_ranks(_balanced_run, 2, "even", 1.0, 16)[0]
-    mig = run_ranks(_balanced_run, 2, "migrate", 2.0, 16)[0]
-    semi = run_ranks(_balanced_run, 2, "semi", 2.0, 16)[0]
-    assert ref["decisions"] == []
-    kinds = [d["kind"] for d in mig["decisions"]]
-    assert "migrate" in kinds and "resize" not in kinds
-    for dim, state in mig["final_state"].items():
-        assert state["sizes"][1] < state["sizes"][0], (dim, state)
-    assert max(abs(a - b) for a, b in zip(ref["losses"], mig["losses"])) < 1e-5
-    semi_kinds = [d["kind"] for d in semi["decisions"]]
-    assert semi_kinds and semi_kinds[0] == "resize" and "migrate" in semi_kinds
-    assert all(d["migration"]["bytes_moved"] > 0 for d in mig["decisions"] if d["kind"] == "migrate")
+    """2 ranks, rank 1 2× slower until step 9, measured on virtual devices, so when the
+    balancer acts is known: the monitor's first exchange ends step 4 (3 warm-up steps, then
+    every 2) and reads speeds (1, 0.5); the exchange after step 10 reads (1, 1) (alpha 1: no
+    smoothing), and 5 balanced steps later, at step 14, the plan returns to even.
+
+    ``migrate`` moves both dims (4 heads, 128 MLP columns) to the proportional plan at step 4
+    and back to even at step 14, and every step's loss equals the single-process float64 GPT's
+    to 1e-12 (exact migration, optimizer state included). ``semi`` resizes at step 4, migrates
+    once the imbalance has lasted spike_steps = 6 steps (step 9), returns to even at 14."""
+    from plait.balance import static_plan
+
+    results = run_ranks(_balanced_gpt, 2, ("migrate", "semi"))
+    assert results[0] == results[1]  # every rank took the same decisions, saw the same losses
+    out = results[0]
+    dims = {"blocks.0.attn": 4, "blocks.0.mlp": 128}
+    even = {dim: list(ShardPlan.even(n, 2).sizes) for dim, n in dims.items()}
+    proportional = {dim: list(static_plan(n, (1.0, 0.5)).sizes) for dim, n in dims.items()}
+    assert all(p[1] < p[0] for p in proportional.values()), proportional
+
+    def steps_of(decisions):
+        return [(d["step"], d["dim"], d["kind"], d["sizes"]) for d in decisions]
+
+    want = [(step, dim, "migrate", sizes[dim]) for step, sizes in ((4, proportional), (14, even))
+            for dim in dims]
+    assert steps_of(out["migrate"]["decisions"]) == want, out["migrate"]["decisions"]
+    assert all(d["migration"]["bytes_moved"] > 0 for d in out["migrate"]["decisions"])
+    errors = [abs(a - b) for a, b in zip(out["migrate"]["losses"], out["reference"])]
+    assert len(errors) == STEPS and max(errors) < 1e-12, errors
+    semi = steps_of(out["semi"]["decisions"])
+    assert [(s, d, k) for s, d, k, _ in semi] == [
+        (4, dim, "resize") for dim in dims] + [(9, dim, "migrate") for dim in dims] + [
+        (14, dim, "migrate") for dim in dims], out["semi"]["decisions"]
+    assert [sizes for *_, sizes in semi[2:4]] == [proportional[dim] for dim in dims]
+    for policy in ("migrate", "semi"):
+        for dim, state in out[policy]["final_state"].items():
+            assert state == {"sizes": even[dim], "keep": 1.0}, (policy, dim, state)
 
 
 def test_balancer_and_hetero_config_refuse_what_cannot_work():
