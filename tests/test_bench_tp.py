@@ -1,5 +1,6 @@
-"""plait bench tp: the same GPT under plait and PyTorch TP (and DLRM tables under plait and
-TorchRec), same weights, same batches, same losses."""
+"""plait bench tp: the same GPT under plait and PyTorch TP (and DLRM tables under plait's fused
+and plain paths, and TorchRec where it is installed), same weights, same batches, same losses;
+plait's embedding paths also against a single-process reference, on 2 and 3 ranks."""
 
 import json
 
@@ -8,11 +9,17 @@ import torch
 import torch.nn as nn
 
 from plait.bench.tp import SYSTEMS, TPBenchConfig, bench_tp, heads_contiguous_qkv, summarize_tp
-from plait.bench.tp_dlrm import EMB_SYSTEMS, torchrec_missing
+from plait.bench.tp_dlrm import (EMB_SYSTEMS, PLAIT_EMB_SYSTEMS, EmbBenchConfig, _batches,
+                                 batch_slice, initial_tables, torchrec_missing)
 from plait.cli.main import main
 
+# emb_chunks: plait-emb fused with 4 pieces whatever the cost model would say of so small a batch
 TINY = dict(n_layer=2, n_head=4, n_embd=64, seq_len=32, batch_size=4, warmup=1, steps=4,
-            compare_steps=5, emb_rows=500, emb_dim=8, emb_batch=64, emb_pool=4, emb_lr=100.0)
+            compare_steps=5, emb_rows=500, emb_dim=8, emb_batch=64, emb_pool=4, emb_lr=100.0,
+            emb_chunks=4)
+# 3 ranks: 3 tables, 64 bags split 22/21/21; the GPT part as small as it goes (plait alone)
+TINY_3 = dict(TINY, systems=("plait",), n_layer=1, n_head=3, n_embd=24, seq_len=8, batch_size=2,
+              emb_tables=3)
 KEYS = {"system", "t_step_s", "tokens_per_s", "max_loss_diff", "losses", "speedup_vs_pytorch_tp",
         "world_size", "link", "note"}
 
@@ -22,6 +29,29 @@ def tiny_records():
     records, where = bench_tp(TPBenchConfig(**TINY), ranks=2, hosts=0)
     assert "loopback" in where
     return records
+
+
+@pytest.fixture(scope="module")
+def tiny_records_3():
+    records, _ = bench_tp(TPBenchConfig(**TINY_3), ranks=3, hosts=0)
+    return records
+
+
+def single_process_losses(cfg: EmbBenchConfig, steps: int) -> list[float]:
+    """The same tables, batches and SGD in one process: plain ``nn.EmbeddingBag`` over the
+    whole batch, the loss a mean over all of it."""
+    bags = [nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum") for w in initial_tables(cfg)]
+    opt = torch.optim.SGD([b.weight for b in bags], lr=cfg.lr)
+    offsets = torch.arange(0, cfg.batch * cfg.pool, cfg.pool)
+    losses = []
+    for ids, target in _batches(cfg, steps):
+        out = torch.stack([bag(i, offsets) for bag, i in zip(bags, ids)], dim=1)  # [B, T, D]
+        loss = ((out - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 def test_records_have_the_required_keys(tiny_records):
@@ -59,12 +89,44 @@ def test_heads_contiguous_qkv_gives_each_rank_whole_heads():
         heads_contiguous_qkv(qkv, world=5)
 
 
-def test_dlrm_embeddings_match_torchrec_or_say_why(tiny_records):
+@pytest.mark.parametrize("records, world", [("tiny_records", 2), ("tiny_records_3", 3)])
+def test_dlrm_plait_paths_match_a_single_process_reference(records, world, request):
+    """Fused (4 pieces) and plain, whatever else is installed: every step's loss is the
+    single-process one (fp32: the same sums in another order at most), and the two paths'
+    are bit-identical (an all-to-all moves the same pooled rows either way)."""
+    records = request.getfixturevalue(records)
+    cfg = TPBenchConfig(**(TINY if world == 2 else TINY_3))
+    emb = {r["system"]: r for r in records if r["part"] == "dlrm"}
+    assert set(PLAIT_EMB_SYSTEMS) <= set(emb)
+    reference = single_process_losses(cfg.emb_config(), cfg.total_steps)
+    assert reference[-1] < 0.8 * reference[0]  # the tables move: later steps test the updates
+    for name in PLAIT_EMB_SYSTEMS:
+        r = emb[name]
+        assert r["world_size"] == world and r["t_step_s"] > 0
+        assert r["model"]["tables"] == cfg.emb_tables and r["model"]["batch"] == 64
+        assert len(r["losses"]) == cfg.total_steps
+        assert r["losses"] == pytest.approx(reference, rel=1e-5), name
+    assert emb["plait-emb"]["path"] == "embedding_all_to_all: fused (4 pieces): chunks=4 asked for"
+    assert emb["plait-emb-plain"]["path"].startswith("embedding_all_to_all: fallback (1 piece)")
+    assert emb["plait-emb"]["losses"] == emb["plait-emb-plain"]["losses"]
+    if torchrec_missing() is not None:  # each of plait's paths is the other's reference
+        assert emb["plait-emb"]["loss_diff_vs"] == "plait-emb-plain"
+        assert emb["plait-emb-plain"]["loss_diff_vs"] == "plait-emb"
+        assert emb["plait-emb"]["max_loss_diff"] == 0.0
+        summary = summarize_tp(records)
+        assert summary["emb_loss_diff_vs"] == "plait-emb-plain" and summary["emb_max_loss_diff"] == 0
+        assert summary["emb_fusion_speedup"] == pytest.approx(
+            emb["plait-emb-plain"]["t_step_s"] / emb["plait-emb"]["t_step_s"])
+
+
+def test_dlrm_embeddings_match_torchrec(tiny_records):
     emb = {r["system"]: r for r in tiny_records if r["part"] == "dlrm"}
     missing = torchrec_missing()
     if missing is not None:  # TorchRec is optional: the record says why it did not run
         assert emb["torchrec"]["skipped"] == missing
-        pytest.skip(f"TorchRec does not import here: {missing}")
+        assert summarize_tp(tiny_records)["torchrec"] == f"skipped: {missing}"
+        pytest.skip(f"TorchRec does not import here: torchrec is not in the test extra "
+                    f"(not installed: {missing})")
     assert set(emb) == set(EMB_SYSTEMS)
     for name in ("plait-emb", "plait-emb-plain"):
         assert KEYS - {"speedup_vs_pytorch_tp"} | {"speedup_vs_torchrec"} <= set(emb[name])
@@ -80,6 +142,7 @@ def test_dlrm_embeddings_match_torchrec_or_say_why(tiny_records):
     (dict(n_embd=100, n_head=8), "does not divide into n_head"),
     (dict(steps=0), "positive"),
     (dict(microbatches=0), "--microbatches must be positive"),
+    (dict(emb_chunks=-1), "--emb-chunks must be ≥ 0"),
 ])
 def test_bad_configs_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -107,9 +170,22 @@ def test_cli_writes_json(tmp_path):
 def test_without_torchrec_the_record_says_why(monkeypatch):
     import sys
 
-    from plait.bench.tp import _dlrm_records
+    from plait.bench.tp import _torchrec_skipped
 
     monkeypatch.setitem(sys.modules, "torchrec", None)  # import torchrec → ImportError
-    [record] = _dlrm_records(TPBenchConfig())
-    assert record["part"] == "dlrm" and record["skipped"].startswith(("ImportError", "ModuleNotFoundError"))
-    assert "skipped" in summarize_tp([record])["torchrec"]
+    missing = torchrec_missing()
+    assert missing.startswith(("ImportError", "ModuleNotFoundError"))
+    record = _torchrec_skipped(missing)
+    assert record["part"] == "dlrm" and record["skipped"] == missing
+    assert summarize_tp([record])["torchrec"] == f"skipped: {missing}"
+
+
+@pytest.mark.parametrize("batch, world, shares", [(64, 2, [32, 32]), (64, 3, [22, 21, 21]),
+                                                  (2, 3, [1, 1, 0])])
+def test_each_rank_takes_the_bags_plaits_layer_leaves_it(batch, world, shares):
+    """Where the batch does not split evenly, the target (and TorchRec's input) must be cut
+    as plait's layer cuts its output: larger shares first."""
+    cuts = [batch_slice(batch, world, r) for r in range(world)]
+    assert [c.stop - c.start for c in cuts] == shares
+    assert cuts[0].start == 0 and cuts[-1].stop == batch
+    assert all(a.stop == b.start for a, b in zip(cuts, cuts[1:]))

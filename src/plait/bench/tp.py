@@ -47,7 +47,7 @@ from ..runtime import parse_rate, rank_context
 from ..runtime.priority import raise_comm_threads
 from ..runtime.timing import agreed_max, balanced_round, median, time_once
 from ..train import TrainConfig, build_gpt, gpt_loss
-from .tp_dlrm import EmbBenchConfig, run_emb_bench, torchrec_missing
+from .tp_dlrm import EMB_SYSTEMS, PLAIT_EMB_SYSTEMS, EmbBenchConfig, run_emb_bench, torchrec_missing
 
 __all__ = ["TPBenchConfig", "SYSTEMS", "QUICK_TP", "bench_tp", "run_tp_bench",
            "parallelize_torch_tp", "heads_contiguous_qkv", "summarize_tp"]
@@ -91,8 +91,9 @@ class TPBenchConfig:
         "plait: micro-batches interleaved, one's all-reduces under the next one's compute "
         "(1: off; plait.nn.apply_tp(microbatches=))"))
     dlrm: bool = field(default=True, metadata=_h(
-        "also DLRM embeddings: plait's ShardedEmbeddingBag against TorchRec's sharded "
-        "EmbeddingBagCollection (skipped, with the reason, where TorchRec does not import)"))
+        "also DLRM embeddings: plait's ShardedEmbeddingBag, fused and plain, against each "
+        "other and TorchRec's sharded EmbeddingBagCollection (TorchRec skipped, with the "
+        "reason, where it does not import)"))
     emb_tables: int = field(default=4, metadata=_h("DLRM: tables (whole tables per rank)"))
     emb_rows: int = field(default=50_000, metadata=_h("DLRM: rows per table"))
     emb_dim: int = field(default=64, metadata=_h("DLRM: embedding dim"))
@@ -100,6 +101,8 @@ class TPBenchConfig:
     emb_pool: int = field(default=8, metadata=_h("DLRM: ids per bag"))
     emb_lr: float = field(default=20_000.0, metadata=_h(
         "DLRM: SGD learning rate (the loss is a mean over batch × tables × dim elements)"))
+    emb_chunks: int = field(default=0, metadata=_h(
+        "DLRM: plait-emb's pieces (0: auto, the cost model's choice)"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
 
     def __post_init__(self) -> None:
@@ -111,6 +114,8 @@ class TPBenchConfig:
         if min(sizes.values()) < 1 or self.warmup < 0 or self.lr <= 0:
             raise ValueError(f"sizes and steps must be positive, warmup ≥ 0, lr > 0: "
                              f"{sizes}, warmup {self.warmup}, lr {self.lr}")
+        if self.emb_chunks < 0:
+            raise ValueError(f"--emb-chunks must be ≥ 0 (0: auto), got {self.emb_chunks}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         self.train_config().gpt_config(97)  # refuse n_embd not divisible by n_head now
@@ -128,7 +133,7 @@ class TPBenchConfig:
     def emb_config(self) -> EmbBenchConfig:
         return EmbBenchConfig(tables=self.emb_tables, rows=self.emb_rows, dim=self.emb_dim,
                               batch=self.emb_batch, pool=self.emb_pool, lr=self.emb_lr,
-                              seed=self.seed)
+                              seed=self.seed, chunks=self.emb_chunks or "auto")
 
     def check_world(self, world: int) -> None:
         if self.dlrm and self.emb_tables % world:
@@ -273,12 +278,18 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
 
 
 def _dlrm_records(cfg: TPBenchConfig) -> list[dict]:
+    """plait's two embedding paths always; TorchRec beside them where it imports, else a
+    record that says why not."""
     missing = torchrec_missing()
-    if missing is not None:
-        return [{"system": "torchrec", "part": "dlrm", "skipped": missing, "t_step_s": None,
-                 "tokens_per_s": None, "max_loss_diff": None}]
-    records = run_emb_bench(cfg.emb_config(), cfg.warmup, cfg.steps, cfg.compare_steps)
-    return _with_speedups(records, "torchrec")
+    systems = EMB_SYSTEMS if missing is None else PLAIT_EMB_SYSTEMS
+    records = _with_speedups(run_emb_bench(cfg.emb_config(), cfg.warmup, cfg.steps,
+                                           cfg.compare_steps, systems), "torchrec")
+    return records + ([] if missing is None else [_torchrec_skipped(missing)])
+
+
+def _torchrec_skipped(missing: str) -> dict:
+    return {"system": "torchrec", "part": "dlrm", "skipped": missing, "t_step_s": None,
+            "tokens_per_s": None, "max_loss_diff": None}
 
 
 def _with_speedups(records: list[dict], reference: str) -> list[dict]:
@@ -300,7 +311,11 @@ def summarize_tp(records: list[dict]) -> dict:
         out["torchrec"] = "skipped: " + emb["torchrec"]["skipped"]
     elif "torchrec" in emb and "plait-emb" in emb:
         out["plait_emb_speedup_vs_torchrec"] = emb["plait-emb"]["speedup_vs_torchrec"]
+    if emb.get("plait-emb", {}).get("max_loss_diff") is not None:  # vs TorchRec, else plain
         out["emb_max_loss_diff"] = emb["plait-emb"]["max_loss_diff"]
+        out["emb_loss_diff_vs"] = emb["plait-emb"]["loss_diff_vs"]
+    if "plait-emb" in emb and "plait-emb-plain" in emb:
+        out["emb_fusion_speedup"] = emb["plait-emb-plain"]["t_step_s"] / emb["plait-emb"]["t_step_s"]
     if "plait" in by and REFERENCE in by:
         out["plait_microbatches"] = by["plait"].get("microbatches")
         out["plait_speedup_vs_pytorch_tp"] = by["plait"]["speedup_vs_pytorch_tp"]

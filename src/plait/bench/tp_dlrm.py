@@ -16,8 +16,9 @@ sends the ids to the tables' owners (an all-to-all of ``B·pool`` ids, 8 bytes
 each, besides the pooled rows). plait's backward makes dense table gradients;
 TorchRec's updates the touched rows only.
 
-TorchRec is optional: without it (or with a build that does not load) the
-records are empty and the reason is returned.
+TorchRec is optional: without it (or with a build that does not load) plait's
+two paths still run, each the other's loss reference, and the caller records
+why TorchRec did not.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import explain
+from ..ops.pieces import even_sizes
 from ..runtime import rank_context
 from ..runtime.timing import agreed_max, balanced_round, median, time_once
 
-__all__ = ["EmbBenchConfig", "EMB_SYSTEMS", "torchrec_missing", "run_emb_bench"]
+__all__ = ["EmbBenchConfig", "EMB_SYSTEMS", "PLAIT_EMB_SYSTEMS", "torchrec_missing",
+           "initial_tables", "batch_slice", "run_emb_bench"]
 
 EMB_SYSTEMS = ("plait-emb", "plait-emb-plain", "torchrec")
+PLAIT_EMB_SYSTEMS = EMB_SYSTEMS[:2]  # what runs where TorchRec does not
 NOTES = {
     "plait-emb": "ShardedEmbeddingBag, fused embedding_all_to_all; whole-batch ids on every rank; "
                  "dense table gradients, torch.optim.SGD",
@@ -56,6 +61,7 @@ class EmbBenchConfig:
     pool: int = 8       # ids per bag
     lr: float = 20000.0  # the loss is a mean over B·T·D elements, so its gradients are tiny
     seed: int = 0
+    chunks: int | str = "auto"  # plait-emb's pieces: "auto" (the cost model) or a count
 
 
 def torchrec_missing() -> str | None:
@@ -110,6 +116,22 @@ def _torchrec_tables(cfg: EmbBenchConfig, full: list[torch.Tensor]) -> nn.Module
     return model
 
 
+def initial_tables(cfg: EmbBenchConfig) -> list[torch.Tensor]:
+    """The T tables' initial weights, the same on every rank and for every system."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    return [torch.empty(cfg.rows, cfg.dim).uniform_(-cfg.rows ** -0.5, cfg.rows ** -0.5,
+                                                    generator=gen)
+            for _ in range(cfg.tables)]
+
+
+def batch_slice(batch: int, world: int, rank: int) -> slice:
+    """Rank ``rank``'s bags of the batch: where plait's layer leaves them (its default,
+    even split, larger shares first), so the target and TorchRec's input agree with it."""
+    sizes = even_sizes(batch, world)
+    lo = sum(sizes[:rank])
+    return slice(lo, lo + sizes[rank])
+
+
 def _batches(cfg: EmbBenchConfig, steps: int) -> list[tuple]:
     """Random bags; the target is what fixed "teacher" tables pool for them, so the loss can fall."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -140,12 +162,15 @@ class _Plait:
         with torch.no_grad():
             for bag, w in zip(plain.bags, full):
                 bag.weight.copy_(w)
-        self.cfg, self.tables = cfg, ShardedEmbeddingBag.from_module(plain, overlap=overlap)
+        self.cfg, self.tables = cfg, ShardedEmbeddingBag.from_module(plain, overlap=overlap,
+                                                                     chunks=cfg.chunks)
         self.opt = torch.optim.SGD(self.tables.parameters(), lr=cfg.lr)
         self.offsets = [torch.arange(0, cfg.batch * cfg.pool, cfg.pool)] * cfg.tables
+        self.path = ""
 
     def step(self, ids, target_r) -> torch.Tensor:
         out = self.tables(ids, self.offsets)  # [B_r, T, D]
+        self.path = explain("embedding_all_to_all")  # this call's path (fused or not, and why)
         loss = _mse(out, target_r, self.cfg)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -158,8 +183,8 @@ class _TorchRec:
         import torchrec
 
         self.cfg, self.model, self.kjt = cfg, _torchrec_tables(cfg, full), torchrec.KeyedJaggedTensor
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.lo, self.hi = rank * cfg.batch // world, (rank + 1) * cfg.batch // world
+        own = batch_slice(cfg.batch, dist.get_world_size(), dist.get_rank())
+        self.lo, self.hi = own.start, own.stop
 
     def step(self, ids, target_r) -> torch.Tensor:
         cfg, lo, hi = self.cfg, self.lo, self.hi
@@ -175,40 +200,56 @@ class _TorchRec:
         return loss.detach()
 
 
-def run_emb_bench(cfg: EmbBenchConfig, warmup: int, steps: int, compare_steps: int) -> list[dict]:
-    """On every rank: the three systems, steps interleaved; one record each."""
+def run_emb_bench(cfg: EmbBenchConfig, warmup: int, steps: int, compare_steps: int,
+                  systems: tuple[str, ...] = EMB_SYSTEMS) -> list[dict]:
+    """On every rank: ``systems`` (all three, or plait's two where TorchRec does not
+    import), steps interleaved; one record each."""
     ctx, world, rank = rank_context(), dist.get_world_size(), dist.get_rank()
     if cfg.tables % world:
         raise ValueError(f"{cfg.tables} tables do not split evenly over {world} ranks")
-    torch.manual_seed(cfg.seed)
-    full = [torch.empty(cfg.rows, cfg.dim).uniform_(-cfg.rows ** -0.5, cfg.rows ** -0.5)
-            for _ in range(cfg.tables)]
-    systems = {"plait-emb": _Plait(cfg, full, True), "plait-emb-plain": _Plait(cfg, full, False),
-               "torchrec": _TorchRec(cfg, full)}
-    lo, hi = rank * cfg.batch // world, (rank + 1) * cfg.batch // world
-    losses = {n: [] for n in systems}
-    times = {n: [] for n in systems}
-    names = list(systems)
+    unknown = [s for s in systems if s not in EMB_SYSTEMS]
+    if unknown or not systems:
+        raise ValueError(f"DLRM systems {list(systems)}: choose from {list(EMB_SYSTEMS)}")
+    full = initial_tables(cfg)
+    build = {"plait-emb": lambda: _Plait(cfg, full, True),
+             "plait-emb-plain": lambda: _Plait(cfg, full, False),
+             "torchrec": lambda: _TorchRec(cfg, full)}
+    built = {name: build[name]() for name in systems}
+    own = batch_slice(cfg.batch, world, rank)
+    losses = {n: [] for n in built}
+    times = {n: [] for n in built}
+    names = list(built)
     for i, (ids, target) in enumerate(_batches(cfg, warmup + steps)):
         for name in balanced_round(names, i):  # no system always first, or after the same one
-            system = systems[name]
+            system = built[name]
             out = {}
-            step = lambda: out.setdefault("loss", system.step(ids, target[lo:hi]))  # noqa: E731
+            step = lambda: out.setdefault("loss", system.step(ids, target[own]))  # noqa: E731
             times[name].append(time_once(step))
             dist.all_reduce(out["loss"])  # outside the timed step: the global mean, for the record
             losses[name].append(float(out["loss"]))
         ctx.report({"step": i, "of": warmup + steps, "part": "dlrm"})
-    return [_emb_record(n, cfg, losses, agreed_max(times[n]), warmup, compare_steps)
-            for n in systems]
+    records = [_emb_record(n, cfg, losses, agreed_max(times[n]), warmup, compare_steps)
+               for n in built]
+    for r in records:
+        if isinstance(built[r["system"]], _Plait):
+            r["path"] = built[r["system"]].path
+    return records
+
+
+def _loss_reference(name: str, ran) -> str | None:
+    """Whose losses ``name``'s are compared with: TorchRec where it ran (for TorchRec,
+    plait-emb); else each of plait's two paths the other's."""
+    return next((ref for ref in ("torchrec", "plait-emb", "plait-emb-plain")
+                 if ref != name and ref in ran), None)
 
 
 def _emb_record(name, cfg, losses, step_s, warmup, compare_steps) -> dict:
-    ref = "torchrec" if name != "torchrec" else "plait-emb"
+    ref = _loss_reference(name, losses)
     n = min(compare_steps, len(step_s))
     t_step = median(step_s[warmup:])
     return {"system": name, "t_step_s": t_step, "tokens_per_s": cfg.batch / t_step,
-            "unit": "samples", "max_loss_diff": max(abs(a - b) for a, b in
-                                                    zip(losses[name][:n], losses[ref][:n])),
+            "unit": "samples", "max_loss_diff": None if ref is None else max(
+                abs(a - b) for a, b in zip(losses[name][:n], losses[ref][:n])),
             "loss_diff_vs": ref, "compare_steps": n, "losses": losses[name],
             "step_times_s": step_s, "model": {"tables": cfg.tables, "rows": cfg.rows,
                                               "dim": cfg.dim, "batch": cfg.batch,
