@@ -1,18 +1,35 @@
 """GEMM + AllReduce, AllGather + GEMM, GEMM + ReduceScatter: forward and backward against
-a single-process reference (float64, |error| ≤ 1e-10), fused against plain, on 2 and 4 ranks."""
+a single-process reference (float64, |error| ≤ 1e-10), fused against plain, on 2 and 4 ranks
+(3 ranks, and float32 and bfloat16: test_uneven_dtypes.py). Every call's path is asserted:
+a fixed count fuses with as many pieces as the smallest share has rows, the tiny shapes'
+chunks="auto" falls back, and a cost model that sees a slow link makes auto fuse."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from plait.ops import (all_gather_matmul, column_parallel_matmul, explain, matmul_all_reduce,
-                       matmul_reduce_scatter)
+from plait.ops import (OpsContext, all_gather_matmul, column_parallel_matmul, explain,
+                       matmul_all_reduce, matmul_reduce_scatter)
+from plait.ops.calibration import Calibration
 from plait.ops.matmul_all_reduce import matmul_all_reduce_start
+from plait.perf.calibrate import MachineProfile
 from plait.runtime import RankError
 from plait.runtime.testing import run_ranks
 
 TOL = 1e-10
+
+
+def _line(op, chunks, most):
+    """What ``explain(op)`` says after a call at ``chunks`` whose pieces are capped at
+    ``most`` (rows of the smallest share; N for a GEMV): the path, the pieces, the reason."""
+    if chunks == "auto":  # every shape here sends too few bytes to cut
+        return f"{op}: fallback (1 piece): auto: pieces would be under"
+    pieces = min(chunks, max(most, 1))
+    if pieces == 1:
+        why = "chunks=1 asked for" if chunks == 1 else f"only {max(most, 1)} rows to split"
+        return f"{op}: fallback (1 piece): {why}"
+    return f"{op}: fused ({pieces} pieces): chunks={chunks} asked for"
 
 
 def _cut(total_sizes, rank):
@@ -51,8 +68,8 @@ def test_matmul_all_reduce_even_and_uneven(world, m, chunks):
         for out in run_ranks(_matmul_all_reduce_case, world, m, k_sizes, 24, chunks):
             assert max(out["y"], out["dx"], out["dw"]) < TOL, out
             assert out["repeat_bitwise"]
-            if chunks == 3:
-                assert "fused (3 pieces)" in out["path"]
+            # pieces cut M = 64 rows, or N = 24 columns for the GEMV
+            assert out["path"].startswith(_line("matmul_all_reduce", chunks, 24)), out["path"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -96,14 +113,17 @@ def _column_parallel_case(m, k, n_sizes, chunks):
     x, w = X.clone().requires_grad_(), W[:, ns].clone().requires_grad_()
     y = column_parallel_matmul(x, w, chunks=chunks)
     y.backward(G[:, ns])
-    return {"y": _err(y, (X @ W)[:, ns]), "dx": _err(x.grad, G @ W.T), "dw": _err(w.grad, (X.T @ G)[:, ns])}
+    return ({"y": _err(y, (X @ W)[:, ns]), "dx": _err(x.grad, G @ W.T),
+             "dw": _err(w.grad, (X.T @ G)[:, ns])}, explain("column_parallel_matmul.dgrad"))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_column_parallel_matmul_backward_is_a_fused_all_reduce(world):
     for chunks in (1, 4):
-        for out in run_ranks(_column_parallel_case, world, 32, 16, [5, 9, 2, 4][:world], chunks):
+        for out, path in run_ranks(_column_parallel_case, world, 32, 16, [5, 9, 2, 4][:world],
+                                   chunks):
             assert max(out.values()) < TOL, out
+            assert path.startswith(_line("column_parallel_matmul.dgrad", chunks, 32)), path
 
 
 def _deferred_wgrad_case(m, k, f_sizes, chunks):
@@ -129,7 +149,8 @@ def _deferred_wgrad_case(m, k, f_sizes, chunks):
     dh = (G @ W2.T) * (1 - H ** 2)
     return {"y": _err(y, H @ W2), "dp": _err(p.grad, (H.T @ G)[fs].t()),
             "dw1": _err(w1.grad, (X.T @ dh)[:, fs]), "dx": _err(x.grad, dh @ W1.T),
-            **seen, "pending_at_end": deferred.pending()}
+            **seen, "pending_at_end": deferred.pending(),
+            "paths": [explain("matmul_all_reduce"), explain("column_parallel_matmul.dgrad")]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -139,6 +160,8 @@ def test_row_parallel_weight_gradient_runs_under_the_next_dgrad(world):
             assert max(out["y"], out["dp"], out["dw1"], out["dx"]) < TOL, out
             assert out["pending_before_dgrad"] == 1 and out["pending_after_dgrad"] == 0, out
             assert out["pending_at_end"] == 0
+            for line, op in zip(out["paths"], ("matmul_all_reduce", "column_parallel_matmul.dgrad")):
+                assert line.startswith(_line(op, chunks, 24)), line
 
 
 def _deferred_alone_case():
@@ -179,16 +202,28 @@ def _sequence_parallel_case(m_sizes, k, n, chunks, dim):
     again = matmul_reduce_scatter(x2.detach(), w2.detach(), sizes=m_sizes, chunks=chunks)
     out.update(rs_y=_err(y2, (X2 @ W2)[ms]), rs_dx=_err(x2.grad, (G2 @ W2.T)[:, ks]),
                rs_dw=_err(w2.grad, (X2.T @ G2)[ks]))
-    return out, torch.equal(y2.detach(), again)
+    # the last call of each (``again`` ran without grad: the backward's are this call's)
+    paths = {op: explain(op) for op in ("all_gather_matmul", "all_gather_matmul.dgrad",
+                                        "matmul_reduce_scatter", "matmul_reduce_scatter.dgrad")}
+    return out, torch.equal(y2.detach(), again), paths
+
+
+def _check_paths(paths, m_sizes, chunks):
+    """Both operators and both backward collectives cut every rank's rows alike: no more
+    pieces than the smallest share has rows (an empty share: the plain path)."""
+    for op, line in paths.items():
+        assert line.startswith(_line(op, chunks, min(m_sizes))), (m_sizes, line)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("chunks", [1, 3, "auto"])
 def test_gather_and_scatter_even_and_uneven(world, chunks):
     for m_sizes in ([12] * world, [7, 20, 0, 5][:world]):
-        for out, repeat in run_ranks(_sequence_parallel_case, world, m_sizes, 6, 10, chunks, 0):
+        for out, repeat, paths in run_ranks(_sequence_parallel_case, world, m_sizes, 6, 10,
+                                            chunks, 0):
             assert max(out.values()) < TOL, out
             assert repeat
+            _check_paths(paths, m_sizes, chunks)
 
 
 def _empty_share_along_dim1():
@@ -200,8 +235,9 @@ def _empty_share_along_dim1():
 
 
 def test_all_gather_matmul_along_another_dim():
-    for out, _ in run_ranks(_sequence_parallel_case, 2, [9, 4], 6, 10, 2, 1):
+    for out, _, paths in run_ranks(_sequence_parallel_case, 2, [9, 4], 6, 10, 2, 1):
         assert max(out.values()) < TOL, out
+        _check_paths(paths, [9, 4], 2)
     assert max(run_ranks(_empty_share_along_dim1, 2)) < TOL
 
 
@@ -210,9 +246,10 @@ def test_all_gather_matmul_along_another_dim():
 def test_property_uneven_splits(world, data):
     m_sizes = data.draw(st.lists(st.integers(0, 9), min_size=world, max_size=world).filter(sum))
     chunks = data.draw(st.integers(1, 5))
-    for out, repeat in run_ranks(_sequence_parallel_case, world, m_sizes, 4, 3, chunks, 0):
+    for out, repeat, paths in run_ranks(_sequence_parallel_case, world, m_sizes, 4, 3, chunks, 0):
         assert max(out.values()) < TOL, (m_sizes, chunks, out)
         assert repeat
+        _check_paths(paths, m_sizes, chunks)
 
 
 def _bad_input(kind):
@@ -260,3 +297,56 @@ def test_world_of_one_and_tiny_shapes_fall_back_and_say_why():
     assert ok and "fallback" in why and "one rank" in why
     _, why = run_ranks(_one_rank_and_tiny, 2)[0]
     assert "fallback" in why and "auto" in why
+
+
+# a link as slow as the compute, as the cost model sees them: no calibration run, and auto's
+# choice the same on any machine
+FUSE_PROFILE = MachineProfile(latency_s=1e-5, bandwidth_Bps=1e8, compute_flops=1e9,
+                              source="test: fusing pays")
+
+
+def _auto_fuses(m_sizes, k_sizes, n_sizes, k, n):
+    """Every operator, forward and backward, at chunks="auto" on shapes that send
+    256-512 KiB (pieces of at least 64 KiB fit): (errors, each collective's explain line)."""
+    r = dist.get_rank()
+    ctx = OpsContext(calibrated=Calibration(FUSE_PROFILE))
+    ms, ks, ns = _cut(m_sizes, r), _cut(k_sizes, r), _cut(n_sizes, r)
+    m, kk, nn = sum(m_sizes), sum(k_sizes), sum(n_sizes)
+    err = {}
+    # matmul_all_reduce: x [M, K_r] @ w [K_r, N]
+    X, W, G = _full(1, m, kk), _full(2, kk, n), _full(3, m, n)
+    x, w = X[:, ks].clone().requires_grad_(), W[ks].clone().requires_grad_()
+    matmul_all_reduce(x, w, chunks="auto", ctx=ctx).backward(G)
+    err["all_reduce"] = max(_err(x.grad, (G @ W.T)[:, ks]), _err(w.grad, (X.T @ G)[ks]),
+                            _err(matmul_all_reduce(x.detach(), w.detach(), ctx=ctx), X @ W))
+    # column_parallel_matmul: its dgrad dy [M, N_r] @ w_rᵀ [N_r, K] is all-reduced
+    X, W, G = _full(4, m, k), _full(5, k, nn), _full(6, m, nn)
+    x, w = X.clone().requires_grad_(), W[:, ns].clone().requires_grad_()
+    y = column_parallel_matmul(x, w, chunks="auto", ctx=ctx)
+    y.backward(G[:, ns])
+    err["column"] = max(_err(y, (X @ W)[:, ns]), _err(x.grad, G @ W.T),
+                        _err(w.grad, (X.T @ G)[:, ns]))
+    # all_gather_matmul: x [M_r, K] gathered, @ w [K, N_r]; its dgrad a reduce-scatter
+    x, w = X[ms].clone().requires_grad_(), W[:, ns].clone().requires_grad_()
+    y = all_gather_matmul(x, w, chunks="auto", ctx=ctx)
+    y.backward(G[:, ns])
+    err["gather"] = max(_err(y, (X @ W)[:, ns]), _err(x.grad, (G @ W.T)[ms]),
+                        _err(w.grad, (X.T @ G)[:, ns]))
+    # matmul_reduce_scatter: x [M, K_r] @ w [K_r, N], rows scattered; its dgrad a gather
+    X, W, G = _full(7, m, kk), _full(8, kk, n), _full(9, m, n)
+    x, w = X[:, ks].clone().requires_grad_(), W[ks].clone().requires_grad_()
+    y = matmul_reduce_scatter(x, w, sizes=m_sizes, chunks="auto", ctx=ctx)
+    y.backward(G[ms])
+    err["scatter"] = max(_err(y, (X @ W)[ms]), _err(x.grad, (G @ W.T)[:, ks]),
+                         _err(w.grad, (X.T @ G)[ks]))
+    return err, {op: d.line() for op, d in ctx.decisions.items()}
+
+
+def test_auto_fuses_when_the_model_says_so():
+    ops = {"matmul_all_reduce", "column_parallel_matmul.dgrad", "all_gather_matmul",
+           "all_gather_matmul.dgrad", "matmul_reduce_scatter", "matmul_reduce_scatter.dgrad"}
+    for err, lines in run_ranks(_auto_fuses, 2, [96, 160], [5, 11], [20, 36], 128, 256):
+        assert max(err.values()) < TOL, err
+        assert set(lines) == ops
+        for op, line in lines.items():
+            assert line.startswith(f"{op}: fused (") and ": auto: " in line, line
