@@ -152,20 +152,21 @@ def test_resize_refuses_bad_input_and_priority_keeps_changed_features():
 _PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
 
-class _VirtualDevice(TorchDispatchMode):
-    """This rank as a device that takes ``slowness`` ns per FLOP of its matrix products: the
-    speed monitor's clock (``clock()``) moves only as they run, so what it measures, and with it
-    every decision the balancer takes, is known in advance whatever the machine's load."""
+class _FlopClock(TorchDispatchMode):
+    """This rank as a device that takes 1 ns per FLOP of its matrix products: ``clock()``, put
+    in place of the CPU clock that the speed monitor and the straggler emulation read, moves
+    only as they run, so what the monitor measures, and with it every decision the balancer
+    takes, is known in advance whatever the machine's load."""
 
     def __init__(self):
         super().__init__()
-        self.now, self.slowness = 0.0, 1.0
+        self.now = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in _PRODUCTS:
             a, b = args[-2], args[-1]
-            self.now += 2 * a.numel() * b.shape[-1] * self.slowness * 1e-9
+            self.now += 2 * a.numel() * b.shape[-1] * 1e-9
         return out
 
     def clock(self, device=None):
@@ -182,15 +183,16 @@ def _batches(steps):
 
 
 def _balanced_gpt(policies):
-    """A float64 GPT (fused, 2 pieces) trained with AdamW under each policy in turn on 2 ranks,
-    rank 1 a virtual device 2× slower for the steps before SLOW_UNTIL; the balancer's decisions,
-    every step's loss and the final plans. Also the single-process GPT's losses."""
+    """A float64 GPT (fused, 2 pieces) trained with AdamW under each policy in turn on 2 ranks
+    timed by FLOPs, rank 1 emulated 2× slower for the steps before SLOW_UNTIL; the balancer's
+    decisions, every step's loss and the final plans. Also the single-process GPT's losses."""
     from plait.balance import speed
     from plait.models import GPT, GPTConfig
     from plait.nn import apply_tp
+    from plait.runtime import SlowSpec, Straggler, rank_context, straggler
 
-    device = _VirtualDevice()
-    speed.compute_clock = device.clock  # the monitor's clock, in this rank's process only
+    device = _FlopClock()
+    speed.compute_clock = straggler.compute_clock = device.clock  # in this rank's process only
     torch.manual_seed(0)
     ref = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=4, n_embd=32)).double()
     batches = _batches(STEPS)
@@ -200,9 +202,10 @@ def _balanced_gpt(policies):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         balancer = Balancer(model, opt, None, PolicyConfig(name=policy, spike_steps=6),
                             every=2, alpha=1.0, warmup=3)
-        losses = []
+        losses, slow = [], Straggler([SlowSpec(1, 2.0, until_step=SLOW_UNTIL)], dist.get_rank())
+        rank_context().straggler = slow
         for step, (idx, targets) in enumerate(batches):
-            device.slowness = 2.0 if dist.get_rank() == 1 and step < SLOW_UNTIL else 1.0
+            slow.set_step(step)
             with device:  # the timed compute
                 loss = model(idx, targets)[1]
                 opt.zero_grad()
@@ -226,9 +229,9 @@ def _balanced_gpt(policies):
 
 
 def test_balancer_migrates_a_persistent_straggler_exactly():
-    """2 ranks, rank 1 2× slower until step 9, measured on virtual devices, so when the
-    balancer acts is known: the monitor's first exchange ends step 4 (3 warm-up steps, then
-    every 2) and reads speeds (1, 0.5); the exchange after step 10 reads (1, 1) (alpha 1: no
+    """2 ranks, rank 1 emulated 2× slower until step 9, timed by FLOPs, so when the balancer
+    acts is known: the monitor's first exchange ends step 4 (3 warm-up steps, then every 2)
+    and reads speeds (1, 0.5); the exchange after step 10 reads (1, 1) (alpha 1: no
     smoothing), and 5 balanced steps later, at step 14, the plan returns to even.
 
     ``migrate`` moves both dims (4 heads, 128 MLP columns) to the proportional plan at step 4

@@ -1,7 +1,8 @@
 """plait.balance.speed: the pure parts without processes, then the monitor on 2 ranks that are
-virtual devices: each rank's compute clock reads its matrix products' FLOPs times its slowness,
-so every figure is known exactly and checked to 1e-9 (a wall clock on 2 shared cores gave
-anything from 0.05 to 0.6 for a true 1/3).
+virtual devices: the compute clock (what the monitor and the straggler emulation read) counts
+each rank's matrix-product FLOPs, so with rank 1 emulated 3× slower every figure is known
+exactly and is checked to 1e-9 (the CPU clock on 2 shared cores gave anything from 0.05 to 0.6
+for a true 1/3).
 
 The monitor's cost in wall time is a benchmark's figure, not a unit test's: ``plait bench
 hetero`` reports it per run (``monitor_overhead``, the exchanges' time over the step time) and
@@ -60,21 +61,21 @@ def test_monitor_on_one_rank_times_each_layer():
 _PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
 
-class _VirtualDevice(TorchDispatchMode):
-    """This rank as a device that takes ``slowness`` ns per FLOP of its matrix products: its
-    clock (``clock()``, what the monitor reads in place of the CPU clock) moves only as they
-    run, so a region's time is its FLOPs × slowness whoever else shares the cores. Records the
-    collectives issued and their bytes per rank."""
+class _FlopClock(TorchDispatchMode):
+    """This rank as a device that takes 1 ns per FLOP of its matrix products: ``clock()``,
+    put in place of the CPU clock that the monitor and the straggler emulation read, moves
+    only as they run, so a region's time is its FLOPs (× the emulated slowdown, whose sleep
+    the monitor counts) whoever else shares the cores. Records each collective's bytes."""
 
     def __init__(self):
         super().__init__()
-        self.now, self.slowness, self.sent = 0.0, 1.0, []
+        self.now, self.sent = 0.0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in _PRODUCTS:
             a, b = args[-2], args[-1]
-            self.now += 2 * a.numel() * b.shape[-1] * self.slowness * 1e-9
+            self.now += 2 * a.numel() * b.shape[-1] * 1e-9
         elif func.namespace == "c10d" and "barrier" not in func.name():
             inputs = args[1] if "allgather" in func.name() else args[0]
             self.sent.append(sum(t.numel() * t.element_size() for t in inputs))
@@ -85,18 +86,21 @@ class _VirtualDevice(TorchDispatchMode):
 
 
 def _monitor_on_virtual_devices(every, steps, slow_until):
-    """Rank 1 3× slower for the first ``slow_until`` steps, then as fast as rank 0; for plans
-    1:1 and 3:1 (rank 1 with a third of rank 0's work, so its time equals rank 0's), plain
-    and fused: after each exchange the speeds, layer 1's speeds and the stragglers; per
-    step the bytes the monitor sent."""
+    """Rank 1 emulated 3× slower (``SlowSpec``) for the first ``slow_until`` steps, then as
+    fast as rank 0; for plans 1:1 and 3:1 (rank 1 with a third of rank 0's work, so its time
+    equals rank 0's), plain and fused: after each exchange the speeds, layer 1's speeds and
+    the stragglers; per step the bytes the monitor sent."""
     from plait.balance import speed
+    from plait.runtime import SlowSpec, Straggler, rank_context, straggler
 
-    device = _VirtualDevice()
-    speed.compute_clock = device.clock  # the monitor's clock, in this rank's process only
+    device = _FlopClock()
+    speed.compute_clock = straggler.compute_clock = device.clock  # in this rank's process only
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     out = {}
     for sizes in ((1, 1), (3, 1)):
         for overlap in (False, True):
+            slow = Straggler([SlowSpec(1, 3.0, until_step=slow_until)], dist.get_rank())
+            rank_context().straggler = slow
             plan = ShardPlan(sizes).scaled(64 // sum(sizes))
             kw = dict(plan=plan, overlap=overlap, chunks=2, seed=0)
             model = nn.Sequential(ColumnParallelLinear(64, 64, **kw),
@@ -106,7 +110,7 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
             readings, sent = [], []
             with device:
                 for step in range(steps):
-                    device.slowness = 3.0 if dist.get_rank() == 1 and step < slow_until else 1.0
+                    slow.set_step(step)
                     model(x).square().mean().backward()
                     before = len(device.sent)
                     if monitor.step():
@@ -118,10 +122,11 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
 
 
 def test_monitor_finds_the_slow_rank_whatever_its_share():
-    """Rank 1 3× slower finds speeds (1, 1/3) exactly, also when a 3:1 plan gives it a third of
-    rank 0's work and so the same time (speeds count work); once it is fast again its speed
-    climbs as the EMA (alpha 0.25) says: 1/2, then 5/8. Every rank holds the same figures, and
-    the monitor sends one all-gather of 2 layers × (seconds, work) float64 per 2 steps."""
+    """Rank 1 emulated 3× slower is found at speeds (1, 1/3) exactly, also when a 3:1 plan
+    gives it a third of rank 0's work and so the same time (speeds count work); once it is
+    fast again its speed climbs as the EMA (alpha 0.25) says: 1/2, then 5/8. Every rank holds
+    the same figures, and the monitor sends one all-gather of 2 layers × (seconds, work)
+    float64 per 2 steps, nothing in between."""
     results = run_ranks(_monitor_on_virtual_devices, 2, 2, 12, 8)
     assert results[0] == results[1]  # every rank holds the same figures
     want = [1 / 3] * 4 + [1 / 2, 5 / 8]  # exchanges after steps 1, 3, 5, 7 (slow), 9, 11
@@ -132,4 +137,4 @@ def test_monitor_finds_the_slow_rank_whatever_its_share():
             assert speeds[1] == pytest.approx(w, rel=1e-9), (case, speeds, w)
             assert layer[1] == pytest.approx(w, rel=1e-9), (case, layer, w)
             assert stragglers == (1,), (case, stragglers)
-        assert sent == [[], [2 * 2 * 8]] * 6, (case, sent)  # nothing between exchanges
+        assert sent == [[], [2 * 2 * 8]] * 6, (case, sent)
