@@ -71,8 +71,8 @@ def test_validate_json_has_required_keys_and_names_every_source(tmp_path, monkey
     # every published row carries its own tolerance into the JSON
     assert {r["case"]: r["tolerance"] for r in data["records"]} == {
         c: ref.tolerance for c, ref in REFERENCES.items()}
-    pub = data["summary"]["published"]
-    assert pub["n"] >= 8 and pub["rel_error"] <= 0.25 and rc == 0
+    pub = data["summary"]["published"]  # the CLI's median; each row on its own: below
+    assert pub["n"] >= 8 and pub["rel_error"] <= THRESHOLDS["published"] and rc == 0
     assert (tmp_path / "v.png").stat().st_size > 1000
 
 
@@ -101,10 +101,9 @@ def test_published_row_within_its_own_tolerance(case, published):
 
 
 def test_published_predictions_are_genuine(published):
-    rows = published
     # predictions change with the catalog: not copies of the references
-    assert len({round(r.predicted, 6) for r in rows.values()}) > len(rows) // 2
-    assert all(r.rel_error > 1e-6 for r in rows.values())
+    assert len({round(r.predicted, 6) for r in published.values()}) > len(published) // 2
+    assert all(r.rel_error > 1e-6 for r in published.values())
 
 
 @pytest.fixture(scope="module")
