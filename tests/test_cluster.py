@@ -107,7 +107,7 @@ def test_link_rate_limits_all_reduce_bandwidth():
         t = launch(_timed_all_reduce, 2, args=(nbytes,), cluster=cluster, threads=1)[0]
     busbw = nbytes / t * 2 * (2 - 1) / 2  # nccl-tests: all_reduce bus factor 2(n-1)/n
     fraction = busbw / (parse_rate(link) / 8)
-    # above the rate: shaping failed; below half (the median of 3, each ~0.1 s on the wire):
+    # above the rate: shaping failed; below half (the median of 3, each ~0.17 s on the wire):
     # wrongly shaped, as a machine's load adds milliseconds of copying, not tenths of seconds
     assert 0.5 <= fraction <= 1.05, f"busbw {busbw / 1e6:.1f} MB/s is {fraction:.0%} of {link}"
 
