@@ -17,6 +17,14 @@ all_to_all(v)      all a rank sends            (n−1)/n
 
 Every first iteration's output is checked against the exact expected values
 (as nccl-tests counts ``#wrong``).
+
+On an emulated link each record also gives ``link_share``, busbw over the link
+rate; and the largest message is timed a second way, as ``pieces`` calls of a
+``pieces``-th of it all in flight at once. The link carries what the pieces
+reach: where one call falls well short of it and the pieces do not, the
+backend's algorithm is the limit, not the link. :func:`shortfalls` says, for
+each collective below ``LINK_SHARE_OK`` of the link in one call, why (gloo's
+algorithms, measured in docs/link.md).
 """
 
 from __future__ import annotations
@@ -26,15 +34,32 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..runtime import rank_context
+from ..runtime import parse_rate, rank_context
 from .placement import run_placed
 from ..runtime.compat import all_gather_into, reduce_scatter_into
 from ..runtime.timing import agreed_max, median, time_once
 
-__all__ = ["COLLECTIVES", "CollectiveBenchConfig", "bench_collectives", "bus_factor",
-           "plot_bandwidth", "run_sweep", "sweep_sizes", "uneven_splits"]
+__all__ = ["COLLECTIVES", "GLOO_SHORTFALL", "LINK_SHARE_OK", "CollectiveBenchConfig",
+           "bench_collectives", "bus_factor", "link_share", "plot_bandwidth", "run_sweep",
+           "shortfalls", "sweep_sizes", "uneven_splits"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven")
+
+LINK_SHARE_OK = 0.9
+"""A collective whose largest message reaches this share of the link in one call uses the link."""
+
+_TAKE_TURNS = ("gloo posts each send before its receive, and a pair of ranks shares one TCP "
+               "connection: the peer's ready-to-receive message waits behind this rank's "
+               "payload, so the two directions take turns instead of running at once")
+GLOO_SHORTFALL = {
+    "reduce_scatter": "gloo runs reduce_scatter_tensor as an all-reduce of the whole input and "
+                      "keeps this rank's slice: twice the bytes cross the link, so busbw stays "
+                      "under half of it (pieces are all-reduces too)",
+    "all_gather": _TAKE_TURNS + " (gloo's ring sends each half before receiving it)",
+    "all_to_all": _TAKE_TURNS,
+    "all_to_all_uneven": _TAKE_TURNS,
+}
+"""Why gloo's one call of a collective falls short of the link (measured: docs/link.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +81,10 @@ class CollectiveBenchConfig:
     budget_s: float = field(default=0.4, metadata={
         "help": "seconds to spend timing one point; sets the iteration count within the bounds"})
     dtype: str = field(default="float32", metadata={"help": "element type of the buffers"})
+    pieces: int = field(default=8, metadata={
+        "help": "also time the largest message as this many calls in flight at once, each a "
+                "piece of it (0: don't): what the link carries when one call's algorithm "
+                "does not use it"})
     extra: dict = field(default_factory=dict, metadata={"help": None})  # labels for every record
 
     def __post_init__(self) -> None:
@@ -71,6 +100,8 @@ class CollectiveBenchConfig:
             raise ValueError(f"need 1 ≤ min_iters ≤ max_iters, got {self.min_iters}, {self.max_iters}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be non-negative, got {self.warmup}")
+        if self.pieces < 0:
+            raise ValueError(f"pieces must be 0 (none) or more, got {self.pieces}")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
 
@@ -78,6 +109,29 @@ class CollectiveBenchConfig:
 def bus_factor(collective: str, world_size: int) -> float:
     n = world_size
     return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def link_share(busbw_GBps: float, link: str | None) -> float | None:
+    """busbw over the link's rate (both in bytes/s); None on loopback (no link to fill)."""
+    bits = parse_rate(link)
+    return busbw_GBps * 1e9 / (bits / 8) if bits else None
+
+
+def shortfalls(records: list[dict]) -> dict[str, str]:
+    """Collective → why its largest message's one call reaches under ``LINK_SHARE_OK`` of the
+    link, with the share in one call and in pieces (none on loopback, where no link is filled)."""
+    notes = {}
+    for name in dict.fromkeys(r["collective"] for r in records):
+        top = max((r for r in records if r["collective"] == name), key=lambda r: r["bytes"])
+        if top["link_share"] is None or top["link_share"] >= LINK_SHARE_OK:
+            continue
+        measured = f"one call {top['link_share']:.0%} of the link"
+        if top.get("pieces_link_share") is not None:
+            measured += f", {top['pieces']} pieces in flight {top['pieces_link_share']:.0%}"
+        why = (GLOO_SHORTFALL.get(name) if top["backend"] == "gloo" else None) or \
+            "no known cause on this backend (docs/link.md says how to look)"
+        notes[name] = f"{measured}: {why}"
+    return notes
 
 
 def sweep_sizes(cfg: CollectiveBenchConfig) -> list[int]:
@@ -124,15 +178,16 @@ class _Case:
             self.splits_out = [splits[j][r] for j in range(n)]
             self.inp, self.out = make(count, r + 1), make(sum(self.splits_out), 0)
 
-    def __call__(self) -> None:
+    def __call__(self, async_op: bool = False):
+        """Run the collective; with ``async_op`` return its work handle without waiting."""
         if self.name == "all_reduce":
-            dist.all_reduce(self.out)
-        elif self.name == "all_gather":
-            all_gather_into(self.out, self.inp)
-        elif self.name == "reduce_scatter":
-            reduce_scatter_into(self.out, self.inp)
-        else:
-            dist.all_to_all_single(self.out, self.inp, self.splits_out, self.splits_in)
+            return dist.all_reduce(self.out, async_op=async_op)
+        if self.name == "all_gather":
+            return all_gather_into(self.out, self.inp, async_op=async_op)
+        if self.name == "reduce_scatter":
+            return reduce_scatter_into(self.out, self.inp, async_op=async_op)
+        return dist.all_to_all_single(self.out, self.inp, self.splits_out, self.splits_in,
+                                      async_op=async_op)
 
     def expected(self) -> torch.Tensor:
         n = dist.get_world_size()
@@ -158,31 +213,60 @@ def _iterations(cfg: CollectiveBenchConfig, probe_s: float) -> int:
     return max(cfg.min_iters, min(cfg.max_iters, iters))
 
 
+def _in_flight(cases: list[_Case]) -> None:
+    for work in [case(async_op=True) for case in cases]:
+        work.wait()
+
+
+def _time_point(cfg: CollectiveBenchConfig, run, device) -> list[float]:
+    """Warm-up, then per-iteration times (each the slowest rank's)."""
+    for _ in range(cfg.warmup):
+        run()
+    probe = agreed_max([time_once(run, device)])[0]
+    return agreed_max([time_once(run, device) for _ in range(_iterations(cfg, probe))])
+
+
+def _time_pieces(cfg: CollectiveBenchConfig, name: str, nbytes: int, dtype, device) -> dict:
+    """The same message as ``cfg.pieces`` calls in flight: their bytes, median time, #wrong."""
+    cases = [_Case(name, nbytes // cfg.pieces, dtype, device) for _ in range(cfg.pieces)]
+    wrong = agreed_max([sum(case.check() for case in cases)])[0]
+    times = _time_point(cfg, lambda: _in_flight(cases), device)
+    return {"bytes": sum(case.nbytes for case in cases), "time_s": median(times),
+            "wrong": int(wrong)}
+
+
 def run_sweep(cfg: CollectiveBenchConfig) -> list[dict]:
     """Run on every rank of an initialised group; returns the records (same on every rank)."""
     ctx = rank_context()
     n, device = dist.get_world_size(), ctx.topology.device
     dtype = getattr(torch, cfg.dtype)
     records = []
+    sizes = sweep_sizes(cfg)
     for name in cfg.collectives:
-        for nbytes in sweep_sizes(cfg):
+        for nbytes in sizes:
             case = _Case(name, nbytes, dtype, device)
             wrong = agreed_max([case.check()])[0]
-            for _ in range(cfg.warmup):
-                case()
-            probe = agreed_max([time_once(case, device)])[0]
-            times = [time_once(case, device) for _ in range(_iterations(cfg, probe))]
-            times = agreed_max(times)
+            times = _time_point(cfg, case, device)
             t = median(times)
             algbw = case.nbytes / t / 1e9
-            records.append({
+            busbw = algbw * bus_factor(name, n)
+            record = {
                 "collective": name, "bytes": case.nbytes, "dtype": cfg.dtype,
                 "time_s": t, "time_min_s": min(times), "time_max_s": max(times),
-                "iters": len(times), "algbw_GBps": algbw,
-                "busbw_GBps": algbw * bus_factor(name, n), "wrong": int(wrong),
+                "iters": len(times), "algbw_GBps": algbw, "busbw_GBps": busbw,
+                "link_share": link_share(busbw, ctx.link), "wrong": int(wrong),
+                "pieces": 0, "pieces_time_s": None, "pieces_link_share": None,
                 "world_size": n, "backend": ctx.topology.backend, "link": ctx.link, **cfg.extra,
-            })
-            ctx.report({"collective": name, "bytes": case.nbytes, "time_s": t})
+            }
+            del case  # the pieces' buffers take its place, not its size again
+            if cfg.pieces and nbytes == sizes[-1]:
+                pieces = _time_pieces(cfg, name, record["bytes"], dtype, device)
+                busbw_p = pieces["bytes"] / pieces["time_s"] / 1e9 * bus_factor(name, n)
+                record.update(pieces=cfg.pieces, pieces_time_s=pieces["time_s"],
+                              pieces_link_share=link_share(busbw_p, ctx.link))
+                record["wrong"] += pieces["wrong"]
+            records.append(record)
+            ctx.report({"collective": name, "bytes": record["bytes"], "time_s": t})
     return records
 
 

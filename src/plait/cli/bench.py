@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..bench.collectives import CollectiveBenchConfig, bench_collectives, plot_bandwidth
+from ..bench.collectives import (LINK_SHARE_OK, CollectiveBenchConfig, bench_collectives,
+                                 plot_bandwidth, shortfalls)
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
 from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
 from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_over_seeds,
@@ -74,16 +75,26 @@ def run_collectives(args: argparse.Namespace) -> int:
     if not where.startswith("loopback (no emulated cluster:"):  # the fallback already said why
         console.print(f"[dim]{where}[/dim]")
     link_GBps = (parse_rate(records[0]["link"]) or 0) / 8e9 if records else 0
+    pieces = max((r["pieces"] for r in records), default=0)
+    columns = ["collective", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "link share",
+               f"{pieces} in flight" + (": link share" if link_GBps else " (µs)"), "#wrong", "iters"]
     rows = [[r["collective"], human_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.0f}",
-             f"{r['algbw_GBps']:.4f}", f"{r['busbw_GBps']:.4f}",
-             f"{100 * r['busbw_GBps'] / link_GBps:.0f} %" if link_GBps else "–",
-             r["wrong"], r["iters"]] for r in records]
+             f"{r['algbw_GBps']:.4f}", f"{r['busbw_GBps']:.4f}", _share(r["link_share"]),
+             _pieces_cell(r), r["wrong"], r["iters"]] for r in records]
+    if not pieces:  # --pieces 0: no column for them
+        columns.pop(6)
+        rows = [row[:6] + row[7:] for row in rows]
     print_table(f"collectives on {ranks} ranks ({records[0]['link'] if records else ''})",
-                ["collective", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "busbw/link",
-                 "#wrong", "iters"], rows,
-                caption="median over timed iterations; each iteration's time is the slowest rank's")
+                columns, rows,
+                caption="median over timed iterations; each iteration's time is the slowest "
+                        "rank's; link share = busbw / link rate; in flight: the largest message "
+                        "as that many calls at once, each a piece of it")
+    notes = shortfalls(records)
+    for name, note in notes.items():
+        console.print(f"[yellow]{name}[/yellow] under {LINK_SHARE_OK:.0%} of the link: {note}")
     if args.json:
-        write_json(args.json, records, {"command": "bench collectives", "where": where})
+        write_json(args.json, records, {"command": "bench collectives", "where": where,
+                                        "shortfalls": notes})
         console.print(f"wrote {args.json}")
     if args.plot:
         plot_bandwidth(records, args.plot, link_GBps or None)
@@ -92,6 +103,18 @@ def run_collectives(args: argparse.Namespace) -> int:
     if wrong:
         console.print(f"[red]{wrong} wrong elements: the collectives returned wrong results[/red]")
     return 1 if wrong else 0
+
+
+def _share(share: float | None) -> str:
+    return "–" if share is None else f"{share:.0%}"
+
+
+def _pieces_cell(record: dict) -> str:
+    if not record["pieces"]:
+        return ""
+    if record["pieces_link_share"] is not None:
+        return _share(record["pieces_link_share"])
+    return f"{record['pieces_time_s'] * 1e6:,.0f}"
 
 
 def _check_memory(max_bytes: int, ranks: int) -> None:
