@@ -77,7 +77,8 @@ def run_collectives(args: argparse.Namespace) -> int:
     link_GBps = (parse_rate(records[0]["link"]) or 0) / 8e9 if records else 0
     pieces = max((r["pieces"] for r in records), default=0)
     columns = ["collective", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "link share",
-               f"{pieces} in flight" + (": link share" if link_GBps else " (µs)"), "#wrong", "iters"]
+               f"{pieces} in flight" + (": link share" if link_GBps else " (µs)"),
+               "#wrong", "iters"]
     rows = [[r["collective"], human_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.0f}",
              f"{r['algbw_GBps']:.4f}", f"{r['busbw_GBps']:.4f}", _share(r["link_share"]),
              _pieces_cell(r), r["wrong"], r["iters"]] for r in records]
