@@ -7,6 +7,7 @@ import pytest
 from plait.bench.collectives import (COLLECTIVES, CollectiveBenchConfig, bench_collectives,
                                      bus_factor, sweep_sizes, uneven_splits)
 from plait.cli.main import main
+from plait.runtime import parse_rate
 
 from conftest import needs_netns
 
@@ -88,3 +89,22 @@ def test_cluster_run_runs_a_torchrun_style_script(tmp_path):
                  "--", sys.executable, str(script)])
     assert code == 0
     assert [(tmp_path / f"job.py.{r}").read_text() for r in range(2)] == ["1gbit", "1gbit"]
+
+
+@needs_netns
+def test_sweep_on_an_emulated_cluster_is_held_to_its_link():
+    link = "50mbit"  # 6.25 MB/s: loopback here moves 256 KiB several times faster
+    cfg = CollectiveBenchConfig(min_bytes=4096, max_bytes=1 << 18, step_factor=64, warmup=1,
+                                min_iters=2, max_iters=3, budget_s=0.01,
+                                collectives=("all_reduce", "all_to_all_uneven"))
+    records, where = bench_collectives(cfg, ranks=3, hosts=3, link=link)
+    assert where.startswith("emulated cluster: 3 hosts") and link in where
+    assert len(records) == 2 * 2
+    for r in records:
+        assert r["wrong"] == 0 and r["world_size"] == 3, r
+        assert r["hosts"] == 3 and r["link"] == link, r
+    # tbf lets 64 KiB pass at once (runtime.cluster._tbf), a quarter of the largest message:
+    # up to 4/3 of the rate, and 1.5 × bounds it
+    for r in records:
+        if r["bytes"] > 1 << 17:
+            assert r["busbw_GBps"] <= 1.5 * parse_rate(link) / 8 / 1e9, r
