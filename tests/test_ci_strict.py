@@ -10,6 +10,9 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from conftest import MAY_SKIP_REASONS, REQUIRE_ALL_ENV
 
@@ -110,3 +113,18 @@ def test_ci_run_turns_a_skip_into_a_failure(tmp_path):
         assert ci_seen[name][0] == kind and words in ci_seen[name][1], (name, ci_seen[name])
     for name in ("test_marked_skip", "test_skip_in_body", "test_tiny_module_skip"):
         assert f"{REQUIRE_ALL_ENV}=1 (CI) forbids skipping" in ci_seen[name][1], ci_seen[name]
+
+
+def test_ci_run_of_this_suite_needs_an_emulated_cluster(monkeypatch):
+    import conftest
+    import plait.runtime
+
+    mine = SimpleNamespace(items=[SimpleNamespace(path=Path(__file__))])
+    elsewhere = SimpleNamespace(items=[SimpleNamespace(path=Path("/elsewhere/test_x.py"))])
+    monkeypatch.setattr(plait.runtime, "cluster_support", lambda: "'ip' is not installed")
+    monkeypatch.delenv(REQUIRE_ALL_ENV, raising=False)
+    conftest.pytest_collection_finish(mine)  # not CI: tests may take their loopback branch
+    monkeypatch.setenv(REQUIRE_ALL_ENV, "1")
+    conftest.pytest_collection_finish(elsewhere)  # not this suite (the tiny one above)
+    with pytest.raises(pytest.UsageError, match="needs an emulated cluster: 'ip' is not"):
+        conftest.pytest_collection_finish(mine)
