@@ -119,7 +119,10 @@ def test_more_ranks_than_cores_with_the_default_finishes():
     ranks = _cores() + 1
     start = time.monotonic()
     assert launch(_fused_loop, ranks, args=(300,), timeout_s=20, threads=1) == list(range(ranks))
-    assert time.monotonic() - start < 60
+    took = time.monotonic() - start
+    # about 10 s on 2 busy cores (3 ranks, 300 fused ops each); the hang was until killed, so a
+    # bound this loose loses nothing and holds on a loaded machine
+    assert took < 60, f"{ranks} ranks on {_cores()} cores took {took:.0f} s"
 
 
 def test_outside_a_group_there_is_nothing_to_raise():
