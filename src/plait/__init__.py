@@ -1,4 +1,13 @@
 """plait: fused compute–collective operators and heterogeneity-aware tensor parallelism."""
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "parallelize", "full_state_dict"]
+
+
+def __getattr__(name: str):
+    # torch loads on first use, not on ``import plait`` (the CLI starts without it)
+    if name in ("parallelize", "full_state_dict"):
+        from . import parallel
+
+        return getattr(parallel, name)
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")

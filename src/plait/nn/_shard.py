@@ -20,17 +20,18 @@ __all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "pieces", "s
 
 
 class GroupInfo:
-    """(rank, world) of a group; a world of one when torch.distributed is not initialised."""
+    """(rank, world) of a group. Without torch.distributed initialised there is no group: a
+    layer built then would silently run as a world of one on every process (each rank the
+    whole model), so it is refused."""
 
     def __init__(self, group=None):
         self.group = group
-        if dist.is_available() and dist.is_initialized():
-            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        else:
-            if group is not None:
-                raise ValueError("a process group was given but torch.distributed is not "
-                                 "initialised; call plait.runtime.init_from_env() first")
-            self.rank, self.world = 0, 1
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("plait's parallel layers need torch.distributed initialised: call "
+                             "plait.runtime.init_from_env() (under torchrun) or "
+                             "torch.distributed.init_process_group() first; a process on its "
+                             "own is a world of one of them (init_from_env() without torchrun)")
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
 
 def group_info(group=None) -> GroupInfo:

@@ -1,10 +1,11 @@
-"""Make a plain model parallel by replacing its modules with plait.nn layers built ``from_module``.
+"""``apply_tp``: plait's own models made parallel, as a plan for ``plait.parallelize``.
 
 In the style of gpt-fast's ``tp.py`` and torchtitan's ``parallelize.py``: the
 models in :mod:`plait.models` carry no parallel code; this module knows their
-shape (by duck typing: nothing here imports a model) and swaps modules in
-place, so the parallel model starts from exactly the plain model's weights and
-keeps its forward signature and state_dict keys.
+shape (by duck typing: nothing here imports a model) and writes their plan
+(``plait_plan``), which ``plait.parallel.parallelize`` applies as it applies any
+model's: modules swapped in place, so the parallel model starts from exactly
+the plain model's weights and keeps its forward signature and state_dict keys.
 
 GPT (``blocks`` of ``attn``/``mlp``): QKV column-parallel by heads, attention
 output row-parallel by the same heads; MLP fc column-parallel, proj
@@ -37,16 +38,17 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
-from ._shard import GroupInfo, mark_partial_grad
+from ._shard import GroupInfo
 from .embedding import ShardedEmbeddingBag
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import MoE
 
-__all__ = ["apply_tp", "parallelize_gpt", "parallelize_dlrm", "full_state_dict", "PLAIT_LAYERS"]
+__all__ = ["apply_tp", "parallelize_gpt", "parallelize_dlrm", "plait_plan", "full_state_dict",
+           "PLAIT_LAYERS"]
 
 log = logging.getLogger("plait.nn")
 
@@ -57,17 +59,100 @@ _KINDS = {"heads", "mlp", "experts", "seq", "tables", "batch"}
 def apply_tp(model: nn.Module, group=None, plans: dict[str, ShardPlan] | None = None, *,
              overlap: bool = True, sequence_parallel: bool = False, chunks="auto",
              microbatches: int = 1) -> nn.Module:
-    """Parallelise ``model`` in place (a GPT, MoE-GPT or DLRM from plait.models) and return it."""
+    """Parallelise ``model`` in place (a GPT, MoE-GPT or DLRM from plait.models) and return it.
+
+    Without torch.distributed initialised it returns the plain model unchanged (what a
+    world of one computes; plait's own one-process references use it). Any other model:
+    ``plait.parallelize(model, plan)``."""
+    plan = plait_plan(model, sequence_parallel=sequence_parallel)
+    if plan is None:
+        raise TypeError(f"apply_tp does not know how to parallelise a {type(model).__name__}: it "
+                        "expects a GPT (blocks with attn and mlp) or a DLRM (embeddings.bags); "
+                        "for any other model use plait.parallelize(model, plan)")
+    gpt = "" not in plan
+    if gpt:
+        _check_microbatches(model, microbatches, overlap, sequence_parallel)
+    elif sequence_parallel or microbatches != 1:
+        raise ValueError("sequence_parallel and microbatches apply to a GPT, not to a DLRM")
+    plans = _plans(plans, model)
+    if not (dist.is_available() and dist.is_initialized()):
+        log.info("apply_tp: torch.distributed is not initialised; %s stays the plain model",
+                 type(model).__name__)
+        return model
+    from ..parallel.apply import parallelize  # plait.parallel builds on plait.nn's layers
+
+    parallelize(model, plan, group=group, shards=plans, overlap=overlap, chunks=chunks)
+    info = GroupInfo(group)
+    if not gpt:
+        tables = model.embeddings
+        _log_once(info, model, f"DLRM: {len(tables.num_embeddings)} tables model-parallel "
+                  f"(plan {list(tables.plan.sizes)}), MLPs data-parallel on {info.world} ranks "
+                  f"({'fused' if overlap else 'plain'} path)")
+        return model
+    moe = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
+    experts = f", {moe[0].num_experts} experts per MLP expert-parallel" if moe else ""
+    interleaved = ""
+    if microbatches > 1 and info.world > 1:
+        model.run_blocks = interleaved_blocks(model.blocks, microbatches)
+        interleaved = f", {microbatches} micro-batches interleaved"
+    _log_once(info, model, f"{'MoE-GPT' if moe else 'GPT'}: {len(model.blocks)} blocks "
+              f"tensor-parallel on {info.world} ranks{experts} ({'fused' if overlap else 'plain'} "
+              f"path{', sequence-parallel' if sequence_parallel else ''}{interleaved})")
+    return model
+
+
+def parallelize_gpt(model: nn.Module, group=None, plans=None, **kw) -> nn.Module:
+    """``apply_tp`` for a GPT or MoE-GPT (refusing any other model)."""
+    if not hasattr(model, "blocks"):
+        raise TypeError(f"parallelize_gpt expects a GPT, got {type(model).__name__}")
+    return apply_tp(model, group, plans, **kw)
+
+
+def parallelize_dlrm(model: nn.Module, group=None, plans=None, **kw) -> nn.Module:
+    """``apply_tp`` for a DLRM (refusing any other model)."""
+    if not hasattr(getattr(model, "embeddings", None), "bags"):
+        raise TypeError(f"parallelize_dlrm expects a DLRM, got {type(model).__name__}")
+    return apply_tp(model, group, plans, **kw)
+
+
+def plait_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict | None:
+    """The plan of one of plait's own models, found by its shape (None for any other).
+
+    GPT: QKV column-parallel by heads, the attention projection row-parallel by the same
+    heads; MLP fc column-parallel, proj row-parallel; MoE MLPs expert-parallel.
+    ``sequence_parallel``: the residual stream is cut along the sequence before the first
+    block and gathered after the last; the LayerNorms between run on their share (their
+    gradients summed), and the linears gather it (``all_gather_matmul``) and
+    reduce-scatter it back (``matmul_reduce_scatter``) inside their fused operators.
+    DLRM: the tables model-parallel, the rest of the model data-parallel over the batch.
+    """
+    # plait.parallel builds on plait.nn's layers: its styles are imported when used
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ..parallel.styles import (BatchParallel, Colwise, PlaitMoE, Prepare, Rowwise,
+                                   SequenceParallel, TableParallel)
+
     if hasattr(model, "blocks") and all(hasattr(b, "attn") for b in model.blocks):
-        return parallelize_gpt(model, group, plans, overlap=overlap,
-                               sequence_parallel=sequence_parallel, chunks=chunks,
-                               microbatches=microbatches)
+        seq, rep = Shard(1), Replicate()
+        into, out = (seq, seq) if sequence_parallel else (rep, rep)
+        plan: dict = {"blocks.*.attn.qkv": Colwise(input=into), "blocks.*.attn.proj": Rowwise(output=out)}
+        for i, block in enumerate(model.blocks):
+            if hasattr(block.mlp, "router"):
+                plan[f"blocks.{i}.mlp"] = PlaitMoE(replicated_input=not sequence_parallel)
+            else:
+                plan[f"blocks.{i}.mlp.fc"] = Colwise(input=into)
+                plan[f"blocks.{i}.mlp.proj"] = Rowwise(output=out)
+        n = len(model.blocks)
+        if sequence_parallel and n:
+            plan["blocks.*.ln_1"] = plan["blocks.*.ln_2"] = SequenceParallel()
+            cut, gather = ((rep, seq),), ((seq, rep),)
+            plan["blocks.0"] = Prepare(args=cut, outputs=gather if n == 1 else ())
+            if n > 1:
+                plan[f"blocks.{n - 1}"] = Prepare(outputs=gather)
+        return plan
     if hasattr(getattr(model, "embeddings", None), "bags"):
-        if sequence_parallel or microbatches != 1:
-            raise ValueError("sequence_parallel and microbatches apply to a GPT, not to a DLRM")
-        return parallelize_dlrm(model, group, plans, overlap=overlap, chunks=chunks)
-    raise TypeError(f"apply_tp does not know how to parallelise a {type(model).__name__}: it "
-                    "expects a GPT (blocks with attn and mlp) or a DLRM (embeddings.bags)")
+        return {"embeddings": TableParallel(), "": BatchParallel(tables="embeddings")}
+    return None
 
 
 def _plans(plans, model: nn.Module) -> dict[str, ShardPlan]:
@@ -81,52 +166,6 @@ def _plans(plans, model: nn.Module) -> dict[str, ShardPlan]:
     if bad:
         raise TypeError(f"plans must be ShardPlan values, got {bad}")
     return plans
-
-
-def parallelize_gpt(model: nn.Module, group=None, plans=None, *, overlap: bool = True,
-                    sequence_parallel: bool = False, chunks="auto",
-                    microbatches: int = 1) -> nn.Module:
-    plans = _plans(plans, model)
-    info = GroupInfo(group)
-    _check_microbatches(model, microbatches, overlap, sequence_parallel)
-    seq = plans.get("seq")
-    common = dict(overlap=overlap, chunks=chunks, sequence_parallel=sequence_parallel,
-                  seq_plan=seq)
-    dims: dict[str, tuple[str, ...]] = {}  # a sharded dim → the layers its plan splits together
-    for i, block in enumerate(model.blocks):
-        attn, heads = block.attn, plans.get(f"blocks.{i}.attn", plans.get("heads"))
-        attn.qkv = ColumnParallelLinear.from_module(attn.qkv, group, plan=heads, blocks=3,
-                                                    unit=attn.head_dim, unit_name="heads", **common)
-        attn.proj = RowParallelLinear.from_module(attn.proj, group, plan=heads, unit=attn.head_dim,
-                                                  unit_name="heads", **common)
-        dims[f"blocks.{i}.attn"] = (f"blocks.{i}.attn.qkv", f"blocks.{i}.attn.proj")
-        mlp = block.mlp
-        if hasattr(mlp, "router"):
-            block.mlp = MoE.from_module(mlp, group, plan=plans.get(f"blocks.{i}.mlp",
-                                                                   plans.get("experts")),
-                                        overlap=overlap, chunks=chunks,
-                                        replicated_input=not sequence_parallel)
-        else:
-            cols = plans.get(f"blocks.{i}.mlp", plans.get("mlp"))
-            mlp.fc = ColumnParallelLinear.from_module(mlp.fc, group, plan=cols, **common)
-            mlp.proj = RowParallelLinear.from_module(mlp.proj, group, plan=cols, **common)
-            dims[f"blocks.{i}.mlp"] = (f"blocks.{i}.mlp.fc", f"blocks.{i}.mlp.proj")
-        if sequence_parallel:
-            for param in _unsharded_params(block):
-                mark_partial_grad(param, group)
-    model._plait_dims = dims
-    if sequence_parallel and info.world > 1 and len(model.blocks):
-        _split_sequence(model.blocks[0], model.blocks[-1], group, seq)
-    moe = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
-    experts = f", {moe[0].num_experts} experts per MLP expert-parallel" if moe else ""
-    interleaved = ""
-    if microbatches > 1 and info.world > 1:
-        model.run_blocks = interleaved_blocks(model.blocks, microbatches)
-        interleaved = f", {microbatches} micro-batches interleaved"
-    _log_once(info, model, f"{'MoE-GPT' if moe else 'GPT'}: {len(model.blocks)} blocks "
-              f"tensor-parallel on {info.world} ranks{experts} ({'fused' if overlap else 'plain'} "
-              f"path{', sequence-parallel' if sequence_parallel else ''}{interleaved})")
-    return model
 
 
 def _check_microbatches(model: nn.Module, microbatches, overlap: bool,
@@ -173,74 +212,35 @@ def interleaved_blocks(blocks, parts: int):
     return run_blocks
 
 
-def _unsharded_params(module: nn.Module):
-    """Parameters of ``module`` outside any plait layer (LayerNorms and the like)."""
-    inside = {id(p) for m in module.modules() if isinstance(m, PLAIT_LAYERS) for p in m.parameters()}
-    return [p for p in module.parameters() if id(p) not in inside]
-
-
-def _split_sequence(first: nn.Module, last: nn.Module, group, seq: ShardPlan | None) -> None:
-    """Scatter the residual stream [B, S, D] along S before ``first``, gather it after ``last``."""
-    # even, or the plan's: the scatter checks that they fit, on every rank at once; the
-    # gather finds what the scatter left
-    sizes = None if seq is None else list(seq.sizes)
-
-    def scatter(module, args):
-        return (scatter_to_region(args[0], group, 1, sizes), *args[1:])
-
-    def gather(module, args, out):
-        return gather_from_region(out, group, 1, sizes)
-
-    first.register_forward_pre_hook(scatter)
-    last.register_forward_hook(gather)
-
-
-def parallelize_dlrm(model: nn.Module, group=None, plans=None, *, overlap: bool = True,
-                     chunks="auto") -> nn.Module:
-    plans = _plans(plans, model)
-    info = GroupInfo(group)
-    tables = ShardedEmbeddingBag.from_module(model.embeddings, group, plan=plans.get("tables"),
-                                             batch_plan=plans.get("batch"), overlap=overlap,
-                                             chunks=chunks)
-    model.embeddings = tables
-    for param in _unsharded_params(model):
-        mark_partial_grad(param, group)  # data-parallel MLPs: each rank saw its batch share
-
-    split: dict[str, list[int]] = {}
-
-    def split_batch(module, args):
-        dense, *rest = args
-        split["sizes"] = tables._shares(dense.shape[0])  # the scatter checks them
-        return (scatter_to_region(dense, group, 0, split["sizes"]), *rest)
-
-    def gather_logits(module, args, out):
-        return gather_from_region(out, group, 0, split["sizes"])
-
-    if info.world > 1:
-        model.register_forward_pre_hook(split_batch)
-        model.register_forward_hook(gather_logits)
-    _log_once(info, model, f"DLRM: {len(tables.num_embeddings)} tables model-parallel "
-              f"(plan {list(tables.plan.sizes)}), MLPs data-parallel on {info.world} ranks "
-              f"({'fused' if overlap else 'plain'} path)")
-    return model
-
-
 def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     """The plain model's state_dict, every sharded tensor gathered (a collective: every rank
     calls it). It loads straight into the single-device model. ``grads``: the parameters'
-    gradients instead, by the same names (zeros where there is none; no buffers)."""
+    gradients instead, by the same names (zeros where there is none; no buffers).
+
+    A sharded module is one with ``full_state_dict(grads)`` (plait's layers, and those
+    ``plait.parallelize`` adds) or split in place (``_plait_shards``: transformers' experts)."""
     if grads:
         state = {k: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
                  for k, p in model.named_parameters()}
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name, module in model.named_modules():
-        if isinstance(module, PLAIT_LAYERS):
-            prefix = f"{name}." if name else ""
+        prefix = f"{name}." if name else ""
+        in_place = getattr(module, "_plait_shards", None)
+        if in_place is not None:
+            state.update({prefix + k: v for k, v in in_place.full_state_dict(grads).items()})
+        elif _sharded(module):
             for key in [k for k in state if k.startswith(prefix)]:
                 del state[key]
             state.update({prefix + k: v for k, v in module.full_state_dict(grads).items()})
     return state
+
+
+def _sharded(module: nn.Module) -> bool:
+    from ..parallel.layers import VocabParallelEmbedding
+    from ..parallel.experts import ExpertParallelExperts
+
+    return isinstance(module, PLAIT_LAYERS + (VocabParallelEmbedding, ExpertParallelExperts))
 
 
 def _log_once(info: GroupInfo, model: nn.Module, line: str) -> None:

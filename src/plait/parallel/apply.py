@@ -1,0 +1,407 @@
+"""``parallelize(model, plan)``: replace a model's modules in place with plait's parallel layers.
+
+Three passes, so that a bad plan raises before the model changes: resolve
+(the plan to styles per module path, the column/row pairs to dims, every dim's
+``ShardPlan``), build (every new layer ``from_module``, cut from the module's own
+weights), swap (set the new modules, then the hooks that move tensors between
+layouts and sum replicated parameters' gradients). What runs unfused, and why,
+is logged once on rank 0 and kept in ``model._plait_parallel``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+
+from ..nn._shard import GroupInfo, mark_partial_grad
+from ..nn.embedding import ShardedEmbeddingBag
+from ..nn.linear import ColumnParallelLinear, RowParallelLinear
+from ..nn.moe import MoE
+from ..ops.regions import gather_from_region, reduce_from_region, scatter_to_region
+from ..plan import ShardPlan
+from .dims import Dim, find_dims, resolve_plan_for
+from .experts import ExpertParallelExperts
+from .layers import CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn
+from .resolve import auto_plan, check_shards, expand, shard_for, split_shards
+from .styles import (AllReduceOutput, BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
+                     Prepare, Replicated, Rowwise, SequenceParallel, TableParallel,
+                     VocabParallel, layout_name)
+
+__all__ = ["parallelize"]
+
+log = logging.getLogger("plait.parallel")
+
+_UNIT_NAMES = {"mlp": "columns", "columns": "columns"}
+
+
+def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, group=None,
+                mesh=None, shards: Mapping[str, ShardPlan] | None = None, overlap: bool = True,
+                chunks="auto") -> nn.Module:
+    """Make ``model`` tensor-parallel over ``group`` (or the ``"tp"`` dim of ``mesh``) in place
+    and return it. Every rank calls it with the same plan, on the same full model.
+
+    ``plan``: ``"auto"`` (the model's own), or ``{module path (``*`` wildcards): style}``
+    with PyTorch's ``ColwiseParallel()``/``RowwiseParallel()``/``SequenceParallel()``/
+    ``PrepareModuleInput(...)``/``PrepareModuleOutput(...)``, transformers' plan strings
+    (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``,
+    ``"moe_tp_experts"``, ``"ep_dispatch_experts"``, …) or plait's styles
+    (:mod:`plait.parallel.styles`); a ``ShardPlan`` value is an uneven share, as in
+    ``shards``: ``{kind or module path: ShardPlan}``, kinds "heads" (attention:
+    KV-head groups), "mlp" (hidden columns), "experts", "vocab", "columns", "seq".
+    ``overlap``: plait's fused compute–collective operators (False: compute, then the
+    collective); ``chunks``: their pieces ("auto": the cost model's choice).
+
+    The model keeps its forward signature, its ``state_dict`` keys (each rank holds its
+    shard; ``plait.nn.full_state_dict(model)`` gathers the whole) and its methods
+    (``generate``). ``model._plait_dims`` names the dims ``plait.balance.Balancer`` moves.
+    """
+    group = _group(group, mesh)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("plait.parallelize needs torch.distributed initialised (under torchrun: "
+                           "plait.runtime.init_from_env() or torch.distributed.init_process_group());"
+                           " without a process group there is nothing to split the model over")
+    info = GroupInfo(group)
+    auto = isinstance(plan, str)
+    if auto and plan != "auto":
+        raise ValueError(f"plan must be 'auto' or a dict of module path → style, got {plan!r}")
+    raw = auto_plan(model) if auto else plan
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"plan must be 'auto' or a dict of module path → style, got "
+                        f"{type(raw).__name__}")
+    styles, shard_plans = split_shards(raw, shards)
+    run = _Run(model, group, info, shard_plans, overlap, chunks)
+    run.resolve(expand(model, styles, strict=not auto))
+    built = run.build()
+    run.swap(built)
+    return model
+
+
+@dataclass
+class _Run:
+    model: nn.Module
+    group: Any
+    info: GroupInfo
+    shards: Mapping[str, ShardPlan]
+    overlap: bool
+    chunks: Any
+    styles: dict = field(default_factory=dict)
+    dims: list = field(default_factory=list)
+    plans: dict = field(default_factory=dict)   # path → ShardPlan for one-module styles
+    used: set = field(default_factory=set)
+    notes: list = field(default_factory=list)
+
+    # --- resolve: nothing changes yet ------------------------------------------
+    def resolve(self, styles: dict) -> None:
+        modules = dict(self.model.named_modules())
+        linears = {}
+        for path, style in styles.items():
+            module = modules[path]
+            if isinstance(style, Rowwise) and isinstance(module, nn.Embedding):
+                if style.input != Replicate():
+                    raise ValueError(f"{path}: RowwiseParallel on an nn.Embedding takes the ids "
+                                     f"replicated (input_layouts=Replicate()), got "
+                                     f"{layout_name(style.input)}")
+                style = VocabParallel(output=style.output)
+            elif isinstance(style, (Colwise, Rowwise)):
+                if not isinstance(module, nn.Linear):
+                    raise TypeError(f"{path}: {type(style).__name__} splits an nn.Linear, but "
+                                    f"{path} is a {type(module).__name__}")
+                if isinstance(style, Colwise) and style.output == Replicate() and (style.blocks or 1) > 1:
+                    raise ValueError(f"{path}: a packed weight's output cannot be gathered whole")
+                linears[path] = (style, module)
+            self._check_module(path, style, module)
+            styles[path] = style
+        self.styles = styles
+        self.dims = find_dims(linears, modules)
+        for dim in self.dims:
+            plan = shard_for(self.shards, self.used, [dim.name, *dim.cols, *dim.rows], dim.kind)
+            try:
+                resolve_plan_for(dim, plan, self.info.world)
+            except ValueError as err:
+                raise ValueError(str(err) if str(err).startswith(dim.name) else
+                                 f"{dim.name}: {err}") from None
+            if dim.groups_local is not None and not hasattr(modules[dim.name], "num_key_value_groups"):
+                raise ValueError(f"{dim.name}: {dim.note}, but the module has no "
+                                 "num_key_value_groups to tell its forward")
+        for path, style in styles.items():
+            kind = {VocabParallel: "vocab", ExpertsTP: "experts", ExpertsEP: "experts",
+                    PlaitMoE: "experts", TableParallel: "tables"}.get(type(style))
+            if kind is not None:
+                self.plans[path] = shard_for(self.shards, self.used, [path], kind)
+        check_shards(self.shards, self.used, self.model)
+        self._check_tied(modules)
+
+    def _check_module(self, path: str, style, module: nn.Module) -> None:
+        if isinstance(style, VocabParallel) and not isinstance(module, nn.Embedding):
+            raise TypeError(f"{path}: embedding_rowwise splits an nn.Embedding, got "
+                            f"{type(module).__name__}")
+        if isinstance(style, (ExpertsTP, ExpertsEP)):
+            experts_shape(module, path)
+        if isinstance(style, (Prepare, SequenceParallel, Replicated, AllReduceOutput)) \
+                and path == "" and isinstance(style, SequenceParallel):
+            raise ValueError("SequenceParallel on the whole model: name the norms it applies to")
+
+    def _check_tied(self, modules: dict) -> None:
+        """A parameter shared by a module that is replaced and one that is not would come apart."""
+        replaced = {p for p, s in self.styles.items()
+                    if isinstance(s, (Colwise, Rowwise, VocabParallel, ExpertsEP, PlaitMoE,
+                                      TableParallel))}
+        owners: dict[int, list[str]] = {}
+        for path, module in modules.items():
+            for name, param in module.named_parameters(recurse=False):
+                owners.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
+        for names in owners.values():
+            split = [n for n in names if n.rpartition(".")[0] in replaced]
+            if split and len(names) > 1:
+                raise ValueError(f"{' and '.join(names)} are one tied parameter (tie_word_"
+                                 f"embeddings?); plait splits {', '.join(split)} into a layer of "
+                                 "its own, which would untie them: untie the model or leave them out "
+                                 "of the plan")
+
+    # --- build: the new layers, from the modules' own weights --------------------
+    def build(self) -> dict[str, nn.Module]:
+        modules = dict(self.model.named_modules())
+        built = {}
+        for dim in self.dims:
+            for path in dim.cols + dim.rows:
+                built[path] = _at(path, lambda: self._linear(path, modules[path], dim))
+        for path, style in self.styles.items():
+            plan, module = self.plans.get(path), modules[path]
+            if isinstance(style, VocabParallel):
+                seq = style.output.dim if style.output.is_shard() else None
+                built[path] = _at(path, lambda: VocabParallelEmbedding(
+                    module, self.group, plan=plan, seq_dim=seq, seq_plan=self.shards.get("seq")))
+                self._note(path, "vocabulary-parallel embedding, lookups summed by a plain "
+                           + ("all-reduce" if seq is None else "reduce-scatter"))
+            elif isinstance(style, ExpertsEP):
+                built[path] = _at(path, lambda: ExpertParallelExperts(
+                    module, path, self.group, plan=plan, overlap=self.overlap, chunks=self.chunks))
+            elif isinstance(style, PlaitMoE):
+                built[path] = _at(path, lambda: MoE.from_module(
+                    module, self.group, plan=plan, overlap=self.overlap, chunks=self.chunks,
+                    replicated_input=style.replicated_input))
+            elif isinstance(style, TableParallel):
+                built[path] = _at(path, lambda: ShardedEmbeddingBag.from_module(
+                    module, self.group, plan=plan, batch_plan=self.shards.get("batch"),
+                    overlap=self.overlap, chunks=self.chunks))
+        return built
+
+    def _linear(self, path: str, linear: nn.Linear, dim: Dim) -> nn.Module:
+        style, cut = self.styles[path], dim.cuts[path]
+        if isinstance(style, Colwise):
+            sp = style.input.is_shard()
+        else:
+            sp = style.output.is_shard()
+        seq = (style.input if isinstance(style, Colwise) else style.output).dim if sp else 1
+        kw = dict(plan=dim.plan, unit=cut.unit, overlap=self.overlap, chunks=self.chunks,
+                  sequence_parallel=sp, seq_dim=seq, seq_plan=self.shards.get("seq") if sp else None)
+        if cut.copies > 1:
+            return CopiedHeadsLinear.from_module(linear, self.group, copies=cut.copies, **kw)
+        unit_name = _UNIT_NAMES.get(dim.kind) or \
+            ("heads" if dim.heads[0] == dim.heads[1] else "KV-head groups")
+        if isinstance(style, Colwise):
+            return ColumnParallelLinear.from_module(linear, self.group, blocks=cut.blocks,
+                                                    unit_name=unit_name, **kw)
+        return RowParallelLinear.from_module(linear, self.group, unit_name=unit_name, **kw)
+
+    # --- swap: the model changes ----------------------------------------------
+    def swap(self, built: dict[str, nn.Module]) -> None:
+        for path, module in built.items():
+            _set(self.model, path, module)
+        for path, style in self.styles.items():
+            if isinstance(style, ExpertsTP):  # in place: the experts keep their class and kernels
+                modules = dict(self.model.named_modules())
+                _at(path, lambda: shard_experts_ffn(modules[path], path, self.group,
+                                                    self.plans.get(path)))
+                self._note(path, "experts split by their FFN dim (transformers' experts kernels), "
+                           "outputs summed by a plain all-reduce")
+        modules = dict(self.model.named_modules())
+        for dim in self.dims:
+            self._hook_dim(dim, modules)
+        for path, style in self.styles.items():
+            self._hook(path, style, modules[path])
+        self._record(modules)
+
+    def _hook_dim(self, dim: Dim, modules: dict) -> None:
+        if dim.groups_local is not None:
+            modules[dim.name].num_key_value_groups = dim.groups_local
+            self._note(dim.name, dim.note)
+        for path in dim.cols + dim.rows:
+            style, layer = self.styles[path], modules[path]
+            if isinstance(style, Colwise) and style.output == Replicate():
+                sizes = [s * dim.cuts[path].unit for s in dim.plan.sizes]
+                layer.register_forward_hook(
+                    lambda m, a, out, sizes=sizes: gather_from_region(out, self.group, -1, sizes))
+                self._note(path, "column-parallel with its output gathered (plain all-gather): "
+                           "no row-parallel layer reads its share")
+            elif isinstance(style, Rowwise) and style.input == Replicate():
+                sizes = [s * dim.cuts[path].unit for s in dim.plan.sizes]
+                layer.register_forward_pre_hook(
+                    lambda m, args, sizes=sizes: (scatter_to_region(args[0], self.group, -1, sizes),
+                                                  *args[1:]))
+                self._note(path, "row-parallel on a replicated input, cut locally")
+            elif not dim.rows or not dim.cols:
+                self._note(path, f"{'column' if dim.cols else 'row'}-parallel without a "
+                           f"{'row' if dim.cols else 'column'}-parallel partner under its module: "
+                           "its features stay split as an even cut")
+
+    def _hook(self, path: str, style, module: nn.Module) -> None:
+        group = self.group
+        if isinstance(style, (SequenceParallel, Replicated)):
+            if isinstance(style, SequenceParallel) or style.grad_sum:
+                for param in module.parameters():
+                    mark_partial_grad(param, group)
+        elif isinstance(style, AllReduceOutput):
+            module.register_forward_hook(lambda m, a, out: _map_first(
+                out, lambda t: reduce_from_region(t, group)))
+        elif isinstance(style, Prepare):
+            self._prepare(path, style, module)
+        elif isinstance(style, BatchParallel):
+            self._batch_parallel(path, style, module)
+
+    def _prepare(self, path: str, style: Prepare, module: nn.Module) -> None:
+        seq = self.shards.get("seq")
+        move = _Mover(self.group, None if seq is None else list(seq.sizes))
+        kwargs = dict(style.kwargs)
+        if any(style.args) or kwargs:
+            def enter(m, args, kw):
+                args = tuple(move(a, p) for a, p in zip(args, style.args)) + \
+                    tuple(args[len(style.args):])
+                return args, {k: move(v, kwargs.get(k)) for k, v in kw.items()}
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+        if any(style.outputs):
+            def leave(m, args, out):
+                if isinstance(out, tuple):
+                    return tuple(move(o, p) for o, p in zip(out, style.outputs)) + \
+                        tuple(out[len(style.outputs):])
+                return move(out, style.outputs[0])
+            module.register_forward_hook(leave)
+        for pair in list(style.args) + list(kwargs.values()) + list(style.outputs):
+            if pair is not None and pair[0].is_shard() and pair[1].is_replicate():
+                self._note(path, f"gathers a tensor along dim {pair[0].dim} (plain all-gather; "
+                           "ColwiseParallel(input_layouts=Shard(d)) fuses the gather into the "
+                           "matmul)")
+
+    def _batch_parallel(self, path: str, style: BatchParallel, module: nn.Module) -> None:
+        from ..nn.parallelize import PLAIT_LAYERS
+
+        tables = dict(module.named_modules())[style.tables]
+        inside = {id(p) for m in module.modules() if isinstance(m, PLAIT_LAYERS)
+                  for p in m.parameters()}
+        for param in module.parameters():
+            if id(param) not in inside:
+                mark_partial_grad(param, self.group)  # each rank saw its share of the batch
+        split: dict[str, list[int]] = {}
+        group = self.group
+
+        def cut(m, args):
+            first, *rest = args
+            split["sizes"] = tables._shares(first.shape[0])  # the scatter checks them
+            return (scatter_to_region(first, group, 0, split["sizes"]), *rest)
+
+        if self.info.world > 1:
+            module.register_forward_pre_hook(cut)
+            module.register_forward_hook(
+                lambda m, a, out: gather_from_region(out, group, 0, split["sizes"]))
+
+    def _note(self, path: str, what: str) -> None:
+        self.notes.append((path, what))
+
+    def _record(self, modules: dict) -> None:
+        """``_plait_dims`` for the balancer, and one summary, logged once on rank 0."""
+        dims, kept = {}, getattr(self.model, "_plait_dims", None) or {}
+        for dim in self.dims:
+            if not (dim.cols and dim.rows) or dim.groups_local is not None:
+                continue
+            if len({(c.unit, c.copies) for c in dim.cuts.values()}) == 1:
+                dims[dim.name] = tuple(dim.cols + dim.rows)
+            else:
+                self._note(dim.name, "grouped-query heads (q and k/v count heads in different "
+                           "units): the balancer does not move them yet")
+        self.model._plait_dims = {**kept, **dims}
+        kinds = {}
+        for dim in self.dims:
+            kinds[dim.kind] = kinds.get(dim.kind, 0) + 1
+        counted = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "no linear dims"
+        others = sorted({type(s).__name__ for s in self.styles.values()
+                         if not isinstance(s, (Colwise, Rowwise))})
+        line = (f"{type(self.model).__name__}: {counted} split on {self.info.world} ranks"
+                f"{' with ' + ', '.join(others) if others else ''} "
+                f"({'fused' if self.overlap else 'plain'} path)")
+        notes = _grouped(self.notes)
+        self.model._plait_parallel = line
+        self.model._plait_notes = notes
+        if self.info.rank == 0:
+            log.info("%s", line)
+            for note in notes:
+                log.info("  %s", note)
+
+
+class _Mover:
+    """One tensor from one layout to another: a gather or a scatter along the sharded dim."""
+
+    def __init__(self, group, seq_sizes):
+        self.group, self.sizes = group, seq_sizes
+
+    def __call__(self, x, pair):
+        if pair is None or not hasattr(x, "shape"):
+            return x
+        have, want = pair
+        if have.is_shard() and want.is_replicate():
+            return gather_from_region(x, self.group, have.dim, self.sizes)
+        if have.is_replicate() and want.is_shard():
+            return scatter_to_region(x, self.group, want.dim, self.sizes)
+        raise ValueError(f"moving a tensor from {layout_name(have)} to {layout_name(want)} is not "
+                         "supported (plait gathers Shard(d) → Replicate() and cuts Replicate() → "
+                         "Shard(d))")
+
+
+def _map_first(out, fn):
+    return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
+
+
+def _grouped(notes: list[tuple[str, str]]) -> list[str]:
+    """Each reason once, with the paths that share it written with ``*`` for layer numbers."""
+    seen: dict[str, list[str]] = {}
+    for path, what in notes:
+        pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
+        paths = seen.setdefault(what, [])
+        if pattern not in paths:
+            paths.append(pattern)
+    return [f"{', '.join(paths)}: {what}" for what, paths in seen.items()]
+
+
+def _at(path: str, make):
+    """``make()``, its ValueError/TypeError naming ``path``."""
+    try:
+        return make()
+    except (ValueError, TypeError) as err:
+        if str(err).startswith(path + ":") and path:
+            raise
+        raise type(err)(f"{path}: {err}" if path else str(err)) from None
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    setattr(owner, name, module)
+
+
+def _group(group, mesh):
+    if mesh is None:
+        return group
+    if group is not None:
+        raise ValueError("give group or mesh, not both")
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        return mesh.get_group("tp")
+    raise ValueError(f"mesh has {mesh.ndim} dims {names}; plait splits over a 1-D mesh or the "
+                     "dim named 'tp'")

@@ -1,0 +1,117 @@
+"""transformers' fused experts made expert-parallel on plait's fused all-to-all operators.
+
+Every rank holds whole experts (a :class:`~plait.plan.ShardPlan` over the
+experts, uneven allowed) and the router stays replicated, so every rank
+routes every token alike. The experts module gets the replicated tokens with
+their routing (``top_k_index``, ``top_k_weights``); each rank takes an even
+share of the tokens (``scatter_to_region``), sends each (token, expert) row to
+the expert's owner while it multiplies (``all_to_all_matmul`` with
+``gate_up_proj``), applies the experts' gate (``act(gate) · up``), multiplies
+by ``down_proj`` while sending the rows back (``matmul_all_to_all``), weighs and
+sums each token's rows, and the shares are gathered back (``gather_from_region``).
+
+============  =========================  =========================================
+tensor        shape on rank r            note
+============  =========================  =========================================
+gate_up_proj  [E_r, 2F, H]               this rank's experts (state_dict keys kept)
+down_proj     [E_r, H, F]
+hidden        [T, H] in, [T, H] out      replicated; T_r = even share computed here
+top_k_*       [T, k]                     routing, replicated
+============  =========================  =========================================
+
+Backward: the operators' own (dgrad fused with the reverse all-to-all); the
+scatter's backward all-gathers the tokens' and routing weights' gradients, so
+the replicated router gets its whole gradient on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
+from ..ops.moe import all_to_all_matmul, matmul_all_to_all
+from ..ops.regions import gather_from_region, scatter_to_region
+from ..plan import ShardPlan
+from ..runtime.compat import all_gather_into
+from .layers import experts_shape
+
+__all__ = ["ExpertParallelExperts"]
+
+
+class ExpertParallelExperts(nn.Module):
+    """Whole experts per rank of a transformers experts module; see the module docstring."""
+
+    def __init__(self, experts: nn.Module, path: str, group=None, *,
+                 plan: ShardPlan | None = None, overlap: bool = True, chunks="auto"):
+        super().__init__()
+        e, h, f = experts_shape(experts, path)
+        self.info, self.group, self.path = GroupInfo(group), group, path
+        self.num_experts, self.hidden, self.ffn = e, h, f
+        self.plan = resolve_plan(plan, e, self.info, what="experts", layer=path)
+        self.chunks = chunks if overlap else 1
+        self.overlap = overlap
+        self.act_fn = experts.act_fn
+        rank = self.info.rank
+        self.gate_up_proj = nn.Parameter(shard_of(experts.gate_up_proj.detach(), self.plan, rank))
+        self.down_proj = nn.Parameter(shard_of(experts.down_proj.detach(), self.plan, rank))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = scatter_to_region(hidden_states, self.group, 0)          # [T_r, H]
+        w = scatter_to_region(top_k_weights, self.group, 0)          # [T_r, k]
+        idx = _own_rows(top_k_index, self.info)                      # [T_r, k]
+        out = straggled(lambda x: self._dispatch_combine(x, idx, w), x)
+        return gather_from_region(out, self.group, 0)                # [T, H]
+
+    def _dispatch_combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)                                        # [T_r·k]
+        order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts)   # [E]
+        send, recv = self._counts(counts)
+        x_send = x.index_select(0, token)                             # [T_r·k, H]
+        h = all_to_all_matmul(x_send, self.gate_up_proj.transpose(1, 2), send, recv,
+                              self.group, chunks=self.chunks)         # [T_recv, 2F]
+        h = self._apply_gate(h)                                       # [T_recv, F]
+        y = matmul_all_to_all(h, self.down_proj.transpose(1, 2), send, recv, self.group,
+                              chunks=self.chunks)                     # [T_r·k, H]
+        y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        return torch.zeros_like(x).index_add(0, token, y)
+
+    def _counts(self, counts: torch.Tensor):
+        """(send [W][E_d], recv [W][E_r]) from every rank's per-expert token counts."""
+        world = self.info.world
+        everyone = counts.new_empty(world * counts.numel())
+        all_gather_into(everyone, counts.contiguous(), group=self.group)
+        table = everyone.view(world, -1).tolist()                     # [W][E]
+        cuts = [self.plan.slice_of(r) for r in range(world)]
+        send = [table[self.info.rank][c] for c in cuts]
+        mine = cuts[self.info.rank]
+        return send, [row[mine] for row in table]
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """``gate_up_proj`` and ``down_proj`` with every expert (a collective)."""
+        def value(p):
+            return p.detach() if not grads else \
+                torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        return {name: unshard(value(getattr(self, name)), self.plan, self.group, 0)
+                for name in ("gate_up_proj", "down_proj")}
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, H={self.hidden}, F={self.ffn}, "
+                f"plan={list(self.plan.sizes)} experts, "
+                f"{'fused' if self.overlap else 'plain'}")
+
+
+def _own_rows(t: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """This rank's even share of ``t``'s rows (as ``scatter_to_region`` cuts them)."""
+    from ..ops.pieces import even_sizes, offsets
+
+    at = offsets(even_sizes(t.shape[0], info.world))
+    return t[at[info.rank]:at[info.rank + 1]]
