@@ -10,6 +10,8 @@ the row-parallel sum differs, and agreement is ~1e-15); float32 ≤ 2e-6 (the sa
 float32 rounding, carried through 8 Adam steps; ~2e-7 seen).
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ import torch.nn as nn
 from plait.balance import migrate
 from plait.balance.migrate import moved_units
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
-from plait.runtime.testing import run_ranks
+from plait.runtime.testing import raised, run_ranks
 
 N_STEPS = 8
 LAYERS = ("fc", "proj", "qk")
@@ -138,19 +140,24 @@ def _compare_all():
     world = dist.get_world_size()
     out = [(str(dtype), opt_name, overlap, *_train(dtype, opt_name, overlap, _plans(world)))
            for dtype, opt_name, overlap in CASES]
-    return out, _bytes_case() if world == 2 else None
+    return out, _bytes_case() if world == 2 else None, _refusals()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_migration_leaves_training_unchanged(world):
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request):
+    """One launch per world size for the tests below: (world, each rank's results)."""
+    return request.param, run_ranks(_compare_all, request.param)
+
+
+def test_migration_leaves_training_unchanged(ranks):
     """Two migrations (steps 3 and 5) of three layers, plain and fused, three optimizers:
     losses, weights, gradients and optimizer state equal single-process training's; on 2
     ranks also the reported bytes."""
-    both = run_ranks(_compare_all, world)
+    world, results = ranks
     if world == 2:
-        _check_bytes(*both[0][1])
+        _check_bytes(*results[0][1])
     want_sizes = {lname: plan.sizes for lname, plan in _plans(world)[5].items()}
-    for rank, (rank_results, _) in enumerate(both):
+    for rank, (rank_results, *_) in enumerate(results):
         for dtype, opt_name, overlap, loss_err, state_err, sizes, reports in rank_results:
             case = (rank, dtype, opt_name, "fused" if overlap else "plain")
             tol = TOL[getattr(torch, dtype.split(".")[1])]
@@ -161,7 +168,7 @@ def test_migration_leaves_training_unchanged(world):
             assert sizes == want_sizes, (case, sizes)
             assert [r[0] for r in reports] == [LAYERS] * 2
             assert all(r[1] > 0 and r[2] > r[1] for r in reports)
-    reports = [[case[-1] for case in rank_results] for rank_results, _ in both]
+    reports = [[case[-1] for case in rank_results] for rank_results, *_ in results]
     assert all(r == reports[0] for r in reports)  # every rank reports the same costs
 
 
@@ -191,17 +198,41 @@ def _check_bytes(moved, sent, again, text):
     assert again == () and "0 [12, 12]→[18, 6]" in text
 
 
-def test_migrate_refuses_before_any_collective():
-    model = nn.Sequential(ColumnParallelLinear(16, 24), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="no layer 'fc'.*can migrate: \\['0'\\]"):
-        migrate(model, None, {"fc": ShardPlan((24,))})
-    with pytest.raises(TypeError, match="layer '1' \\(Linear\\) cannot migrate"):
-        migrate(model, None, {"1": ShardPlan((4,))})
-    with pytest.raises(ValueError, match="name 2 ranks, but the group has 1"):
-        migrate(model, None, {"0": ShardPlan((12, 12))})
+def _refusals():
+    """Each bad call on every rank (raised before any collective), then an unchanged plan
+    (nothing moves) and a real move whose gathered weights equal those before it."""
+    world = dist.get_world_size()
+    model = nn.Sequential(ColumnParallelLinear(16, 24, dtype=torch.float64), nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.state[model[0].weight]["odd"] = torch.zeros(3)
-    with pytest.raises(ValueError, match="state 'odd' of 0.weight has shape \\(3,\\)"):
-        migrate(model, opt, {"0": ShardPlan((24,))})
-    report = migrate(model, None, {"0": ShardPlan((24,))})  # world 1: the plan is unchanged
-    assert report.layers == () and report.bytes_moved == 0
+    seen = raised({
+        "unknown name": lambda: migrate(model, None, {"fc": ShardPlan.even(24, world)}),
+        "not a plait layer": lambda: migrate(model, None, {"1": ShardPlan((4,))}),
+        "plan for another group": lambda: migrate(model, None,
+                                                  {"0": ShardPlan.even(24, world + 1)}),
+        "state of another shape": lambda: migrate(model, opt, {"0": ShardPlan.even(24, world)}),
+    })
+    del opt.state[model[0].weight]["odd"]
+    before = model[0].full_state_dict()
+    same = migrate(model, opt, {"0": ShardPlan.even(24, world)})
+    moved = migrate(model, opt, {"0": ShardPlan((25 - world,) + (1,) * (world - 1))})
+    after = model[0].full_state_dict()
+    exact = all(torch.equal(before[k], after[k]) for k in before)
+    return seen, (same.layers, same.bytes_moved), (moved.layers, exact)
+
+
+def test_migrate_refuses_before_any_collective(ranks):
+    """Every rank refuses each bad call, naming what is wrong, and the next good calls work:
+    no rank was left inside a collective."""
+    world, results = ranks
+    for rank, (*_, (seen, same, moved)) in enumerate(results):
+        assert re.fullmatch(r"ValueError: no layer 'fc' in the model; layers that can migrate: "
+                            r"\['0'\]", seen["unknown name"]), (rank, seen)
+        assert seen["not a plait layer"].startswith(
+            "TypeError: layer '1' (Linear) cannot migrate"), (rank, seen)
+        assert f"name {world + 1} ranks, but the group has {world}" in \
+            seen["plan for another group"], (rank, seen)
+        assert seen["state of another shape"].startswith(
+            "ValueError: optimizer state 'odd' of 0.weight has shape (3,)"), (rank, seen)
+        assert same == ((), 0), (rank, same)  # the plan it has: nothing moves
+        assert moved == (("0",), True), (rank, moved)

@@ -17,9 +17,10 @@ zero, so it gets the zero (imputed) gradients there that the resized layers give
 Compared: each step's loss (each backward pass's), to 1e-12 (~1e-15 seen); right after each
 migration and after training, every gradient and optimizer-state tensor gathered whole, to
 1e-12 of the tensor's largest entry (~1e-14 seen: only the order of the row-parallel sums
-differs), and every weight to 1e-12 absolute (weights here are below 1 in magnitude; relative
-to a weight tensor's largest entry up to 4e-13 is seen: Adam divides by sqrt(v) + eps, so an
-element whose gradient is near eps, a sum of terms that cancel, carries its rounding up).
+differs), and every weight to 1e-12 of the larger of 1 and its largest entry (~3e-14 seen;
+relative to a small weight tensor's own largest entry up to 4e-13 is seen: Adam divides by
+sqrt(v) + eps, so an element whose gradient is near eps, a sum of terms that cancel, carries
+its rounding up).
 One launch per world size runs all three.
 """
 
@@ -38,7 +39,7 @@ from plait.runtime.testing import run_ranks
 
 TOL = 1e-12
 HEADS, COLUMNS = 12, 192
-STEPS = 6
+STEPS = 5
 
 
 def _uneven(total, world, turn):
@@ -110,10 +111,10 @@ def _step(opt):
 
 
 def _moves_and_back(world):
-    """Plain path: moves before the first step, at steps 2 and 3, and back to even at 5."""
+    """Plain path: moves before the first step, at steps 2 and 3, and back to even at 4."""
     model, opt, ref, ref_opt = _models(overlap=False)
     moves = {0: _plans(world, 0), 2: _plans(world, 1, ("blocks.0.attn", "blocks.1.mlp")),
-             3: _plans(world, 2, ("blocks.0.mlp", "blocks.1.attn")), 5: _plans(world, None)}
+             3: _plans(world, 2, ("blocks.0.mlp", "blocks.1.attn")), 4: _plans(world, None)}
     errors, loss_err = {}, 0.0
     for step, (idx, targets) in enumerate(_batches(STEPS, 4)):
         if step in moves:
@@ -238,7 +239,7 @@ def test_training_through_migrations_equals_one_process(world):
         _check((rank, "moves while resized"), loss_err, errors)
         # odd ranks resized at step 1, still after the other dims moved at 2, not after 4
         resized = rank % 2 == 1
-        assert [k[0] < 1.0 for k in keeps] == [False, resized, resized, resized, False, False]
+        assert [k[0] < 1.0 for k in keeps] == [False, resized, resized, resized, False]
         assert all(a == b for a, b in keeps), keeps  # fc and proj skip the same features
 
         loss_err, errors, left = cases["accumulation across a move"]

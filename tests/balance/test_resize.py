@@ -102,6 +102,10 @@ def test_resized_layers_equal_masked_reference(world, keep, sizes, overlap, shar
 
 
 def test_resize_refuses_bad_input_and_priority_keeps_changed_features():
+    run_ranks(_resize_refusals_and_priority, 1)  # plait layers need a group: a world of one
+
+
+def _resize_refusals_and_priority():
     layer = RowParallelLinear(8, 4, seed=0)
     for bad in (0.0, 1.5, -1, "half"):
         with pytest.raises(ValueError, match="keep must be in"):
@@ -298,9 +302,13 @@ def test_ideal_is_work_over_summed_speeds_plus_the_rest():
 
 
 def test_balancer_resizes_a_dims_layers_together_and_rotates_them_at_refresh():
-    """One process: the balancer's resize picks the same features in fc and proj, and at each
-    priority refresh a resized dim chooses anew, so skipped features (whose weights did not
-    move) return in place of kept ones that settled."""
+    """A world of one: the balancer's resize picks the same features in fc and proj, and at
+    each priority refresh a resized dim chooses anew, so skipped features (whose weights did
+    not move) return in place of kept ones that settled."""
+    run_ranks(_balancer_resizes_and_rotates, 1)
+
+
+def _balancer_resizes_and_rotates():
     from plait.balance.policy import Action
 
     model = nn.Sequential(ColumnParallelLinear(8, 16, seed=0), RowParallelLinear(16, 8, seed=1))

@@ -41,6 +41,10 @@ def test_flag_stragglers():
 
 
 def test_monitor_on_one_rank_times_each_layer():
+    run_ranks(_monitor_on_one_rank, 1)  # plait layers need a group: a world of one
+
+
+def _monitor_on_one_rank():
     model = nn.Sequential(ColumnParallelLinear(16, 32), RowParallelLinear(32, 8))
     monitor = SpeedMonitor(every=2)
     assert monitor.attach(model) == ["0", "1"]
