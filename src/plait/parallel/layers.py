@@ -28,7 +28,10 @@ fused experts keep their class and forward (any of its experts
 implementations) on ``gate_up_proj`` [E, 2 F_r, H] (this rank's F_r columns
 of gate and of up) and ``down_proj`` [E, H, F_r]; the tokens and routing weights
 come in replicated (their gradients are all-reduced: ``copy_to_region``), and
-the partial outputs are summed (``reduce_from_region``).
+the partial outputs are summed (``reduce_from_region``). The routing weights
+(float32 from Mixtral's router even in a float64 model) are taken in the
+tokens' dtype, the exact same values, so their gradient's partial sums are
+added before the one rounding to float32 the single-device model makes.
 """
 
 from __future__ import annotations
@@ -191,11 +194,12 @@ def shard_experts_ffn(module: nn.Module, path: str, group=None,
 
     def enter(mod, args, kwargs):
         args, kwargs = list(args), dict(kwargs)
+        dtype = (args[0] if args else kwargs["hidden_states"]).dtype
         for i, name in ((0, "hidden_states"), (2, "top_k_weights")):
             if len(args) > i:
-                args[i] = copy_to_region(args[i], group)
+                args[i] = copy_to_region(args[i].to(dtype), group)
             elif name in kwargs:
-                kwargs[name] = copy_to_region(kwargs[name], group)
+                kwargs[name] = copy_to_region(kwargs[name].to(dtype), group)
         return tuple(args), kwargs
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
