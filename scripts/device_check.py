@@ -167,6 +167,24 @@ def _timing_rank(device_type, repeats):
                 rounds_s=times)
 
 
+def _every_operator_rank():
+    """tests/ops/test_uneven_dtypes.py's cases (every operator, embedding and MoE
+    included, 3 uneven ranks, three dtypes) with the operators' inputs on the GPU."""
+    torch.cuda.set_device(0)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.ops import test_uneven_dtypes as cases
+    cases.DEVICE = torch.device("cuda", 0)
+    rows = []
+    for (name, dtype), (tensors, taken) in cases._every_case().items():
+        worst = max(err for _, err, _ in tensors.values())
+        kept = all(kind == dtype and same for kind, _, same in tensors.values())
+        fused = all(path == "fused" for path, _ in taken.values())
+        rows.append(dict(op=name, dtype=dtype, rel_err=worst, tol=cases.TOL[dtype],
+                         ok=worst <= cases.TOL[dtype] and kept and fused,
+                         paths=sorted(set(map(str, taken.values())))))
+    return rows
+
+
 def _nccl_world_of_one():
     """NCCL initialises with one rank; each operator gives the plain result, forward and
     backward, and says why it did not cut."""
@@ -217,6 +235,18 @@ def main(argv=None) -> int:
     for (op, dt, side), err in sorted(worst.items()):
         tol = TOL[getattr(torch, dt)]
         print(f"{op:24} {dt:9} {str(side):11} {err:13.2e} {tol:7.0e} {'ok' if err <= tol else 'FAIL'}")
+    if device == "cuda":
+        every = launch(_every_operator_rank, 3, timeout_s=120, threads=2)
+        print(f"{'every operator, 3 uneven ranks':40} {'dtype':9} {'worst rel err':>13}")
+        for rank_rows in every:
+            for row in rank_rows:
+                failed += not row["ok"]
+        for row in every[0]:
+            worst = max(r["rel_err"] for rows in every for r in rows
+                        if (r["op"], r["dtype"]) == (row["op"], row["dtype"]))
+            print(f"{row['op']:40} {row['dtype']:9} {worst:13.2e} "
+                  f"{'ok' if worst <= row['tol'] else 'FAIL'} {row['paths']}")
+        result["every_operator"] = every
     paths = {}
     for row in result["correctness"]:
         paths.setdefault((row["op"], row["chunks"]), set()).add(row["path"])

@@ -33,6 +33,7 @@ from plait.runtime.testing import run_ranks
 WORLD, CHUNKS = 3, 3
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2}
+DEVICE = torch.device("cpu")  # where the operators' inputs live; scripts/device_check.py: cuda
 K_SIZES = [5, 11, 2]     # a reduction dim's shares
 M_SIZES = [4, 9, 6]      # row shares (each ≥ CHUNKS: every rank's rows cut into 3 pieces)
 N_SIZES = [3, 5, 2]      # column shares
@@ -49,7 +50,7 @@ def _draw(seed, *shape, dtype):
     """Drawn in float64, rounded to ``dtype``: (the operator's input, its float64 value)."""
     full = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     rounded = full.to(dtype)
-    return rounded, rounded.double()
+    return rounded.to(DEVICE), rounded.double()
 
 
 def _taken(*ops):
@@ -136,7 +137,8 @@ def _embedding(dtype):
     tables, (G, Gd) = _embedding_problem(dtype, sum(M_SIZES))
     mine = tables[_cut(TABLES, r)]
     weights = [w.clone().requires_grad_() for w, _, _, _ in mine]
-    out = embedding_all_to_all(weights, [i for _, _, i, _ in mine], [o for _, _, _, o in mine],
+    out = embedding_all_to_all(weights, [i.to(DEVICE) for _, _, i, _ in mine],
+                               [o.to(DEVICE) for _, _, _, o in mine],
                                batch_sizes=M_SIZES, chunks=CHUNKS)
     taken = _taken("embedding_all_to_all")
     ms = _cut(M_SIZES, r)
@@ -220,7 +222,7 @@ CASES = {"matmul_all_reduce": lambda dtype: _matmul_all_reduce(dtype, 24),
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     scale = float(want.abs().max()) if want.numel() else 0.0
-    diff = float((got.detach().double() - want).abs().max()) if want.numel() else 0.0
+    diff = float((got.detach().double().cpu() - want).abs().max()) if want.numel() else 0.0
     return diff / scale if scale else diff
 
 
