@@ -5,12 +5,27 @@
 module (and so torch), then forks one child per row, a few at a time; each child is a
 fresh process running ``plait.cli.main.main(argv)`` in its own folder, with its stdout
 and stderr in files, exactly as ``python -m plait ARGV`` would run it but for the
-interpreter's start. A child that runs past ``timeout_s`` is killed with everything it
-started (its process group). Prints one result per row: rc, stdout, stderr, elapsed, timed_out.
+interpreter's start. Each child leads a process group of its own, as a shell's job does. A
+child that runs past ``timeout_s`` (the row's own, where it gives one) is killed with
+everything it started (its process group). Prints one result per row: rc, stdout, stderr,
+elapsed, timed_out, pid, signalled (seconds after its start, or None), left (the
+processes of its group still alive LINGER_S after it ended, ``"PID STATE COMMAND"``) and
+linger_s (how long after its end the last of them lived).
+
+A row may ask for a signal once the run has launched its ranks (its launch folder,
+``$TMPDIR/plait-launch-PID-…``, holds the rank group's store) or printed a text:
+``"signal": {"name": "SIGINT", "group": true, "after_s": 1.0, "when": "launched"}``
+(``"when": "stdout:TEXT"`` for a text, ``"running:N:COMMAND"`` for N processes of its group
+running COMMAND); ``group`` sends it to the whole process group (a terminal's Ctrl-C), else
+to the plait process alone.
+``"after": [i, …]``: the row starts once rows i, … have ended (an order among rows that
+share a machine-wide state, e.g. network namespaces). ``wrap``: a command prefix for the
+forking interpreter (e.g. an ``unshare``).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -22,11 +37,13 @@ import time
 import traceback
 
 
-def run_plait(rows: list[dict], timeout_s: float = 25.0, parallel: int = 4) -> list[dict]:
+def run_plait(rows: list[dict], timeout_s: float = 25.0, parallel: int = 4,
+              wrap: list[str] = ()) -> list[dict]:
     """Each row as its own ``plait`` process; its result: rc, stdout, stderr, elapsed (s),
-    timed_out. PLAIT_DEBUG and COLUMNS are taken out of the environment unless a row sets them."""
+    timed_out, pid, signalled, left. PLAIT_DEBUG and COLUMNS are taken out of the environment
+    unless a row sets them."""
     env = {k: v for k, v in os.environ.items() if k not in ("PLAIT_DEBUG", "COLUMNS")}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+    proc = subprocess.run([*wrap, sys.executable, __file__], env=env, capture_output=True, text=True,
                           input=json.dumps({"rows": rows, "timeout_s": timeout_s,
                                             "parallel": parallel}), timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -39,6 +56,7 @@ def _child(row: dict, out: str, err: str) -> None:
         os.setpgid(0, 0)
         os.chdir(row["cwd"])
         os.environ.update(row.get("env", {}))
+        tempfile.tempdir = None  # $TMPDIR as the row sets it, not as the parent found it
         for fd, path in ((1, out), (2, err)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         from plait.cli.main import main
@@ -58,24 +76,94 @@ def _child(row: dict, out: str, err: str) -> None:
         os._exit(code)
 
 
+def _group_alive(pgid: int) -> list[str]:
+    """``"PID STATE COMMAND"`` of each live process in process group ``pgid`` (not a zombie,
+    nor one past releasing its memory)."""
+    alive = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue
+        # an empty command line: the process has let go of its memory, so it is ending
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X") and cmd:
+            alive.append(f"{name} {fields[0]} {cmd}")
+    return alive
+
+
+LINGER_S = 60.0  # a forkserver ends after its plait: its own exit, torch loaded, takes seconds
+# (tens of seconds on a machine loaded several times over)
+
+
+def _launched(pid: int, tmp: str) -> bool:
+    from plait.runtime.leftovers import LAUNCH_DIR_PREFIX
+
+    return bool(glob.glob(os.path.join(tmp, f"{LAUNCH_DIR_PREFIX}{pid}-*", "store*")))
+
+
+def _ready(row: dict, pid: int, out: str) -> bool:
+    """Whether the row's run is where its signal is meant to find it: ranks launched
+    (``"when": "launched"``, the default), a text on its stdout (``"when": "stdout:TEXT"``)
+    or N processes of its group running a command line (``"when": "running:N:COMMAND"``)."""
+    when = row["signal"].get("when", "launched")
+    if when.startswith("running:"):
+        count, command = when[len("running:"):].split(":", 1)
+        return sum(line.split(" ", 2)[2] == command for line in _group_alive(pid)) >= int(count)
+    if when.startswith("stdout:"):
+        try:
+            with open(out, errors="replace") as f:
+                return when[len("stdout:"):] in f.read()
+        except FileNotFoundError:  # the child has not opened it yet
+            return False
+    return _launched(pid, row.get("env", {}).get("TMPDIR", tempfile.gettempdir()))
+
+
+def _maybe_signal(row: dict, pid: int, out: str, state: dict, elapsed: float) -> None:
+    """Send the row's signal once its run is ready and ``after_s`` more have passed."""
+    ask = row.get("signal")
+    if not ask or state.get("signalled") is not None:
+        return
+    if state.get("ready") is None:
+        if not _ready(row, pid, out):
+            return
+        state["ready"] = elapsed
+    if elapsed - state["ready"] >= ask.get("after_s", 0.0):
+        sig = signal.Signals[ask["name"]]
+        try:
+            os.killpg(pid, sig) if ask.get("group") else os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        state["signalled"] = elapsed
+
+
 def run_rows(rows: list[dict], timeout_s: float, parallel: int) -> list[dict]:
     scratch = tempfile.mkdtemp(prefix="plait-forkrun-")
     results: list[dict | None] = [None] * len(rows)
-    running: dict[int, tuple[int, float]] = {}  # pid → (row, start)
+    running: dict[int, tuple[int, float, dict]] = {}  # pid → (row, start, signal state)
+    ending: dict[int, tuple[int, float]] = {}  # pid → (row, when its linger ends): group left
     todo = list(range(len(rows)))
-    while todo or running:
-        while todo and len(running) < parallel:
-            i = todo.pop(0)
-            out, err = (os.path.join(scratch, f"{i}.{s}") for s in ("out", "err"))
+    path = lambda i, s: os.path.join(scratch, f"{i}.{s}")
+    while todo or running or ending:
+        while len(running) < parallel:
+            ready = [i for i in todo if all(results[j] is not None for j in rows[i].get("after", ()))]
+            if not ready:
+                break
+            i = ready[0]
+            todo.remove(i)
             pid = os.fork()
             if pid == 0:
-                _child(rows[i], out, err)
-            running[pid] = (i, time.monotonic())
+                _child(rows[i], path(i, "out"), path(i, "err"))
+            running[pid] = (i, time.monotonic(), {})
         time.sleep(0.02)
-        for pid, (i, start) in list(running.items()):
+        for pid, (i, start, state) in list(running.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             elapsed = time.monotonic() - start
-            timed_out = not done and elapsed > timeout_s
+            if not done:
+                _maybe_signal(rows[i], pid, path(i, "out"), state, elapsed)
+            timed_out = not done and elapsed > rows[i].get("timeout_s", timeout_s)
             if timed_out:
                 try:
                     os.killpg(pid, signal.SIGKILL)
@@ -84,9 +172,17 @@ def run_rows(rows: list[dict], timeout_s: float, parallel: int) -> list[dict]:
                 _, status = os.waitpid(pid, 0)
             if done or timed_out:
                 del running[pid]
-                read = lambda s: open(os.path.join(scratch, f"{i}.{s}"), errors="replace").read()
+                read = lambda s: open(path(i, s), errors="replace").read()
                 results[i] = {"rc": os.waitstatus_to_exitcode(status), "stdout": read("out"),
-                              "stderr": read("err"), "elapsed": elapsed, "timed_out": timed_out}
+                              "stderr": read("err"), "elapsed": elapsed, "timed_out": timed_out,
+                              "pid": pid, "signalled": state.get("signalled"), "left": None}
+                ending[pid] = (i, time.monotonic() + LINGER_S)
+        for pid, (i, until) in list(ending.items()):
+            alive = _group_alive(pid)
+            if not alive or time.monotonic() > until:
+                results[i]["left"] = alive
+                results[i]["linger_s"] = LINGER_S - max(0.0, until - time.monotonic())
+                del ending[pid]
     shutil.rmtree(scratch, ignore_errors=True)
     return results
 

@@ -1,5 +1,6 @@
 """The command line refuses bad input before it works, not after: one line on stderr,
-a non-zero exit, nothing written, within seconds.
+exit status 2 (plait.cli.main: 2 for a refused input, 1 for a failed run), nothing written,
+within seconds.
 
 Each row runs as a process of its own (tests/cli/forkrun.py forks one per row from an
 interpreter that imported plait once, so 60 rows cost one torch import), in a folder of its
@@ -86,6 +87,12 @@ ROWS = [
     ("simulate-plot-is-a-folder", ["simulate", "--plot", "adir"], "--plot adir", ("adir/",)),
     ("simulate-config-missing", ["simulate", "--config", "nosuch.toml"], "--config nosuch.toml",
      ()),
+    ("simulate-config-missing-json", ["simulate", "--config", "missing.json"],
+     "--config missing.json: no such file", ()),
+    ("simulate-config-is-a-folder", ["simulate", "--config", "conf"],
+     "--config conf: is a folder", ("conf/",)),
+    ("simulate-config-garbled", ["simulate", "--config", "garbled.json"],
+     "garbled.json: not valid JSON", ("garbled.json",)),
     ("simulate-measurements-missing", ["simulate", "--validate", "--measurements", "no.json"],
      "--measurements no.json", ()),
     ("simulate-calibrate-and-validate", ["simulate", "--calibrate", "--validate"], "--calibrate",
@@ -138,7 +145,7 @@ def test_bad_input_is_refused_in_one_line(results, name, argv, says, files):
     lines = result["stderr"].splitlines()
     assert len(lines) == 1, f"stderr is not one line:\n{result['stderr']}"
     assert lines[0].startswith("plait: error: ") and says in lines[0], lines[0]
-    assert result["rc"] not in (0, None) and result["rc"] > 0, result
+    assert result["rc"] == 2, result
     assert result["stdout"] == "", result["stdout"]
     assert result["elapsed"] < LIMIT_S
     assert _tree(folder) == sorted(f.rstrip("/") for f in files), "the refused run wrote files"
