@@ -30,8 +30,9 @@ def register(subparsers) -> None:
     which = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     _add(which, "collectives", CollectiveBenchConfig, run_collectives,
          "nccl-tests-style sweep of torch.distributed collectives",
-         "Latency, algbw and busbw (nccl-tests' definitions) per collective and message size; "
-         "median over timed iterations.")
+         "Latency, algbw and busbw (nccl-tests' definitions) and the share of the link per "
+         "collective and message size, median over timed iterations; the largest message also "
+         "as --pieces calls in flight, and why a collective falls short of the link in one call.")
     _add(which, "ops", OpsBenchConfig, run_ops, "fused operators against compute-then-collective",
          "Compute alone, communication alone, unfused, fused and the physical limit "
          "max(compute, comm) per operator and shape.")
