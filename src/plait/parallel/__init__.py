@@ -18,9 +18,9 @@ found, in :mod:`plait.parallel.dims`; the extra layers, in
 
 from ..nn.parallelize import full_state_dict
 from .apply import parallelize
-from .styles import (AllReduceOutput, BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
+from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel, VocabParallel)
 
 __all__ = ["parallelize", "full_state_dict", "Colwise", "Rowwise", "VocabParallel",
-           "SequenceParallel", "Prepare", "Replicated", "AllReduceOutput", "ExpertsTP",
+           "SequenceParallel", "Prepare", "Replicated", "ExpertsTP",
            "ExpertsEP", "PlaitMoE", "TableParallel", "BatchParallel"]

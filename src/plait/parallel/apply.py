@@ -23,13 +23,13 @@ from ..nn._shard import GroupInfo, mark_partial_grad
 from ..nn.embedding import ShardedEmbeddingBag
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.moe import MoE
-from ..ops.regions import gather_from_region, reduce_from_region, scatter_to_region
+from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
 from .layers import CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn
 from .resolve import auto_plan, check_shards, expand, shard_for, split_shards
-from .styles import (AllReduceOutput, BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
+from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel,
                      VocabParallel, layout_name)
 
@@ -38,6 +38,7 @@ __all__ = ["parallelize"]
 log = logging.getLogger("plait.parallel")
 
 _UNIT_NAMES = {"mlp": "columns", "columns": "columns"}
+_KIND_NAMES = {"heads": "attention (by heads)", "mlp": "MLP (by columns)", "columns": "lone linear"}
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, group=None,
@@ -143,9 +144,6 @@ class _Run:
                             f"{type(module).__name__}")
         if isinstance(style, (ExpertsTP, ExpertsEP)):
             experts_shape(module, path)
-        if isinstance(style, (Prepare, SequenceParallel, Replicated, AllReduceOutput)) \
-                and path == "" and isinstance(style, SequenceParallel):
-            raise ValueError("SequenceParallel on the whole model: name the norms it applies to")
 
     def _check_tied(self, modules: dict) -> None:
         """A parameter shared by a module that is replaced and one that is not would come apart."""
@@ -257,9 +255,6 @@ class _Run:
             if isinstance(style, SequenceParallel) or style.grad_sum:
                 for param in module.parameters():
                     mark_partial_grad(param, group)
-        elif isinstance(style, AllReduceOutput):
-            module.register_forward_hook(lambda m, a, out: _map_first(
-                out, lambda t: reduce_from_region(t, group)))
         elif isinstance(style, Prepare):
             self._prepare(path, style, module)
         elif isinstance(style, BatchParallel):
@@ -325,15 +320,13 @@ class _Run:
                 self._note(dim.name, "grouped-query heads (q and k/v count heads in different "
                            "units): the balancer does not move them yet")
         self.model._plait_dims = {**kept, **dims}
-        kinds = {}
-        for dim in self.dims:
-            kinds[dim.kind] = kinds.get(dim.kind, 0) + 1
-        counted = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "no linear dims"
+        kinds = {kind: sum(d.kind == kind for d in self.dims) for kind in _KIND_NAMES}
+        counted = ", ".join(f"{n} {_KIND_NAMES[k]}" for k, n in kinds.items() if n) or "no linears"
         others = sorted({type(s).__name__ for s in self.styles.values()
                          if not isinstance(s, (Colwise, Rowwise))})
-        line = (f"{type(self.model).__name__}: {counted} split on {self.info.world} ranks"
-                f"{' with ' + ', '.join(others) if others else ''} "
-                f"({'fused' if self.overlap else 'plain'} path)")
+        line = (f"{type(self.model).__name__} on {self.info.world} ranks: {counted}"
+                f"{'; also ' + ', '.join(others) if others else ''}; "
+                f"{'fused' if self.overlap else 'plain'} path")
         notes = _grouped(self.notes)
         self.model._plait_parallel = line
         self.model._plait_notes = notes
@@ -360,10 +353,6 @@ class _Mover:
         raise ValueError(f"moving a tensor from {layout_name(have)} to {layout_name(want)} is not "
                          "supported (plait gathers Shard(d) → Replicate() and cuts Replicate() → "
                          "Shard(d))")
-
-
-def _map_first(out, fn):
-    return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
 
 
 def _grouped(notes: list[tuple[str, str]]) -> list[str]:

@@ -30,7 +30,6 @@ SequenceParallel(), "sequence_parallel"     SequenceParallel(): runs on its shar
 PrepareModuleInput / PrepareModuleOutput    Prepare(): moves tensors between layouts
 "replicate", "ep_router"                    Replicated(): nothing changes
 "replicated_with_grad_allreduce"            Replicated(grad_sum=True)
-"all_reduce"                                AllReduceOutput()
 "moe_tp_experts"                            ExpertsTP(): every expert's FFN dim split
 "ep_dispatch_experts", "grouped_gemm",      ExpertsEP(): whole experts per rank
 "gather" (experts)
@@ -48,7 +47,7 @@ from typing import Any
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "SequenceParallel", "Prepare", "Replicated",
-           "AllReduceOutput", "ExpertsTP", "ExpertsEP", "PlaitMoE", "TableParallel",
+           "ExpertsTP", "ExpertsEP", "PlaitMoE", "TableParallel",
            "BatchParallel", "Style", "to_style", "layout_name", "HF_STYLES"]
 
 REPLICATE, FEATURES = Replicate(), Shard(-1)
@@ -107,11 +106,6 @@ class Replicated:
 
 
 @dataclass(frozen=True)
-class AllReduceOutput:
-    """The module computes a partial sum; its output is all-reduced."""
-
-
-@dataclass(frozen=True)
 class ExpertsTP:
     """transformers' fused experts (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]):
     every expert's FFN dim F split over the ranks, outputs summed."""
@@ -145,9 +139,9 @@ class BatchParallel:
 
 
 Style = (Colwise | Rowwise | VocabParallel | SequenceParallel | Prepare | Replicated
-         | AllReduceOutput | ExpertsTP | ExpertsEP | PlaitMoE | TableParallel | BatchParallel)
+         | ExpertsTP | ExpertsEP | PlaitMoE | TableParallel | BatchParallel)
 _STYLES = (Colwise, Rowwise, VocabParallel, SequenceParallel, Prepare, Replicated,
-           AllReduceOutput, ExpertsTP, ExpertsEP, PlaitMoE, TableParallel, BatchParallel)
+           ExpertsTP, ExpertsEP, PlaitMoE, TableParallel, BatchParallel)
 
 # transformers' plan strings (4.5x through 5.x names), as plait styles
 HF_STYLES: dict[str, Any] = {
@@ -160,7 +154,6 @@ HF_STYLES: dict[str, Any] = {
     "sequence_parallel": SequenceParallel(),
     "replicate": Replicated(), "ep_router": Replicated(),
     "replicated_with_grad_allreduce": Replicated(grad_sum=True),
-    "all_reduce": AllReduceOutput(), "all_reduce_output": AllReduceOutput(),
     "moe_tp_experts": ExpertsTP(),
     "ep_dispatch_experts": ExpertsEP(), "grouped_gemm": ExpertsEP(), "gather": ExpertsEP(),
 }
@@ -173,7 +166,9 @@ _HF_REFUSED = {
     "mla_kv_a_proj": "multi-head latent attention's split K/V projection",
     "megamoe_router": "DeepGEMM's MegaMoE", "megamoe_experts": "DeepGEMM's MegaMoE",
     "moe_identity_expert": "identity experts", "local_params": "a bare sharded parameter",
-    "local": "an isolated (rank-local) module", "isolated": "an isolated (rank-local) module",
+    "local": "an isolated (rank-local) module",
+    "all_reduce": "a module whose output is a partial sum", "all_reduce_output":
+    "a module whose output is a partial sum", "isolated": "an isolated (rank-local) module",
     "packed_rowwise": "a packed row-parallel weight outside an experts module",
     "local_packed_rowwise": "a packed row-parallel weight outside an experts module",
 }
