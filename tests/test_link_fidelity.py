@@ -143,7 +143,7 @@ def test_bench_collectives_says_why_a_collective_falls_short_of_the_link():
     assert notes["all_to_all"].endswith(GLOO_SHORTFALL["all_to_all"])
     assert "all-reduce of the whole input" in notes["reduce_scatter"]
     other = shortfalls([_record("all_to_all", 0.47, backend="nccl")])
-    assert other["all_to_all"] == "one call 47% of the link: no known cause on this backend " \
-                                  "(docs/link.md says how to look)"
+    assert other["all_to_all"] == "one call 47% of the link: not a known limit of nccl: a " \
+                                  "busy CPU or the link (docs/link.md says how to tell them apart)"
     assert shortfalls([_record("all_to_all", None, None)]) == {}  # loopback: no link to fill
     assert link_share(0.1, "1gbit") == 0.8 and link_share(0.1, "loopback") is None

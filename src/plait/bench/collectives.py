@@ -129,7 +129,8 @@ def shortfalls(records: list[dict]) -> dict[str, str]:
         if top.get("pieces_link_share") is not None:
             measured += f", {top['pieces']} pieces in flight {top['pieces_link_share']:.0%}"
         why = (GLOO_SHORTFALL.get(name) if top["backend"] == "gloo" else None) or \
-            "no known cause on this backend (docs/link.md says how to look)"
+            f"not a known limit of {top['backend']}: a busy CPU or the link (docs/link.md " \
+            "says how to tell them apart)"
         notes[name] = f"{measured}: {why}"
     return notes
 
