@@ -55,7 +55,7 @@ def _monitor_on_one_rank():
         shared.append(monitor.step())
     assert shared == [False, True, False, True] and monitor.shares == 2
     assert monitor.speeds() == (1.0,) and monitor.layer_speeds("1") == (1.0,)
-    assert monitor.compute_s > 0  # both layers' compute was timed
+    assert monitor.compute_s > 0  # the layers' compute was timed
     with pytest.raises(ValueError, match="no layer 'x' is timed"):
         monitor.layer_speeds("x")
     with pytest.raises(ValueError, match="every must be a positive"):
