@@ -18,7 +18,8 @@ gradient, gathered by name; the gathered weights bit for bit):
 - transformers' strings: ``"colwise"``/``"rowwise"``, ``"embedding_rowwise"``,
   ``"colwise_gather_output"``, ``"rowwise_split_input"`` on a lone projection,
   ``"replicated_with_grad_allreduce"`` on the per-head norm; heads cut [1, 1] of
-  2 groups on 2 ranks, and into sub-groups (K/V heads copied) on 3;
+  2 groups on 2 ranks, and into sub-groups (K/V heads copied) on 3; once over a
+  1-D ``DeviceMesh`` (``mesh=``) instead of the default group;
 - what it logs, once, on rank 0; and every mistake it refuses, naming the module.
 """
 
@@ -138,13 +139,16 @@ def _plan(kind):
             "head": "colwise_gather_output"}
 
 
-def _case(kind, shards, overlap):
+def _case(kind, shards, overlap, mesh=False):
     import plait
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     ref = _toy()
     shards = {k: ShardPlan(v) for k, v in shards.items()}
+    where = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))} if mesh else {}
     par = plait.parallelize(copy.deepcopy(ref), _plan(kind), shards=shards, overlap=overlap,
-                            chunks=2)
+                            chunks=2, **where)
     ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1))
     want, got = ref(ids), par(ids)
     target = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(2))
@@ -184,7 +188,7 @@ def _run(cases):
 
 CASES = {
     2: [("torchtitan", {"seq": (5, 2)}, True), ("torchtitan", {"heads": (1, 1)}, False),
-        ("strings", {"mlp": (70, 26), "vocab": (10, 30)}, True), ("strings", {}, False)],
+        ("strings", {"mlp": (70, 26), "vocab": (10, 30)}, True), ("strings", {}, False, True)],
     3: [("torchtitan", {"seq": (1, 4, 2), "heads": (1, 2, 1)}, True),
         ("strings", {"heads": (2, 1, 1), "extra": (20, 4, 8)}, False)],
 }
