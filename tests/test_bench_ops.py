@@ -9,7 +9,9 @@ the same on any machine) and a tiny one that falls back (a 64-row matmul_all_red
 
 import pytest
 
-from plait.bench.ops import OpsBenchConfig, bench_ops, summarize
+from plait.bench.case import busiest_link_bytes
+from plait.bench.cases_sparse import _routing
+from plait.bench.ops import OpsBenchConfig, beats_limit, bench_ops, physical_limit, summarize
 from plait.runtime.timing import median
 
 # op → (shape, what auto takes there: (path, pieces))
@@ -27,6 +29,8 @@ SHAPES = {
 SWEEP = {op: [shape for shape, _ in cases] for op, cases in SHAPES.items()}
 AUTO = [taken for cases in SHAPES.values() for _, taken in cases]
 KEYS = {"op", "shape", "t_compute_s", "t_comm_s", "t_unfused_s", "t_fused_s", "t_limit_s",
+        "t_unfused_one_call_s", "t_unfused_pieces_s", "unfused_pieces", "limit_kind", "t_link_s",
+        "limit_tolerance_s", "link_bytes", "rank_link_bytes", "beats_limit", "speedup_one_call",
         "t_beside_s", "chunks", "path", "correct", "correct_by_variant", "path_by_variant",
         "max_abs_diff_by_variant", "t_fixed_s", "peak_bytes_fused", "t_rounds_s",
         "auto_over_best_fixed", "auto_choice_over_best_fixed", "auto_over_own_count"}
@@ -44,12 +48,16 @@ def test_every_operator_has_its_record_and_every_timed_variant_is_correct(record
     assert [(r["op"], r["shape"]) for r in records] == [(op, s) for op, ss in SWEEP.items() for s in ss]
     for r in records:
         assert KEYS <= set(r), KEYS - set(r)
-        # every variant timed, but the two halves alone: the plain path, beside, auto, each count
-        checked = {"unfused", "beside", *r["t_rounds_s"]}
+        # every variant timed, but the two halves alone: the plain path in one call and in
+        # pieces, beside, auto, each count
+        checked = {"unfused", "unfused_pieces", "beside", *r["t_rounds_s"]}
         assert set(r["correct_by_variant"]) == checked, r["correct_by_variant"]
         assert all(r["correct_by_variant"].values()), (r["op"], r["max_abs_diff_by_variant"])
         assert r["correct"] and r["max_abs_diff"] == max(r["max_abs_diff_by_variant"].values())
-        assert min(r["t_beside_s"], r["t_unfused_s"], r["t_compute_s"], r["t_comm_s"]) > 0
+        assert min(r["t_beside_s"], r["t_unfused_one_call_s"], r["t_unfused_pieces_s"],
+                   r["t_compute_s"], r["t_comm_s"]) > 0
+        # the pieces the fused operator sends; where auto takes one, the sweep's most (2)
+        assert r["unfused_pieces"] == (r["chunks"] if r["chunks"] > 1 else 2)
 
 
 def test_auto_and_each_count_take_the_path_asked_for(records):
@@ -75,9 +83,15 @@ def test_the_figures_are_what_the_timings_imply(records):
         assert r["t_fixed_s"] == {c: median(rounds[c]) for c in ("1", "2")}  # auto's own: beside
         best = min(r["t_fixed_s"], key=r["t_fixed_s"].get)
         assert (r["best_fixed_chunks"], r["t_best_fixed_s"]) == (int(best), r["t_fixed_s"][best])
+        # loopback: no rate, so the limit is the measured one, and no link is crossed
+        assert (r["limit_kind"], r["t_link_s"], r["limit_tolerance_s"]) == ("measured", None, 0)
         assert r["t_limit_s"] == max(r["t_compute_s"], r["t_comm_s"])
+        assert r["link_bytes"] == 0
+        assert r["beats_limit"] == (r["t_fused_s"] < r["t_limit_s"])
+        assert r["t_unfused_s"] == min(r["t_unfused_one_call_s"], r["t_unfused_pieces_s"])
         exact = pytest.approx  # the same quotients, computed again
         assert r["speedup"] == exact(r["t_unfused_s"] / r["t_fused_s"])
+        assert r["speedup_one_call"] == exact(r["t_unfused_one_call_s"] / r["t_fused_s"])
         assert r["efficiency"] == exact(r["t_limit_s"] / r["t_fused_s"])
         assert r["efficiency_vs_beside"] == exact(r["t_beside_s"] / r["t_fused_s"])
         assert r["comm_ratio"] == exact(r["t_comm_s"] / r["t_compute_s"])
@@ -97,3 +111,69 @@ def test_the_summary_reads_the_records(records):
                                                      for r in records)
     assert summary["worst_auto_choice_over_best_fixed"] == max(
         r["auto_choice_over_best_fixed"] for r in records)
+
+
+def _sent_by_rank_0(op, shape):
+    """Bytes rank 0 sends rank 1 and rank 1 sends rank 0 (2 ranks, float32), from the shape."""
+    if op == "matmul_reduce_scatter":
+        block = shape["m"] // 2 * shape["n"] * 4  # the other rank's rows of the partial sums
+        return block, block
+    if op == "embedding_all_to_all":
+        block = shape["tables"] * shape["batch"] // 2 * shape["dim"] * 4
+        return block, block
+    rows = _routing(2, shape["experts"], shape["tokens"]).sum(2)  # [s][d] tokens
+    out, back = int(rows[0][1]) * shape["hidden"] * 4, int(rows[1][0]) * shape["hidden"] * 4
+    return (out, back) if op == "all_to_all_matmul" else (back, out)
+
+
+def test_each_operator_s_link_bytes_follow_from_its_shape(records):
+    """Were each rank a host: the busiest direction of the one link, in bytes."""
+    for r in records:
+        op, shape = r["op"], r["shape"]
+        if op == "matmul_all_reduce":  # ring: 2(W-1)/W of the output, each way
+            expected = 2 * (2 - 1) / 2 * shape["m"] * shape["n"] * 4
+        elif op == "all_gather_matmul":  # the other rank's rows of x
+            expected = shape["m"] // 2 * shape["k"] * 4
+        else:
+            expected = max(_sent_by_rank_0(op, shape))
+        assert r["rank_link_bytes"] == expected, (op, shape)
+
+
+def test_busiest_link_counts_only_bytes_between_hosts():
+    sent = [[0, 5, 7], [2, 0, 11], [3, 13, 0]]  # [s][d] bytes
+    # ranks 0 and 1 on host 0: host 0 sends 7 + 11 (and receives 3 + 13)
+    assert busiest_link_bytes(sent, [0, 0, 1]) == 18
+    assert busiest_link_bytes([[0, 5, 7], [2, 0, 11], [3, 17, 0]], [0, 0, 1]) == 20  # receives
+    assert busiest_link_bytes(sent, [0, 1, 2]) == 5 + 13  # rank 1 receives the most
+    assert busiest_link_bytes(sent, [0, 0, 0]) == 0  # one host: no link
+
+
+def test_a_fused_time_under_the_physical_limit_is_rejected():
+    """No processes: a synthetic record. 8 MiB over a 1 Gbit/s link take 67 ms; the token
+    bucket lets 1 ms of line rate through at once (docs/link.md), so a fused time down to
+    66 ms is possible, and 40 ms (the 1.72 "efficiency" of issue 21's table) is a bug."""
+    limit = physical_limit(t_compute=0.010, t_comm=0.140, link_bytes=8 * 2**20, link="1gbit")
+    assert limit["limit_kind"] == "link"
+    assert limit["t_link_s"] == pytest.approx(8 * 2**20 * 8 / 1e9)
+    assert limit["t_limit_s"] == limit["t_link_s"]  # not the measured 140 ms collective
+    assert limit["limit_tolerance_s"] == pytest.approx(0.001)
+    records = []
+    for t_fused in (0.040, limit["t_link_s"] - 0.0005, 0.080):
+        r = {"op": "o", "shape": {"t": t_fused}, "t_fused_s": t_fused, **limit}
+        r["beats_limit"] = beats_limit(r)
+        records.append(r)
+    assert [r["beats_limit"] for r in records] == [True, False, False]
+    assert limit["t_limit_s"] / records[0]["t_fused_s"] > 1  # the efficiency it would report
+    # the summary counts and names it
+    for r in records:
+        r.update(comm_ratio=1.0, t_unfused_s=0.1, t_unfused_one_call_s=0.2, speedup=0.1 / r["t_fused_s"],
+                 speedup_one_call=0.2 / r["t_fused_s"], efficiency=r["t_limit_s"] / r["t_fused_s"],
+                 t_beside_s=0.07, efficiency_vs_beside=0.07 / r["t_fused_s"], correct=True,
+                 peak_bytes_fused=1, peak_bytes_unfused=1)
+    summary = summarize(records)
+    assert summary["beats_physical_limit"] == 1
+    assert summary["beats_limit"] == ["o {'t': 0.04} (link)"]
+    assert summary["median_speedup_balanced"] == pytest.approx(0.1 / records[1]["t_fused_s"])
+    # compute-bound: the limit is compute alone, with the burst still allowed
+    slow = physical_limit(t_compute=0.5, t_comm=0.1, link_bytes=2**20, link="50mbit")  # 168 ms
+    assert (slow["t_limit_s"], slow["limit_tolerance_s"]) == (0.5, pytest.approx(64 * 1024 * 8 / 50e6))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 import torch.distributed as dist
 
+from ..ops.pieces import offsets, row_parts
+from ..runtime.compat import all_gather_into
 from ..runtime.timing import agreed_max
 
-__all__ = ["Case", "SLOTS", "check_outputs"]
+__all__ = ["Case", "SLOTS", "check_outputs", "busiest_link_bytes", "all_to_all_pieces",
+           "all_reduce_pieces", "all_gather_pieces"]
+
+# one piece on the wire: its work handle, and what lands it in the case's buffer (or None)
+Pending = list[tuple[object, Callable[[], None] | None]]
 
 SLOTS = 2  # buffer sets: "beside" works on one while the other's first stage runs
 
@@ -88,6 +96,34 @@ class Case:
         own plain path (one piece)."""
         return self.run(1)
 
+    def comm_pieces(self, pieces: int, slot: int = 0) -> Pending:
+        """``comm``'s bytes as ``pieces`` collectives, all started at once (asynchronous)."""
+        raise NotImplementedError
+
+    def plain_pieces(self, pieces: int) -> torch.Tensor:
+        """The plain path with its transfer as ``pieces`` collectives in flight at once, none
+        overlapping the compute (compute first; a gather: every piece first): how much of a
+        fused operator's gain its pieces alone give, on a backend whose one big call is slow."""
+        if not self.comm_first:
+            self.compute(slot=0)
+        for work, land in self.comm_pieces(pieces, slot=0):
+            work.wait()
+            if land is not None:
+                land()
+        if self.comm_first:
+            self.compute(slot=0)
+        return self.result(0)
+
+    def link_bytes(self, host_of: Sequence[int]) -> float:
+        """The fewest bytes any schedule of the collective must put through the busiest
+        host link in one direction (rank r on host ``host_of[r]``; same on every rank).
+        Default: the bytes each rank sends each other (:meth:`sent_bytes`) that cross hosts."""
+        return busiest_link_bytes(self.sent_bytes(), host_of)
+
+    def sent_bytes(self) -> list[list[float]]:
+        """``[s][d]``: bytes rank s sends rank d (an all-to-all's; the same on every rank)."""
+        raise NotImplementedError
+
 
 def check_outputs(case: Case, outputs: dict[str, list[torch.Tensor]]
                   ) -> dict[str, tuple[float, bool]]:
@@ -112,3 +148,59 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
     return float("inf") if diff != diff else diff  # NaN: as wrong as it gets, and it orders
+
+
+def busiest_link_bytes(sent: Sequence[Sequence[float]], host_of: Sequence[int]) -> float:
+    """The most bytes that leave or enter one host (each direction apart: links are full
+    duplex), of ``sent[s][d]`` bytes from rank s to rank d; ranks on one host use no link."""
+    out: dict[int, float] = {h: 0.0 for h in host_of}
+    into = dict(out)
+    for s, row in enumerate(sent):
+        for d, nbytes in enumerate(row):
+            if host_of[s] != host_of[d]:
+                out[host_of[s]] += nbytes
+                into[host_of[d]] += nbytes
+    return max([*out.values(), *into.values()], default=0.0)
+
+
+def all_reduce_pieces(buf: torch.Tensor, pieces: int) -> Pending:
+    """``buf`` all-reduced as ``pieces`` row blocks in flight (views: nothing to land)."""
+    at = offsets(row_parts(buf.shape[0], pieces))
+    return [(dist.all_reduce(buf[lo:hi], async_op=True), None) for lo, hi in zip(at, at[1:])]
+
+
+def all_gather_pieces(out: torch.Tensor, x: torch.Tensor, pieces: int) -> Pending:
+    """Every rank's ``x`` ([R, ...], the same R on each) into ``out`` ([W·R, ...], rank
+    order) as ``pieces`` gathers of a block of R's rows each, landed by a copy."""
+    world, rows = out.shape[0] // x.shape[0], x.shape[0]
+    at = offsets(row_parts(rows, pieces))
+    pending: Pending = []
+    for lo, hi in zip(at, at[1:]):
+        buf = x.new_empty(world * (hi - lo), *x.shape[1:])  # [W·(hi-lo), ...]
+        dst = out.view(world, rows, *x.shape[1:])[:, lo:hi]
+        pending.append((all_gather_into(buf, x[lo:hi], async_op=True),
+                        lambda buf=buf, dst=dst: dst.copy_(buf.view_as(dst))))
+    return pending
+
+
+def all_to_all_pieces(recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int],
+                      send_rows: Sequence[int], pieces: int) -> Pending:
+    """``all_to_all_single(recv, send, recv_rows, send_rows)`` as ``pieces`` all-to-alls in
+    flight: piece j carries the j-th part of every destination's rows (packed by a copy)
+    and lands the j-th part of every source's (a copy back). Both ends cut a block of n
+    rows alike (``row_parts(n, pieces)``), so each piece's counts agree across ranks."""
+    send_parts = [row_parts(int(n), pieces) for n in send_rows]
+    recv_parts = [row_parts(int(n), pieces) for n in recv_rows]
+    send_at, recv_at = offsets(send_rows), offsets(recv_rows)
+    pending: Pending = []
+    for j in range(pieces):
+        out_rows = [parts[j] for parts in send_parts]
+        in_rows = [parts[j] for parts in recv_parts]
+        packed = torch.cat([send[send_at[d] + sum(p[:j]):][:p[j]]
+                            for d, p in enumerate(send_parts)])
+        got = recv.new_empty(sum(in_rows), *recv.shape[1:])
+        blocks = [recv[recv_at[s] + sum(p[:j]):][:p[j]] for s, p in enumerate(recv_parts)]
+        work = dist.all_to_all_single(got, packed, in_rows, out_rows, async_op=True)
+        pending.append((work, lambda got=got, blocks=blocks, n=in_rows: [
+            b.copy_(g) for b, g in zip(blocks, got.split(n))]))
+    return pending

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .case import SLOTS, Case
+from .case import SLOTS, Case, all_to_all_pieces
 from ..ops import all_to_all_matmul, embedding_all_to_all, matmul_all_to_all
 
 __all__ = ["SPARSE_CASES", "SPARSE_QUICK_SHAPES", "SPARSE_FULL_SHAPES", "EmbeddingCase",
@@ -57,6 +57,15 @@ class EmbeddingCase(_Base):
     def run(self, chunks):
         return embedding_all_to_all(self.tables, self.indices, self.offsets, chunks=chunks)
 
+    def comm_pieces(self, pieces, slot=0):
+        send = self.pooled[slot].transpose(0, 1).contiguous()  # [B, T, D]
+        rows = [send.shape[0] // self.world] * self.world
+        return all_to_all_pieces(self.recv[slot].view_as(send), send, rows, rows, pieces)
+
+    def sent_bytes(self):  # each destination's bags of every table
+        block = self.pooled[0].numel() // self.world * self.pooled[0].element_size()
+        return [[0.0 if s == d else block for d in range(self.world)] for s in range(self.world)]
+
 
 def _routing(world: int, experts: int, tokens: int) -> torch.Tensor:
     """``c[s][d][e]``: tokens rank s sends to expert e of rank d; skewed, same on every rank."""
@@ -72,6 +81,7 @@ class _MoE(_Base):
         super().__init__(shape, dtype)
         tokens, h, f, e = (shape[k] for k in ("tokens", "hidden", "ffn", "experts"))
         counts = _routing(self.world, e, tokens)
+        self.rows_table = counts.sum(2).tolist()  # [s][d]: tokens rank s sends rank d
         self.send_counts = counts[self.rank].tolist()
         self.recv_counts = counts[:, self.rank].tolist()
         self.t_send, self.t_recv = tokens, int(counts[:, self.rank].sum())
@@ -117,6 +127,14 @@ class DispatchCase(_MoE):
     def run(self, chunks):
         return all_to_all_matmul(self.x, self.w, self.send_counts, self.recv_counts, chunks=chunks)
 
+    def comm_pieces(self, pieces, slot=0):
+        return all_to_all_pieces(self.arrived[slot], self.x, self.recv_rows, self.send_rows, pieces)
+
+    def sent_bytes(self):  # the tokens, [H] each, to their experts' ranks
+        size = self.h * self.x.element_size()
+        return [[0.0 if s == d else n * size for d, n in enumerate(row)]
+                for s, row in enumerate(self.rows_table)]
+
 
 class CombineCase(_MoE):
     op = "matmul_all_to_all"
@@ -145,6 +163,15 @@ class CombineCase(_MoE):
 
     def run(self, chunks):
         return matmul_all_to_all(self.y, self.w, self.send_counts, self.recv_counts, chunks=chunks)
+
+    def comm_pieces(self, pieces, slot=0):
+        return all_to_all_pieces(self.back[slot], self.out_local[slot], self.send_rows,
+                                 self.recv_rows, pieces)
+
+    def sent_bytes(self):  # the experts' outputs, [H] each, back to the tokens' ranks
+        size = self.h * self.y.element_size()
+        return [[0.0 if s == d else self.rows_table[d][s] * size for d in range(self.world)]
+                for s in range(self.world)]
 
 
 SPARSE_CASES = {c.op: c for c in (EmbeddingCase, DispatchCase, CombineCase)}

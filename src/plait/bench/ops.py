@@ -5,18 +5,29 @@ the slowest rank's; the median over iterations is reported):
 
 - ``t_compute``: the operator's compute alone (its GEMMs on the local shard);
 - ``t_comm``: its collective alone, on ready buffers (what the plain path sends);
-- ``t_unfused``: the plain path: compute, then the collective (all_gather_matmul:
-  the gather, then the GEMM; its own ``chunks=1`` already overlaps its own rows,
-  and is timed among the fixed piece counts);
+- ``t_unfused_one_call``: the plain path: compute, then the collective in one call
+  (all_gather_matmul: the gather, then the GEMM; its own ``chunks=1`` already overlaps
+  its own rows, and is timed among the fixed piece counts);
+- ``t_unfused_pieces``: compute, then the same bytes as ``unfused_pieces`` collectives all
+  in flight, none overlapping the compute (:meth:`plait.bench.case.Case.plain_pieces`):
+  gloo's one big all-to-all, all-gather or reduce-scatter uses about half a link that
+  pieces fill (docs/link.md), and that gain is the pieces', not fusion's;
+- ``t_unfused = min(one call, pieces)``: the best way this backend moves the bytes;
 - ``t_fused``: ``chunks="auto"``, and each fixed piece count of the sweep (and auto's
   own count, timed as a fixed one beside them, to compare its choice count to count);
-- ``t_limit = max(t_compute, t_comm)``: no schedule can beat it;
+- ``t_limit``: no schedule can beat it (:func:`physical_limit`): on an emulated link,
+  max(compute alone, the bytes the busiest host link must carry ÷ the link's rate)
+  (``limit_kind`` "link"); on loopback, with no rate, max(compute alone, the collective
+  alone as measured) ("measured"). A fused time under it by more than the token bucket's
+  burst (``limit_tolerance_s``) is flagged (``beats_limit``): a bug in the limit;
 - ``t_beside``: the compute and the transfer at once, neither waiting for the other
   (:meth:`plait.bench.case.Case.beside`): what this machine allows;
 - ``peak_bytes_*``: the most tensor memory each path holds at once (outputs included).
 
-``speedup = t_unfused / t_fused``; ``efficiency = t_limit / t_fused``. Every timed
-variant's output (unfused, beside, auto, each count) is compared with the case's own
+``speedup = t_unfused / t_fused`` (over the best baseline: what overlap gains);
+``speedup_one_call = t_unfused_one_call / t_fused`` (pieces and overlap together);
+``efficiency = t_limit / t_fused``. Every timed variant's output (unfused, unfused
+pieces, beside, auto, each count) is compared with the case's own
 compute-then-collective, written with plain torch.distributed calls
 (``correct_by_variant``; ``correct`` is all of them), and the path and pieces auto and
 each count took are recorded (``path_by_variant``). The timings of
@@ -41,10 +52,10 @@ from ..ops import all_gather_matmul, get_context, matmul_all_reduce, matmul_redu
 from ..ops.matmul_all_reduce import GEMV_ROWS
 from ..ops.pieces import even_sizes
 from ..perf.pieces import calibration_dict
-from ..runtime import rank_context
+from ..runtime import parse_rate, rank_context
 from ..runtime.compat import all_gather_into
 from ..runtime.timing import median, time_interleaved
-from .case import SLOTS, Case, check_outputs
+from .case import SLOTS, Case, all_gather_pieces, all_reduce_pieces, all_to_all_pieces, check_outputs
 from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
 from .memory import peak_bytes
 
@@ -78,6 +89,15 @@ class MatmulAllReduceCase(Case):
     def run(self, chunks):
         return matmul_all_reduce(self.x, self.w, chunks=chunks)
 
+    def comm_pieces(self, pieces, slot=0):
+        return all_reduce_pieces(self.wire[slot], pieces)
+
+    def link_bytes(self, host_of):
+        # a bandwidth-optimal all-reduce puts 2(H-1)/H of the buffer through each host's
+        # link each way (nccl-tests' busbw convention), over H hosts
+        hosts = len(set(host_of))
+        return 2 * (hosts - 1) / hosts * self.wire[0].numel() * self.wire[0].element_size()
+
 
 class AllGatherMatmulCase(Case):
     op = "all_gather_matmul"
@@ -103,6 +123,16 @@ class AllGatherMatmulCase(Case):
 
     def run(self, chunks):
         return all_gather_matmul(self.x, self.w, chunks=chunks)
+
+    def comm_pieces(self, pieces, slot=0):
+        return all_gather_pieces(self.gathered[slot], self.x, pieces)
+
+    def link_bytes(self, host_of):
+        # every host must receive every other host's rows, and send its own at least once
+        share = self.x.numel() * self.x.element_size()
+        on = {h: host_of.count(h) * share for h in host_of}
+        total = share * len(host_of)
+        return max(max(total - b, b) for b in on.values()) if len(on) > 1 else 0.0
 
     def plain(self):
         # not run(1): with one piece the operator still multiplies its own rows while the
@@ -135,6 +165,14 @@ class MatmulReduceScatterCase(Case):
 
     def run(self, chunks):
         return matmul_reduce_scatter(self.x, self.w, chunks=chunks)
+
+    def comm_pieces(self, pieces, slot=0):
+        rows = [self.partial[slot].shape[0] // self.world] * self.world
+        return all_to_all_pieces(self.recv[slot], self.partial[slot], rows, rows, pieces)
+
+    def sent_bytes(self):  # each rank's partial sums of every other rank's rows
+        block = self.partial[0].numel() // self.world * self.partial[0].element_size()
+        return [[0.0 if s == d else block for d in range(self.world)] for s in range(self.world)]
 
 
 CASES = {c.op: c for c in (MatmulAllReduceCase, AllGatherMatmulCase, MatmulReduceScatterCase)}
@@ -186,21 +224,55 @@ class OpsBenchConfig:
         return [(op, shape) for op in self.ops for shape in table.get(op, [])]
 
 
+def burst_s(bits_per_s: float) -> float:
+    """How long the emulated link's token bucket can run ahead of its rate: tbf's burst is
+    max(1 ms of line rate, 64 KiB) (:func:`plait.runtime.cluster._tbf`), and a transfer
+    that starts on a full bucket passes that many bytes at once (docs/link.md). 1 ms at
+    1 Gbit/s: 1.5 % of the 67 ms that 8 MiB take."""
+    return max(0.001, 64 * 1024 * 8 / bits_per_s)
+
+
+def physical_limit(t_compute: float, t_comm: float, link_bytes: float, link: str | None) -> dict:
+    """No schedule of the operator can beat ``t_limit_s``.
+
+    On an emulated link (``limit_kind`` "link"): max(compute alone, the bytes the busiest
+    host link must carry ÷ its rate), the wire's figure from the link, not from a measured
+    collective (whose algorithm may use half the link); ``limit_tolerance_s`` is the token
+    bucket's burst, by which a transfer may beat its rate. On loopback ("measured"): there is
+    no rate, so max(compute alone, the collective alone, measured), no tolerance."""
+    bits = parse_rate(link)
+    if bits is None:
+        return {"t_limit_s": max(t_compute, t_comm), "limit_kind": "measured", "t_link_s": None,
+                "limit_tolerance_s": 0.0}
+    t_link = link_bytes / (bits / 8)
+    return {"t_limit_s": max(t_compute, t_link), "limit_kind": "link", "t_link_s": t_link,
+            "limit_tolerance_s": burst_s(bits) if link_bytes else 0.0}
+
+
+def beats_limit(record: dict) -> bool:
+    """Whether the fused time beats the physical limit by more than its tolerance: a bug in
+    the bench (a limit that is not one), flagged in the record, summary and table."""
+    return record["t_fused_s"] + record["limit_tolerance_s"] < record["t_limit_s"]
+
+
 def _paired(a: list[float], b: list[float]) -> float:
     """The median over rounds of a / b timed in the same round: the two ran moments apart,
     so a slow stretch of the machine divides out (the ratio of their medians keeps it)."""
     return median([x / y for x, y in zip(a, b)])
 
 
-def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
+def _bench_case(case: Case, cfg: OpsBenchConfig, host_of: list[int]) -> dict:
     device = rank_context().topology.device
     case.run("auto")  # auto decides on its first call
     decision = get_context().decisions[case.op]
     # auto's own count is timed as a fixed count too (beside the sweep's, not among them)
     own = f"chunks={decision.chunks}"
     counts = list(dict.fromkeys([*map(int, cfg.fixed_chunks), decision.chunks]))
+    # the pieces the fused operator sends (auto's; where it takes one, the sweep's most)
+    pieces = decision.chunks if decision.chunks > 1 else max([2, *map(int, cfg.fixed_chunks)])
     variants = {"compute": case.compute, "comm": case.comm, "beside": case.beside,
-                "unfused": case.plain, "auto": lambda: case.run("auto")}
+                "unfused": case.plain, "unfused_pieces": lambda: case.plain_pieces(pieces),
+                "auto": lambda: case.run("auto")}
     for c in counts:
         variants[f"chunks={c}"] = lambda c=c: case.run(c)
     case.start_beside()
@@ -209,7 +281,7 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
             fn()
     timed = time_interleaved(variants, cfg.iters, device)
     times = {name: median(ts) for name, ts in timed.items()}
-    outputs, paths = _variant_outputs(case, counts)
+    outputs, paths = _variant_outputs(case, counts, pieces)
     checked = check_outputs(case, outputs)
     # the fixed count takes the same path with as many pieces?
     same_code = paths[str(decision.chunks)] == [decision.path, decision.chunks]
@@ -217,12 +289,21 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     peak_fused = peak_bytes(lambda: case.run("auto"))
     fixed = {name: times[name] for name in (f"chunks={int(c)}" for c in cfg.fixed_chunks)}
     best_name = min(fixed, key=fixed.get) if fixed else own
-    t_limit = max(times["compute"], times["comm"])
     ctx = rank_context()
+    link_bytes = case.link_bytes(host_of)
+    limit = physical_limit(times["compute"], times["comm"], link_bytes, ctx.link)
+    t_limit = limit["t_limit_s"]
+    # the strongest unfused baseline: one big collective, or the same bytes in pieces
+    t_unfused = min(times["unfused"], times["unfused_pieces"])
     return {
         "op": case.op, "shape": case.shape, "world_size": case.world, "dtype": str(case.dtype)[6:],
-        "t_compute_s": times["compute"], "t_comm_s": times["comm"], "t_unfused_s": times["unfused"],
-        "t_fused_s": times["auto"], "t_limit_s": t_limit, "t_beside_s": times["beside"],
+        "t_compute_s": times["compute"], "t_comm_s": times["comm"],
+        "t_unfused_one_call_s": times["unfused"], "t_unfused_pieces_s": times["unfused_pieces"],
+        "unfused_pieces": pieces, "t_unfused_s": t_unfused,
+        "t_fused_s": times["auto"], **limit, "link_bytes": link_bytes,
+        # the same were each rank a host of its own (on loopback, where no link is crossed)
+        "rank_link_bytes": case.link_bytes(list(range(case.world))),
+        "t_beside_s": times["beside"],
         "t_fixed_s": {name[7:]: t for name, t in fixed.items()},
         "best_fixed_chunks": int(best_name[7:]) if fixed else None,
         "t_best_fixed_s": fixed.get(best_name),
@@ -238,7 +319,10 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
         "t_rounds_s": {name.removeprefix("chunks="): ts for name, ts in timed.items()
                        if name == "auto" or name.startswith("chunks=")},
         "chunks": decision.chunks, "path": decision.path, "reason": decision.reason,
-        "speedup": times["unfused"] / times["auto"], "efficiency": t_limit / times["auto"],
+        # over the best unfused baseline (the gain from overlap), and over the one big call
+        # (overlap and pieces together)
+        "speedup": t_unfused / times["auto"], "speedup_one_call": times["unfused"] / times["auto"],
+        "efficiency": t_limit / times["auto"],
         "efficiency_vs_beside": times["beside"] / times["auto"],
         "comm_ratio": times["comm"] / max(times["compute"], 1e-12),
         # every timed variant's output against the case's own compute-then-collective
@@ -254,11 +338,11 @@ def _bench_case(case: Case, cfg: OpsBenchConfig) -> dict:
     }
 
 
-def _variant_outputs(case: Case, counts: list[int]) -> tuple[dict, dict]:
+def _variant_outputs(case: Case, counts: list[int], pieces: int) -> tuple[dict, dict]:
     """Every timed variant's output from one more call each, after the timing (``beside``:
     one call finishing each slot), and the path and pieces (``[path, chunks]``) that auto
     and each count took."""
-    outputs = {"unfused": [case.plain()]}
+    outputs = {"unfused": [case.plain()], "unfused_pieces": [case.plain_pieces(pieces).clone()]}
     case.start_beside()
     outputs["beside"] = []
     for _ in range(SLOTS):
@@ -289,9 +373,12 @@ def run_ops_sweep(cfg: OpsBenchConfig) -> dict:
     cal = get_context().calibration()  # calibrate once, before anything is timed
     records = []
     device = ctx.topology.device
+    host_of = [None] * dist.get_world_size()
+    dist.all_gather_object(host_of, ctx.host.index)  # which links a rank's bytes cross
     for op, shape in cfg.shapes():
         case = _on_device(CASES[op](shape, torch.float32), device)
-        records.append(_bench_case(case, cfg))
+        record = _bench_case(case, cfg, host_of)
+        records.append({**record, "beats_limit": beats_limit(record)})
         ctx.report({"op": op, "shape": shape})
     return {"records": records, "calibration": calibration_dict(cal)}
 
@@ -319,7 +406,10 @@ def summarize(records: list[dict]) -> dict:
     own = [r["auto_over_own_count"] for r in records if r.get("auto_over_own_count") is not None]
     return {
         "balanced_shapes": len(balanced),
+        # over the best unfused baseline (one call or pieces), and over the one call alone
         "median_speedup_balanced": median([r["speedup"] for r in balanced]) if balanced else None,
+        "median_speedup_one_call_balanced": (median([r["speedup_one_call"] for r in balanced])
+                                             if balanced else None),
         "median_efficiency_balanced": median([r["efficiency"] for r in balanced]) if balanced else None,
         # what this machine allows: compute and transfer at once with no dependency
         "median_beside_efficiency_balanced": (median([r["t_limit_s"] / r["t_beside_s"]
@@ -336,6 +426,11 @@ def summarize(records: list[dict]) -> dict:
         # auto as timed over its own count: its lookup (and the noise of timing code twice)
         "median_auto_over_own_count": median(own) if own else None,
         "all_correct": all(r["correct"] for r in records),
+        # fused faster than no schedule can be: the limit is wrong (a bug), or the machine
+        # timed something else; the rows, and how many of each kind of limit
+        "beats_limit": [f"{r['op']} {r['shape']} ({r['limit_kind']})" for r in records
+                        if r["beats_limit"]],
+        "beats_physical_limit": sum(r["beats_limit"] for r in records if r["limit_kind"] == "link"),
         "fused_never_uses_more_memory": all(r["peak_bytes_fused"] <= r["peak_bytes_unfused"]
                                             for r in records),
     }
@@ -353,8 +448,8 @@ def plot_ops(records: list[dict], path) -> None:
               for r in records]
     x = np.arange(len(records))
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(records)), 4.8))
-    for i, (key, name) in enumerate((("t_unfused_s", "unfused"), ("t_fused_s", "fused (auto)"),
-                                     ("t_limit_s", "limit max(compute, comm)"))):
+    for i, (key, name) in enumerate((("t_unfused_s", "unfused (best)"), ("t_fused_s", "fused (auto)"),
+                                     ("t_limit_s", f"limit ({records[0]['limit_kind']})"))):
         ax.bar(x + (i - 1) * 0.27, [1e3 * r[key] for r in records], 0.27, label=name)
     ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("time (ms, median)")
