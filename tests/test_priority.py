@@ -76,12 +76,25 @@ def test_default_leaves_threads_alone_with_more_ranks_than_cores():
 
 
 @fifo_allowed
-def test_rt_is_opt_in_and_refused_with_more_ranks_than_cores():
-    for threads, main in _launch_policies(2, "rt"):
-        assert {policy for policy, _ in threads.values()} == {os.SCHED_FIFO}
-        assert main[0] == os.SCHED_OTHER
+def test_rt_is_opt_in_and_refused_unless_a_core_is_left_over():
+    """rt with as many ranks as cores stalled ~1 s at a time (docs/link.md): refused there
+    (auto's nice instead) and with more ranks (nothing raised), taken with fewer."""
+    for threads, _ in _launch_policies(_cores(), "rt"):
+        assert threads and set(threads.values()) == {(os.SCHED_OTHER, DEFAULT_NICE)}
     for threads, _ in _launch_policies(_cores() + 1, "rt"):
         assert {policy for policy, _ in threads.values()} == {os.SCHED_OTHER}
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_rt_needs_a_core_left_over(monkeypatch, extra):
+    """No processes: the decision from PLAIT_RANKS_ON_MACHINE against this process's cores."""
+    cores = _cores()
+    if cores + extra < 1:
+        pytest.skip("one core: no fewer ranks than cores to run")
+    monkeypatch.setenv("PLAIT_RANKS_ON_MACHINE", str(cores + extra))
+    expected = {-1: ("rt", 1), 0: ("nice", DEFAULT_NICE), 1: ("off", 0)}[extra]
+    assert comm_priority("rt") == expected
+    assert comm_priority("auto") == (("off", 0) if extra > 0 else ("nice", DEFAULT_NICE))
 
 
 @nice_allowed  # else nothing could raise a thread, and this could not fail

@@ -23,9 +23,11 @@ GEMM holds, and the wire idles meanwhile.
   socket thread does spin (``Pair::handleEvents`` busy-polls, 100 % system time
   while a transfer waits), and with more ranks than cores a rank at real-time
   priority spinning for a peer that cannot get a core hung a 3-rank run on 2
-  cores until killed, and starved every other program on the machine. So
-  ``rt`` is refused (``off`` is used, said once) where ranks outnumber cores,
-  and a watchdog outside the ranks (runtime.watchdog) ends a run that stops.
+  cores until killed, and starved every other program on the machine; with as
+  many ranks as cores (2 on 2) two spinning ``SCHED_FIFO`` threads held both
+  cores until real-time throttling stopped them, ~1 s stalls (docs/link.md). So
+  ``rt`` is refused (``auto``'s choice is used, said once) unless ranks leave a
+  core free, and a watchdog outside the ranks (runtime.watchdog) ends a run that stops.
 - ``off``: every thread keeps the priority it has.
 
 Raising a priority needs CAP_SYS_NICE (root); without it nothing changes and
@@ -72,21 +74,25 @@ def comm_threads() -> list[int]:
 
 def comm_priority(setting: str | None = None) -> tuple[str, int]:
     """``("off", 0)``, ``("nice", N)`` or ``("rt", 1)`` from ``setting`` (default
-    PLAIT_COMM_PRIORITY, else ``auto``); ``auto`` and ``rt`` are ``off`` where ranks
-    outnumber cores."""
+    PLAIT_COMM_PRIORITY, else ``auto``); ``auto`` is ``off`` where ranks outnumber cores,
+    and ``rt`` is refused (``auto``'s choice instead) unless a core is left over."""
     text = (setting if setting is not None
             else os.environ.get("PLAIT_COMM_PRIORITY", "auto")).strip().lower()
     if text in ("off", "0", "no", "false", "none"):
         return "off", 0
     if text in ("auto", "rt"):
         ranks, cores = _local_ranks(), _usable_cores()
-        if ranks <= cores:
-            return ("rt", _RT_PRIORITY) if text == "rt" else ("nice", DEFAULT_NICE)
-        if text == "rt":
-            _say_once("rt-refused", f"PLAIT_COMM_PRIORITY=rt refused: {ranks} ranks on "
-                                    f"{cores} cores could starve the machine; comm threads "
-                                    "keep their priority", logging.WARNING)
-        return "off", 0
+        fallback = ("nice", DEFAULT_NICE) if ranks <= cores else ("off", 0)  # auto's
+        if text == "auto":
+            return fallback
+        if ranks < cores:  # a core left over: spinning real-time threads cannot hold them all
+            return "rt", _RT_PRIORITY
+        _say_once("rt-refused", f"PLAIT_COMM_PRIORITY=rt refused: {ranks} ranks on {cores} "
+                                "cores could starve the machine (real-time comm threads that "
+                                "spin hold every core until throttled, ~1 s: docs/link.md); "
+                                f"comm threads get {'nice' if fallback[0] == 'nice' else 'no'} "
+                                "priority instead", logging.WARNING)
+        return fallback
     if text == "nice":
         return "nice", DEFAULT_NICE
     if text.startswith("nice:"):
