@@ -42,6 +42,13 @@ def test_sweep_records_are_complete_and_correct(world):
         assert r["world_size"] == world and r["link"] == "loopback"
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["collective"], world))
+        assert r["link_share"] is None  # loopback: no link to fill
+        # the largest message alone is also timed as pieces in flight
+        if r["bytes"] == cfg.max_bytes:
+            assert r["pieces"] == cfg.pieces and r["pieces_time_s"] > 0, r
+            assert r["pieces_link_share"] is None, r
+        else:
+            assert (r["pieces"], r["pieces_time_s"], r["pieces_link_share"]) == (0, None, None), r
 
 
 def test_cli_writes_json(tmp_path, capsys):
@@ -53,6 +60,7 @@ def test_cli_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     keys = {"collective", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "world_size", "link"}
     assert data["records"] and all(keys <= set(r) for r in data["records"])
+    assert data["meta"]["shortfalls"] == {}  # loopback: no link to fall short of
     assert (tmp_path / "bw.png").stat().st_size > 1000
 
 
@@ -108,3 +116,5 @@ def test_sweep_on_an_emulated_cluster_is_held_to_its_link():
     for r in records:
         if r["bytes"] > 1 << 17:
             assert r["busbw_GBps"] <= 1.5 * parse_rate(link) / 8 / 1e9, r
+        # busbw (GB/s, 1e9 bytes) over the rate in bytes/s
+        assert r["link_share"] == pytest.approx(r["busbw_GBps"] * 1e9 / (parse_rate(link) / 8)), r
