@@ -100,6 +100,10 @@ class Case:
         """``comm``'s bytes as ``pieces`` collectives, all started at once (asynchronous)."""
         raise NotImplementedError
 
+    def received(self, slot: int = 0) -> torch.Tensor:
+        """The buffer ``comm`` writes (the one a check must see rewritten, not left over)."""
+        raise NotImplementedError
+
     def plain_pieces(self, pieces: int) -> torch.Tensor:
         """The plain path with its transfer as ``pieces`` collectives in flight at once, none
         overlapping the compute (compute first; a gather: every piece first): how much of a

@@ -62,6 +62,9 @@ class EmbeddingCase(_Base):
         rows = [send.shape[0] // self.world] * self.world
         return all_to_all_pieces(self.recv[slot].view_as(send), send, rows, rows, pieces)
 
+    def received(self, slot=0):
+        return self.recv[slot]
+
     def sent_bytes(self):  # each destination's bags of every table
         block = self.pooled[0].numel() // self.world * self.pooled[0].element_size()
         return [[0.0 if s == d else block for d in range(self.world)] for s in range(self.world)]
@@ -130,6 +133,9 @@ class DispatchCase(_MoE):
     def comm_pieces(self, pieces, slot=0):
         return all_to_all_pieces(self.arrived[slot], self.x, self.recv_rows, self.send_rows, pieces)
 
+    def received(self, slot=0):
+        return self.arrived[slot]
+
     def sent_bytes(self):  # the tokens, [H] each, to their experts' ranks
         size = self.h * self.x.element_size()
         return [[0.0 if s == d else n * size for d, n in enumerate(row)]
@@ -167,6 +173,9 @@ class CombineCase(_MoE):
     def comm_pieces(self, pieces, slot=0):
         return all_to_all_pieces(self.back[slot], self.out_local[slot], self.send_rows,
                                  self.recv_rows, pieces)
+
+    def received(self, slot=0):
+        return self.back[slot]
 
     def sent_bytes(self):  # the experts' outputs, [H] each, back to the tokens' ranks
         size = self.h * self.y.element_size()

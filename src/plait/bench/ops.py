@@ -92,6 +92,9 @@ class MatmulAllReduceCase(Case):
     def comm_pieces(self, pieces, slot=0):
         return all_reduce_pieces(self.wire[slot], pieces)
 
+    def received(self, slot=0):
+        return self.wire[slot]
+
     def link_bytes(self, host_of):
         # a bandwidth-optimal all-reduce puts 2(H-1)/H of the buffer through each host's
         # link each way (nccl-tests' busbw convention), over H hosts
@@ -126,6 +129,9 @@ class AllGatherMatmulCase(Case):
 
     def comm_pieces(self, pieces, slot=0):
         return all_gather_pieces(self.gathered[slot], self.x, pieces)
+
+    def received(self, slot=0):
+        return self.gathered[slot]
 
     def link_bytes(self, host_of):
         # every host must receive every other host's rows, and send its own at least once
@@ -169,6 +175,9 @@ class MatmulReduceScatterCase(Case):
     def comm_pieces(self, pieces, slot=0):
         rows = [self.partial[slot].shape[0] // self.world] * self.world
         return all_to_all_pieces(self.recv[slot], self.partial[slot], rows, rows, pieces)
+
+    def received(self, slot=0):
+        return self.recv[slot]
 
     def sent_bytes(self):  # each rank's partial sums of every other rank's rows
         block = self.partial[0].numel() // self.world * self.partial[0].element_size()
@@ -342,7 +351,11 @@ def _variant_outputs(case: Case, counts: list[int], pieces: int) -> tuple[dict, 
     """Every timed variant's output from one more call each, after the timing (``beside``:
     one call finishing each slot), and the path and pieces (``[path, chunks]``) that auto
     and each count took."""
-    outputs = {"unfused": [case.plain()], "unfused_pieces": [case.plain_pieces(pieces).clone()]}
+    outputs = {"unfused": [case.plain()]}
+    # the pieces land in the buffers the one call timed beside them filled: poison them, so
+    # a piece that does not land shows
+    case.received(0).fill_(float("nan"))
+    outputs["unfused_pieces"] = [case.plain_pieces(pieces).clone()]
     case.start_beside()
     outputs["beside"] = []
     for _ in range(SLOTS):
