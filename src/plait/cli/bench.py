@@ -34,8 +34,9 @@ def register(subparsers) -> None:
          "collective and message size, median over timed iterations; the largest message also "
          "as --pieces calls in flight, and why a collective falls short of the link in one call.")
     _add(which, "ops", OpsBenchConfig, run_ops, "fused operators against compute-then-collective",
-         "Compute alone, communication alone, unfused, fused and the physical limit "
-         "max(compute, comm) per operator and shape.")
+         "Compute alone, communication alone, unfused (one call; the same bytes in pieces), "
+         "fused and the physical limit max(compute, bytes over the busiest link ÷ its rate) "
+         "per operator and shape; a fused time under the limit is flagged.")
     _add(which, "tp", TPBenchConfig, run_tp,
          "plait's tensor parallelism against PyTorch's (DTensor) on a GPT",
          "The same GPT, weights, batches and optimizer under plait (fused and plain) and "
@@ -151,21 +152,33 @@ def run_ops(args: argparse.Namespace) -> int:
     if not where.startswith("loopback (no emulated cluster:"):
         console.print(f"[dim]{where}[/dim]")
     rows = [[r["op"], "×".join(str(v) for v in r["shape"].values()), _ms(r["t_compute_s"]),
-             _ms(r["t_comm_s"]), _ms(r["t_unfused_s"]), _ms(r["t_fused_s"]), _ms(r["t_limit_s"]),
-             _ms(r["t_beside_s"]), f"{r['path']}/{r['chunks']}", f"{r['speedup']:.2f}",
-             f"{r['efficiency']:.2f}",
+             _ms(r["t_comm_s"]), _ms(r["t_unfused_one_call_s"]),
+             f"{_ms(r['t_unfused_pieces_s'])} ({r['unfused_pieces']})", _ms(r["t_fused_s"]),
+             _ms(r["t_limit_s"]), _ms(r["t_beside_s"]), f"{r['path']}/{r['chunks']}",
+             f"{r['speedup']:.2f}", f"{r['speedup_one_call']:.2f}",
+             f"[red]{r['efficiency']:.2f}![/red]" if r["beats_limit"] else f"{r['efficiency']:.2f}",
              f"{r['best_fixed_chunks']}: {_ms(r['t_best_fixed_s'])}" if r["best_fixed_chunks"] else "–",
              "yes" if r["correct"] else "[red]NO[/red]"] for r in records]
+    kind = records[0]["limit_kind"] if records else "measured"
+    limit_text = ("limit = max(compute, bytes over the busiest link ÷ link rate)" if kind == "link"
+                  else "limit = max(compute, comm) as measured (loopback: no link rate)")
     print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}), ms",
-                ["op", "shape", "compute", "comm", "unfused", "fused", "limit", "beside",
-                 "path/pieces", "speedup", "effic.", "best fixed", "correct"], rows,
-                caption="median over interleaved iterations, slowest rank; "
-                        "speedup = unfused/fused, efficiency = limit/fused; beside = compute and "
-                        "transfer at once with no dependency (what this machine allows)")
+                ["op", "shape", "compute", "comm", "unfused 1 call", "unfused pieces", "fused",
+                 f"limit ({kind})", "beside", "path/pieces", "speedup", "vs 1 call", "effic.",
+                 "best fixed", "correct"], rows,
+                caption="median over interleaved iterations, slowest rank; unfused pieces = "
+                        "compute, then the same bytes as (n) collectives in flight; speedup = "
+                        "min(unfused 1 call, pieces)/fused, vs 1 call = unfused 1 call/fused; "
+                        f"{limit_text}, efficiency = limit/fused (! = beats the limit: a bug); "
+                        "beside = compute and transfer at once with no dependency")
     summary = summarize(records)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.3f}" if isinstance(value, float) else f"  {key}: {value}")
     for r in records:
+        if r["beats_limit"]:
+            console.print(f"[red]  {r['op']} {r['shape']}: fused {_ms(r['t_fused_s'])} ms beats "
+                          f"the {r['limit_kind']} limit {_ms(r['t_limit_s'])} ms by more than "
+                          f"{_ms(r['limit_tolerance_s'])} ms: the limit is not one[/red]")
         if r["path"] == "fallback":
             console.print(f"[dim]  {r['op']} {r['shape']}: fallback: {r['reason']}[/dim]")
     if args.json:
