@@ -43,8 +43,8 @@ def run_plait(rows: list[dict], timeout_s: float = 25.0, parallel: int = 4,
     timed_out, pid, signalled, left. PLAIT_DEBUG and COLUMNS are taken out of the environment
     unless a row sets them."""
     env = {k: v for k, v in os.environ.items() if k not in ("PLAIT_DEBUG", "COLUMNS")}
-    proc = subprocess.run([*wrap, sys.executable, __file__], env=env, capture_output=True, text=True,
-                          input=json.dumps({"rows": rows, "timeout_s": timeout_s,
+    proc = subprocess.run([*wrap, sys.executable, __file__], env=env, capture_output=True,
+                          text=True, input=json.dumps({"rows": rows, "timeout_s": timeout_s,
                                             "parallel": parallel}), timeout=600)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -141,14 +141,28 @@ def _maybe_signal(row: dict, pid: int, out: str, state: dict, elapsed: float) ->
 
 def run_rows(rows: list[dict], timeout_s: float, parallel: int) -> list[dict]:
     scratch = tempfile.mkdtemp(prefix="plait-forkrun-")
-    results: list[dict | None] = [None] * len(rows)
     running: dict[int, tuple[int, float, dict]] = {}  # pid → (row, start, signal state)
+    try:
+        return _run_rows(rows, timeout_s, parallel, scratch, running)
+    finally:  # where this interpreter fails, the rows it started end with it
+        for pid in running:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
+              running: dict) -> list[dict]:
+    results: list[dict | None] = [None] * len(rows)
     ending: dict[int, tuple[int, float]] = {}  # pid → (row, when its linger ends): group left
     todo = list(range(len(rows)))
     path = lambda i, s: os.path.join(scratch, f"{i}.{s}")
     while todo or running or ending:
         while len(running) < parallel:
-            ready = [i for i in todo if all(results[j] is not None for j in rows[i].get("after", ()))]
+            ready = [i for i in todo
+                     if all(results[j] is not None for j in rows[i].get("after", ()))]
             if not ready:
                 break
             i = ready[0]
@@ -183,7 +197,6 @@ def run_rows(rows: list[dict], timeout_s: float, parallel: int) -> list[dict]:
                 results[i]["left"] = alive
                 results[i]["linger_s"] = LINGER_S - max(0.0, until - time.monotonic())
                 del ending[pid]
-    shutil.rmtree(scratch, ignore_errors=True)
     return results
 
 

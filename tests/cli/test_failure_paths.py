@@ -50,7 +50,7 @@ open(f"rank{rank}.env.part", "w").write(" ".join(f"{n}={os.environ[n]}" for n in
 os.rename(f"rank{rank}.env.part", f"rank{rank}.env")
 if os.environ.get("FAIL") and rank == 1:
     end = time.monotonic() + 30
-    while not (os.path.exists("rank0.env") and os.path.exists("rank2.env")) and time.monotonic() < end:
+    while not all(os.path.exists(f"rank{r}.env") for r in (0, 2)) and time.monotonic() < end:
         time.sleep(0.02)
     sys.exit(3)
 if os.environ.get("FAIL") and rank == 2:
@@ -134,6 +134,8 @@ def _plait_leftovers(tmp: Path) -> list[str]:
 def _netns_of(pid: int) -> list[str]:
     """Namespaces on this machine made by ``pid`` (none of this file's: they live and die
     in the batch's own /run/netns; this asks whether any leaked out of it)."""
+    if shutil.which("ip") is None:
+        return []
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [n for n in names.split() if n.startswith(f"plait-{pid}x")]
 

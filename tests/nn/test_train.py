@@ -52,15 +52,16 @@ def _reference(cfg: TrainConfig, dtype: torch.dtype) -> tuple[list[float], dict]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        torch.manual_seed(cfg.seed)
         if cfg.model == "dlrm":
             data = ClickLog(DLRMConfig().table_sizes, DLRMConfig().dense_features, seed=cfg.seed)
-            model, batches, loss_fn = DLRM(DLRMConfig()), data.batches(cfg.batch_size, cfg.seed + 1), dlrm_loss
+            torch.manual_seed(cfg.seed)
+            model, loss_fn = DLRM(DLRMConfig()), dlrm_loss
+            batches = data.batches(cfg.batch_size, cfg.seed + 1)
         else:
             data = CharCorpus.load()
-            model = GPT(cfg.gpt_config(data.vocab_size))
+            torch.manual_seed(cfg.seed)
+            model, loss_fn = GPT(cfg.gpt_config(data.vocab_size)), gpt_loss
             batches = data.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
-            loss_fn = gpt_loss
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         losses = []
         for step in range(cfg.steps):
@@ -71,8 +72,8 @@ def _reference(cfg: TrainConfig, dtype: torch.dtype) -> tuple[list[float], dict]
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        final = evaluate_dlrm(model, data, cfg) if cfg.model == "dlrm" else evaluate_gpt(model, data, cfg)
-        return losses, final
+        evaluate = evaluate_dlrm if cfg.model == "dlrm" else evaluate_gpt
+        return losses, evaluate(model, data, cfg)
     finally:
         torch.set_default_dtype(previous)
 
