@@ -23,6 +23,7 @@ from ..nn._shard import GroupInfo, mark_partial_grad
 from ..nn.embedding import ShardedEmbeddingBag
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.moe import MoE
+from ..ops.context import get_context
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from .dims import Dim, find_dims, resolve_plan_for
@@ -80,6 +81,9 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     run.resolve(expand(model, styles, strict=not auto))
     built = run.build()
     run.swap(built)
+    # the operators' context is made on first use, collectively; made here, eagerly, a
+    # model compiled (torch.compile) before its first step does not trace its making
+    get_context(group)
     return model
 
 
