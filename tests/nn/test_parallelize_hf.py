@@ -20,6 +20,10 @@ copy of the reference made parallel on 2 or 3 ranks (one launch per world size).
   top-2 experts, a discontinuity no reduction order can avoid; float32 is held to
   one step's 1e-5;
 - greedy ``generate()`` gives the reference's tokens;
+- the balancer takes a parallel Llama's dims (``Balancer(model, optimizer)``), and
+  moving them as it does (``plait.balance.migrate``: layer 0's heads to [3, 1],
+  its MLP columns to [100, 28], after 3 AdamW steps) changes no number: 8 steps'
+  losses and the final weights equal the reference's within 1e-10;
 - 2 ranks: the model's own plan (``"auto"``, fused operators), the same plan in
   PyTorch's styles (plain path), the Llama with 3 KV heads split [2, 1] by whole
   KV-head groups, Mixtral expert-parallel (its own plan) and split by the
@@ -77,6 +81,7 @@ MODELS = {  # the issue's Llama, and smaller ones where the size adds nothing
     "3kv": lambda dtype: _llama(dtype, heads=6, kv=3, layers=2, width=96, vocab=256),
     "4kv": lambda dtype: _llama(dtype, heads=8, kv=4, layers=2, width=128, vocab=256),
     "mixtral": _mixtral,
+    "mha": lambda dtype: _llama(dtype, heads=4, kv=4, layers=2, width=64, vocab=128),
     # the 20-step curves: one layer (each step is latency-bound on a loaded machine)
     "small-1": lambda dtype: _llama(dtype, layers=1, width=64, vocab=128),
     "mixtral-1": lambda dtype: _mixtral(dtype, layers=1),
@@ -170,13 +175,48 @@ def _generate(name):
     return ref.generate(ids, **kw).tolist(), par.generate(ids, **kw).tolist()
 
 
-def _run(parity, curves, generate):
+def _migrated():
+    """Losses of 8 AdamW steps (float64), the reference's and the parallel model's, whose
+    layer-0 attention heads move to [3, 1] and its MLP columns to [100, 28] after step 3
+    (``plait.balance.migrate``, as the balancer moves a dim: weights, gradients, Adam's
+    state); the dims the balancer sees; the largest weight difference at the end."""
+    import plait
+    from plait.balance import Balancer, migrate
+
+    ref = _model("mha", torch.float64)
+    par = plait.parallelize(copy.deepcopy(ref), "auto", chunks=2)
+    dims = dict(par._plait_dims)
+    curves = []
+    for model in (ref, par):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if model is par:
+            Balancer(par, opt)  # it takes every dim: one plan, one unit per dim
+        losses = []
+        for step in range(8):
+            if model is par and step == 3:
+                migrate(par, opt, {**{n: ShardPlan((3, 1)) for n in dims["model.layers.0.self_attn"]},
+                                   **{n: ShardPlan((100, 28)) for n in dims["model.layers.0.mlp"]}})
+            ids = _batch(ref.config.vocab_size, seed=100 + step % 2)
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        curves.append(losses)
+    weights = full_state_dict(par)
+    err = max(float((weights[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    heads = par.model.layers[0].self_attn.q_proj.plan.sizes
+    return curves, sorted(dims), err, heads
+
+
+def _run(parity, curves, generate, migrated=False):
     from plait.ops import explain
 
     out = {"parity": [_parity(*case) for case in parity]}
     out["paths"] = explain()
     out["curves"] = [_curve(*case) for case in curves]
     out["generate"] = [_generate(name) for name in generate]
+    out["migrated"] = _migrated() if migrated else None
     return out
 
 
@@ -187,7 +227,7 @@ CASES = {
                     ("mixtral", "auto", None, True, F64), ("mixtral", "moe_tp", None, False, F64),
                     ("mixtral", "auto", None, True, F32)],
             curves=[("mixtral-1", "auto", None, F64)],
-            generate=["small"]),
+            generate=["small"], migrated=True),
     3: dict(parity=[("llama", "auto", None, True, F64),
                     ("small", "auto", {"heads": (1, 2, 1)}, False, F64),
                     ("4kv", "auto", {"heads": (2, 1, 1), "mlp": (100, 75, 81)}, True, F64),
@@ -212,6 +252,11 @@ def test_hf_models_match_one_process(world):
         for want, got in out["generate"]:
             assert got == want and len(got[0]) == 5 + 6, (want, got)
     out = results[0]
+    if out["migrated"] is not None:  # the balancer's dims on a transformers model, moved exactly
+        (want, got), dims, err, heads = out["migrated"]
+        assert dims == [f"model.layers.{i}.{m}" for i in (0, 1) for m in ("mlp", "self_attn")], dims
+        assert heads == (3, 1) and err < TOL[F64], (heads, err)
+        assert got == pytest.approx(want, rel=TOL[F64], abs=0), (want, got)
     # the fused operators really ran (chunks=2): row-parallel all-reduce, expert dispatch/combine
     for op in ("matmul_all_reduce", "column_parallel_matmul.dgrad", "all_to_all_matmul",
                "matmul_all_to_all"):
