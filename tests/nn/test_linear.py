@@ -191,7 +191,7 @@ def test_bad_plans_and_weights_raise_at_construction():
     assert seen["not_linear"].startswith("TypeError")
 
 
-def test_one_process_without_a_group_is_the_plain_layer():
+def _world_of_one():
     lin = nn.Linear(4, 3, dtype=torch.float64)
     col, row = ColumnParallelLinear.from_module(lin), RowParallelLinear.from_module(lin)
     x = _t(0, 2, 4)
@@ -199,6 +199,16 @@ def test_one_process_without_a_group_is_the_plain_layer():
     assert torch.equal(col.to_module().weight, lin.weight)
     with pytest.raises(ValueError, match="name 2 ranks, but the group has 1"):
         ColumnParallelLinear(4, 4, plan=ShardPlan((2, 2)))
+
+
+def test_a_world_of_one_is_the_plain_layer_and_no_group_is_an_error():
+    """Without torch.distributed initialised a layer would run as a world of one on every
+    process, each the whole model: refused, naming what to call."""
+    run_ranks(_world_of_one, 1)
+    lin = nn.Linear(4, 3)
+    for make in (ColumnParallelLinear.from_module, RowParallelLinear.from_module):
+        with pytest.raises(ValueError, match="need torch.distributed initialised"):
+            make(lin)
 
 
 # --- straggler emulation: forward and backward compute are both slowed --------
