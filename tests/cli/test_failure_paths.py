@@ -36,6 +36,9 @@ PRIVATE_NETNS = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--seq-len", "16",
         "--batch-size", "4", "--eval-batches", "2", "--no-progress"]
 TRAIN_STEPS = 8
+# how long a row's processes may outlive it: a forkserver ends after its plait (its own exit,
+# torch loaded, takes seconds; tens of seconds on a machine loaded several times over)
+WAIT_LEFT_S = 60.0
 DEAD_PID = 4194305
 LONG_TRAIN = ["train", "--steps", "100000", *TINY, "--out", "o"]  # stopped long before its end
 HOSTS = ["--hosts", "2"] if NETNS else []
@@ -57,6 +60,9 @@ if os.environ.get("FAIL") and rank == 2:
     time.sleep(30)
     open("rank2.done", "w").write("")
 """
+# rank 0 starts a child of its own and waits on it; rank 1 exits 3 once that child runs
+TREE_SCRIPT = ('if [ "$RANK" = 1 ]; then while [ ! -e child.started ]; do sleep 0.05; done; '
+               'exit 3; fi; sleep 30 & touch child.started; wait')
 
 
 def _rows(root: Path) -> dict[str, dict]:
@@ -82,7 +88,11 @@ def _rows(root: Path) -> dict[str, dict]:
                        env={"FAIL": "1"}),
         "all-ok": dict(argv=["cluster", "run", "--ranks", "3", "--", sys.executable, "-c",
                              RANK_SCRIPT]),
+        "tree": dict(argv=["cluster", "run", "--ranks", "2", "--", "sh", "-c", TREE_SCRIPT]),
     }
+    for name in ("rank-raises", "train", "sigint", "ctrl-c", "exit-3", "all-ok"):
+        rows[name]["wait_left_s"] = WAIT_LEFT_S
+    rows["tree"]["wait_left_s"] = 5.0  # a stopped rank's child would run its 30 s
     if NETNS:  # the story: nothing, a run that ends well, one SIGKILLed, then status and clean
         rows |= {
             "status-empty": dict(argv=["cluster", "status"]),
@@ -91,7 +101,8 @@ def _rows(root: Path) -> dict[str, dict]:
                            after=["clean-empty"]),
             "killed": dict(argv=["cluster", "run", "--hosts", "2", "--", "sleep", "30"],
                            signal={"name": "SIGKILL", "group": False, "after_s": 0.5,
-                                   "when": "running:2:sleep 30"}, after=["clean-empty"]),
+                                   "when": "running:2:sleep 30"}, after=["clean-empty"],
+                           wait_left_s=WAIT_LEFT_S),
         }
         for name in ("ctrl-c", "sigint", "exit-3"):
             rows[name]["after"] = ["clean-empty"]
@@ -226,6 +237,16 @@ def test_cluster_run_hands_on_a_ranks_exit_status(runs):
     assert [e["LOCAL_RANK"] for e in envs] == (["0", "0", "0"] if NETNS else ["0", "1", "2"])
 
 
+@pytest.mark.xfail(strict=True, reason="cluster run stops a rank's own process (SIGKILL) but not "
+                   "the processes it started: a rank that is a shell or a launcher leaves them "
+                   "running (src/plait/cli/cluster.py; a process group per rank would take them "
+                   "along; not this test's file)")
+def test_cluster_run_stops_what_a_stopped_rank_started(runs):
+    result, folder, _ = runs["tree"]
+    assert result["rc"] == 3 and (folder / "child.started").exists(), result
+    assert result["left"] == [], result["left"]
+
+
 def test_cluster_run_is_0_when_every_rank_is(runs):
     result, folder, _ = runs["all-ok"]
     assert result["rc"] == 0 and "error" not in result["stderr"], result
@@ -280,13 +301,7 @@ ZERO_MEANS = {  # flags whose 0 is a setting, not a mistake
     "--spike-at": "a step index: the spike may start at step 0",
 }
 NOT_COUNTS = {"--seed": "a seed, not a count: torch takes any 64-bit integer"}
-GAPS = {  # refused nowhere yet: strict xfails, to turn into passes where the fix lands
-    ("bench tp", "--emb-tables", "0"): "bench/tp.py",
-    **{("bench tp", flag, value): "bench/tp.py"
-       for flag in ("--emb-rows", "--emb-dim", "--emb-batch", "--emb-pool")
-       for value in ("-1", "0")},
-    ("bench hetero", "--spike-at", "-1"): "bench/hetero.py",
-}
+GAPS: dict = {}  # refused nowhere yet: strict xfails, to turn into passes where the fix lands
 EXTRA = {"demo": ["--loopback"], "cluster run": ["--", "true"]}
 
 

@@ -93,6 +93,8 @@ class HeteroBenchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(self, name)}")
+        if self.spike_at < 0:
+            raise ValueError(f"--spike-at must be a step (≥ 0), got {self.spike_at}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup must be in [0, --steps), got {self.warmup}")
         if "spike" in self.scenarios and self.spike_at + self.spike_len > self.steps:

@@ -114,6 +114,10 @@ class TPBenchConfig:
         if min(sizes.values()) < 1 or self.warmup < 0 or self.lr <= 0:
             raise ValueError(f"sizes and steps must be positive, warmup ≥ 0, lr > 0: "
                              f"{sizes}, warmup {self.warmup}, lr {self.lr}")
+        for name in ("emb_tables", "emb_rows", "emb_dim", "emb_batch", "emb_pool"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(self, name)}")
         if self.emb_chunks < 0:
             raise ValueError(f"--emb-chunks must be ≥ 0 (0: auto), got {self.emb_chunks}")
         if self.optimizer not in ("adamw", "sgd"):
