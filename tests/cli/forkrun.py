@@ -9,8 +9,9 @@ interpreter's start. Each child leads a process group of its own, as a shell's j
 child that runs past ``timeout_s`` (the row's own, where it gives one) is killed with
 everything it started (its process group). Prints one result per row: rc, stdout, stderr,
 elapsed, timed_out, pid, signalled (seconds after its start, or None), left (the
-processes of its group still alive LINGER_S after it ended, ``"PID STATE COMMAND"``) and
-linger_s (how long after its end the last of them lived).
+processes of its group alive as it ended, ``"PID STATE COMMAND"``; with ``"wait_left_s": S``
+in the row, those still alive S seconds later) and linger_s (how long after its end the last
+of them lived, up to S).
 
 A row may ask for a signal once the run has launched its ranks (its launch folder,
 ``$TMPDIR/plait-launch-PID-…``, holds the rank group's store) or printed a text:
@@ -94,10 +95,6 @@ def _group_alive(pgid: int) -> list[str]:
     return alive
 
 
-LINGER_S = 60.0  # a forkserver ends after its plait: its own exit, torch loaded, takes seconds
-# (tens of seconds on a machine loaded several times over)
-
-
 def _launched(pid: int, tmp: str) -> bool:
     from plait.runtime.leftovers import LAUNCH_DIR_PREFIX
 
@@ -127,6 +124,9 @@ def _maybe_signal(row: dict, pid: int, out: str, state: dict, elapsed: float) ->
     if not ask or state.get("signalled") is not None:
         return
     if state.get("ready") is None:
+        if elapsed < state.get("next_look", 0.0):
+            return
+        state["next_look"] = elapsed + 0.1
         if not _ready(row, pid, out):
             return
         state["ready"] = elapsed
@@ -146,11 +146,15 @@ def run_rows(rows: list[dict], timeout_s: float, parallel: int) -> list[dict]:
         return _run_rows(rows, timeout_s, parallel, scratch, running)
     finally:  # where this interpreter fails, the rows it started end with it
         for pid in running:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(pid)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
@@ -159,6 +163,7 @@ def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
     ending: dict[int, tuple[int, float]] = {}  # pid → (row, when its linger ends): group left
     todo = list(range(len(rows)))
     path = lambda i, s: os.path.join(scratch, f"{i}.{s}")
+    next_scan = 0.0
     while todo or running or ending:
         while len(running) < parallel:
             ready = [i for i in todo
@@ -179,10 +184,7 @@ def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
                 _maybe_signal(rows[i], pid, path(i, "out"), state, elapsed)
             timed_out = not done and elapsed > rows[i].get("timeout_s", timeout_s)
             if timed_out:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill_group(pid)
                 _, status = os.waitpid(pid, 0)
             if done or timed_out:
                 del running[pid]
@@ -190,13 +192,18 @@ def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
                 results[i] = {"rc": os.waitstatus_to_exitcode(status), "stdout": read("out"),
                               "stderr": read("err"), "elapsed": elapsed, "timed_out": timed_out,
                               "pid": pid, "signalled": state.get("signalled"), "left": None}
-                ending[pid] = (i, time.monotonic() + LINGER_S)
-        for pid, (i, until) in list(ending.items()):
-            alive = _group_alive(pid)
-            if not alive or time.monotonic() > until:
-                results[i]["left"] = alive
-                results[i]["linger_s"] = LINGER_S - max(0.0, until - time.monotonic())
-                del ending[pid]
+                ending[pid] = (i, time.monotonic() + rows[i].get("wait_left_s", 0.0))
+        if ending and time.monotonic() >= next_scan:  # a scan of /proc: a few times a second
+            next_scan = time.monotonic() + 0.25
+            for pid, (i, until) in list(ending.items()):
+                alive, now = _group_alive(pid), time.monotonic()
+                if not alive or now >= until:
+                    wait_s = rows[i].get("wait_left_s", 0.0)
+                    results[i]["left"] = alive
+                    results[i]["linger_s"] = wait_s - max(0.0, until - now)
+                    del ending[pid]
+                    if alive:  # recorded; now they go, as the timed-out rows' do
+                        _kill_group(pid)
     return results
 
 
