@@ -25,7 +25,8 @@ copy of the reference made parallel on 2 or 3 ranks (one launch per world size).
   its MLP columns to [100, 28], after 3 AdamW steps) changes no number: 8 steps'
   losses and the final weights equal the reference's within 1e-10;
 - 2 ranks: the model's own plan (``"auto"``, fused operators), the same plan in
-  PyTorch's styles (plain path), the Llama with 3 KV heads split [2, 1] by whole
+  PyTorch's styles (plain path), torchtitan's sequence-parallel plan in PyTorch's
+  styles (on 3 ranks too, the sequence cut [7, 4, 5]), the Llama with 3 KV heads split [2, 1] by whole
   KV-head groups, Mixtral expert-parallel (its own plan) and split by the
   experts' FFN dim (``"moe_tp_experts"``);
 - 3 ranks: the 2-KV-head Llamas (each KV group cut into 2 sub-groups, its K/V head
@@ -106,9 +107,37 @@ def _torch_plan():
             "lm_head": ColwiseParallel(output_layouts=Replicate())}
 
 
+def _sp_plan():
+    """torchtitan's sequence-parallel plan on the Llama: the residual stream cut along the
+    sequence from the first decoder layer to the LM head (the model's masks and rotary
+    tables are made before, on the whole sequence), the norms on their share, the
+    attention's input gathered (a keyword argument), the MLP's gathered inside its fused
+    matmuls, both branches reduce-scattered back."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    seq, rep, attn, mlp = Shard(1), Replicate(), "model.layers.*.self_attn", "model.layers.*.mlp"
+    return {"model.embed_tokens": RowwiseParallel(input_layouts=rep),
+            "model.layers.0": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(seq,)),
+            "model.layers.*.input_layernorm": SequenceParallel(),
+            "model.layers.*.post_attention_layernorm": SequenceParallel(),
+            attn: PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                     desired_input_kwarg_layouts={"hidden_states": rep}),
+            **{f"{attn}.{p}_proj": ColwiseParallel() for p in "qkv"},
+            f"{attn}.o_proj": RowwiseParallel(output_layouts=seq),
+            f"{mlp}.gate_proj": ColwiseParallel(input_layouts=seq),
+            f"{mlp}.up_proj": ColwiseParallel(input_layouts=seq),
+            f"{mlp}.down_proj": RowwiseParallel(output_layouts=seq),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=rep)}
+
+
 def _plan(name, plan):
     if plan == "torch":
         return _torch_plan()
+    if plan == "sp":
+        return _sp_plan()
     if plan == "moe_tp":
         own = dict(_model(name, torch.float32)._tp_plan)
         return {**own, "model.layers.*.mlp.experts": "moe_tp_experts"}
@@ -223,13 +252,15 @@ def _run(parity, curves, generate, migrated=False):
 F64, F32 = torch.float64, torch.float32
 CASES = {
     2: dict(parity=[("llama", "auto", None, True, F64), ("llama", "auto", None, True, F32),
-                    ("small", "torch", None, False, F64), ("3kv", "auto", None, True, F64),
+                    ("small", "torch", None, False, F64), ("small", "sp", None, True, F64),
+                    ("3kv", "auto", None, True, F64),
                     ("mixtral", "auto", None, True, F64), ("mixtral", "moe_tp", None, False, F64),
                     ("mixtral", "auto", None, True, F32)],
             curves=[("mixtral-1", "auto", None, F64)],
             generate=["small"], migrated=True),
     3: dict(parity=[("llama", "auto", None, True, F64),
                     ("small", "auto", {"heads": (1, 2, 1)}, False, F64),
+                    ("small", "sp", {"seq": (7, 4, 5)}, True, F64),
                     ("4kv", "auto", {"heads": (2, 1, 1), "mlp": (100, 75, 81)}, True, F64),
                     ("mixtral", "auto", {"experts": (2, 1, 1)}, True, F64),
                     ("mixtral", "moe_tp", {"experts": (40, 24, 32)}, True, F64)],
