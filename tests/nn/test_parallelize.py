@@ -20,7 +20,9 @@ gradient, gathered by name; the gathered weights bit for bit):
   ``"replicated_with_grad_allreduce"`` on the per-head norm; heads cut [1, 1] of
   2 groups on 2 ranks, and into sub-groups (K/V heads copied) on 3; once over a
   1-D ``DeviceMesh`` (``mesh=``) instead of the default group;
-- what it logs, once, on rank 0; and every mistake it refuses, naming the module.
+- what it logs, once, on rank 0; and every mistake it refuses, naming the module;
+- without processes: how KV-head groups are cut (hypothesis), how column/row pairs
+  and their units are found, and how PyTorch's and transformers' styles read.
 """
 
 import copy
@@ -29,6 +31,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plait.nn import ColumnParallelLinear, ShardPlan, full_state_dict
 from plait.runtime.testing import raised, run_ranks
@@ -284,7 +288,75 @@ def test_mistakes_are_refused_naming_the_module():
 def test_without_a_process_group_it_is_an_error_not_a_world_of_one():
     import plait
 
-    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+    with pytest.raises(ValueError, match="plait.parallelize needs torch.distributed initialised"):
         plait.parallelize(_toy(), _plan("strings"))
     with pytest.raises(ValueError, match="plait's parallel layers need torch.distributed"):
         ColumnParallelLinear.from_module(nn.Linear(4, 4))
+
+
+# --- decisions, without processes ------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(kv=st.integers(1, 8), groups=st.integers(1, 8), world=st.integers(1, 12))
+def test_head_split_gives_every_rank_a_share_with_the_fewest_copies(kv, groups, world):
+    from plait.parallel.dims import head_split
+
+    try:
+        m = head_split(kv * groups, kv, world)
+    except ValueError as err:
+        assert kv * groups < world, err  # refused only where there are fewer heads than ranks
+        return
+    assert groups % m == 0 and kv * m >= world  # sub-groups of whole query heads, enough of them
+    assert all(kv * d < world for d in range(1, m) if groups % d == 0)  # and no more than needed
+    assert head_split(kv * groups, kv, world, total=kv * m) == m
+
+
+def test_find_dims_pairs_columns_with_rows_by_whole_heads():
+    from plait.parallel.dims import find_dims, resolve_plan_for
+    from plait.parallel.resolve import expand
+
+    model = _toy()
+    model.blocks[0].mlp.gate_proj = nn.Linear(D, 6 * D)  # a packed [gate | up], 2 blocks
+    del model.blocks[0].mlp.up_proj
+    plan = {k: v for k, v in _plan("strings").items() if "up_proj" not in k}
+    styles = expand(model, plan)
+    modules = dict(model.named_modules())
+    linears = {p: (s, modules[p]) for p, s in styles.items() if p not in ("embed",)
+               and isinstance(modules[p], nn.Linear)}
+    dims = {d.name: d for d in find_dims(linears, modules)}
+    attn, mlp0 = dims["blocks.0.attn"], dims["blocks.0.mlp"]
+    assert (attn.kind, attn.units, attn.heads) == ("heads", KV, (H, KV, D // H))
+    hd, g = D // H, H // KV
+    assert {p.rpartition(".")[2]: (c.unit, c.blocks) for p, c in attn.cuts.items()} == \
+        {"q_proj": (g * hd, 1), "k_proj": (hd, 1), "v_proj": (hd, 1), "o_proj": (g * hd, 1)}
+    assert (mlp0.kind, mlp0.units, mlp0.cuts["blocks.0.mlp.gate_proj"].blocks) == ("mlp", 3 * D, 2)
+    assert (dims["extra"].kind, dims["extra"].units) == ("columns", D)
+    assert (dims["head"].kind, dims["head"].units) == ("columns", V)
+    resolve_plan_for(attn, None, 3)  # 2 KV heads, 3 ranks: 4 sub-groups, K/V copied twice
+    assert (attn.plan.sizes, attn.groups_local, attn.cuts["blocks.0.attn.k_proj"].copies,
+            attn.cuts["blocks.0.attn.q_proj"].unit) == ((2, 1, 1), g // 2, 2, g // 2 * hd)
+
+
+def test_torch_and_transformers_styles_read_as_plait_styles():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    from plait.parallel import styles as ps
+
+    seq = Shard(1)
+    assert ps.to_style(ColwiseParallel(), "a") == ps.Colwise() == ps.to_style("colwise", "a")
+    assert ps.to_style(ColwiseParallel(input_layouts=seq, output_layouts=Replicate()), "a") == \
+        ps.Colwise(input=seq, output=Replicate())
+    assert ps.to_style("colwise_gather_output", "a") == ps.Colwise(output=Replicate())
+    assert ps.to_style("packed_colwise", "a") == ps.Colwise(blocks=2)
+    assert ps.to_style(RowwiseParallel(output_layouts=seq), "a") == ps.Rowwise(output=seq)
+    assert ps.to_style("rowwise_split_input", "a") == ps.Rowwise(input=Replicate())
+    assert ps.to_style(SequenceParallel(sequence_dim=2), "a") == ps.SequenceParallel(seq_dim=2)
+    prepare = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
+                                 input_kwarg_layouts={"h": seq}, desired_input_kwarg_layouts={"h": seq})
+    assert ps.to_style(prepare, "a") == ps.Prepare(args=((seq, Replicate()), None), kwargs=(("h", None),))
+    assert ps.to_style("moe_tp_experts", "a") == ps.ExpertsTP()
+    assert ps.to_style("ep_dispatch_experts", "a") == ps.to_style("grouped_gemm", "a") == ps.ExpertsEP()
+    with pytest.raises(ValueError, match="'a': RowwiseParallel\\(output_layouts=Shard\\(-1\\)\\) is not"):
+        ps.to_style(RowwiseParallel(output_layouts=Shard(-1)), "a")

@@ -65,7 +65,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     """
     group = _group(group, mesh)
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("plait.parallelize needs torch.distributed initialised (under torchrun: "
+        raise ValueError("plait.parallelize needs torch.distributed initialised (under torchrun: "
                            "plait.runtime.init_from_env() or torch.distributed.init_process_group());"
                            " without a process group there is nothing to split the model over")
     info = GroupInfo(group)

@@ -143,9 +143,8 @@ def _columns(parent, cols, rows, layer, linears) -> Dim:
         w = width if width is not None else out // (fixed or 1)
         b = fixed or (out // w if out % w == 0 else 0)
         if b < 1 or out != b * w:
-            raise ValueError(f"{c}: {out} output features are not {'whole blocks of ' if fixed else ''}"
-                             f"the {w} features {', '.join(rows) or 'its blocks'} read"
-                             f"{'' if rows else ''}")
+            raise ValueError(f"{c}: {out} output features are not whole blocks of the {w} "
+                             f"features {', '.join(rows) or 'its blocks'} read")
         width = w
         dim.cuts[c] = LayerCut(unit=1, blocks=b)
     for r in rows:
