@@ -20,6 +20,8 @@ gradient, gathered by name; the gathered weights bit for bit):
   ``"replicated_with_grad_allreduce"`` on the per-head norm; heads cut [1, 1] of
   2 groups on 2 ranks, and into sub-groups (K/V heads copied) on 3; once over a
   1-D ``DeviceMesh`` (``mesh=``) instead of the default group;
+- on 2 ranks, a parallel MLP under ``torch.compile`` (compiled before its first step)
+  gives the plain MLP's output and gradients;
 - what it logs, once, on rank 0; and every mistake it refuses, naming the module;
 - without processes: how KV-head groups are cut (hypothesis), how column/row pairs
   and their units are found, and how PyTorch's and transformers' styles read.
@@ -186,8 +188,28 @@ def _logged(kind):
     return [r.getMessage() for r in records]
 
 
-def _run(cases):
-    return [_case(*case) for case in cases], _logged("strings")
+def _compiled():
+    """An MLP made parallel, then ``torch.compile`` d before its first step (dynamo's own
+    backend: graph capture without code generation), forward and backward against the
+    plain MLP: the largest difference."""
+    import plait
+
+    torch.manual_seed(0)
+    ref = MLP().double()
+    par = plait.parallelize(copy.deepcopy(ref), {"gate_proj": "colwise", "up_proj": "colwise",
+                                                 "down_proj": "rowwise"}, chunks=2)
+    x = torch.randn(3, S, D, dtype=torch.float64)
+    got, want = torch.compile(par, backend="eager")(x), ref(x)
+    got.sum().backward()
+    want.sum().backward()
+    grads = full_state_dict(par, grads=True)
+    return max([float((got - want).abs().max())] +
+               [float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()])
+
+
+def _run(cases, compiled=False):
+    first = _compiled() if compiled else None  # first: nothing made before it in this process
+    return [_case(*case) for case in cases], _logged("strings"), first
 
 
 CASES = {
@@ -200,8 +222,9 @@ CASES = {
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_plain_module_matches_one_process(world):
-    results = run_ranks(_run, world, CASES[world])
-    for rank, (per_case, logged) in enumerate(results):
+    results = run_ranks(_run, world, CASES[world], compiled=world == 2)
+    for rank, (per_case, logged, compiled) in enumerate(results):
+        assert compiled is None or compiled < TOL, compiled
         for case, (err, same, notes) in zip(CASES[world], per_case):
             assert err < TOL, (case, err)
             assert same, case
