@@ -19,7 +19,9 @@ gradient, gathered by name; the gathered weights bit for bit):
   ``"colwise_gather_output"``, ``"rowwise_split_input"`` on a lone projection,
   ``"replicated_with_grad_allreduce"`` on the per-head norm; heads cut [1, 1] of
   2 groups on 2 ranks, and into sub-groups (K/V heads copied) on 3; once over a
-  1-D ``DeviceMesh`` (``mesh=``) instead of the default group;
+  1-D ``DeviceMesh`` (``mesh=``) instead of the default group; with the head's
+  weight tied to the embedding's (both split by the same vocabulary rows, one
+  parameter still);
 - on 2 ranks, a parallel MLP under ``torch.compile`` (compiled before its first step)
   gives the plain MLP's output and gradients;
 - what it logs, once, on rank 0; and every mistake it refuses, naming the module;
@@ -150,11 +152,11 @@ def _case(kind, shards, overlap, mesh=False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    ref = _toy()
+    ref = _toy(tied=kind.endswith("-tied"))
     shards = {k: ShardPlan(v) for k, v in shards.items()}
     where = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))} if mesh else {}
-    par = plait.parallelize(copy.deepcopy(ref), _plan(kind), shards=shards, overlap=overlap,
-                            chunks=2, **where)
+    par = plait.parallelize(copy.deepcopy(ref), _plan(kind.removesuffix("-tied")), shards=shards,
+                            overlap=overlap, chunks=2, **where)
     ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1))
     want, got = ref(ids), par(ids)
     target = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(2))
@@ -214,9 +216,11 @@ def _run(cases, compiled=False):
 
 CASES = {
     2: [("torchtitan", {"seq": (5, 2)}, True), ("torchtitan", {"heads": (1, 1)}, False),
-        ("strings", {"mlp": (70, 26), "vocab": (10, 30)}, True), ("strings", {}, False, True)],
+        ("strings", {"mlp": (70, 26), "vocab": (10, 30)}, True), ("strings", {}, False, True),
+        ("strings-tied", {"vocab": (25, 15)}, True)],
     3: [("torchtitan", {"seq": (1, 4, 2), "heads": (1, 2, 1)}, True),
-        ("strings", {"heads": (2, 1, 1), "extra": (20, 4, 8)}, False)],
+        ("strings", {"heads": (2, 1, 1), "extra": (20, 4, 8)}, False),
+        ("strings-tied", {}, True)],
 }
 
 

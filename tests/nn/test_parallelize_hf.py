@@ -12,23 +12,24 @@ copy of the reference made parallel on 2 or 3 ranks (one launch per world size).
   float32 within 1e-5; the gathered weights are the reference's bit for bit,
   under the same state_dict keys, and the forward signature is unchanged;
 - 20 AdamW steps (one-layer models: Mixtral expert-parallel on 2 ranks; on 3, the
-  2-KV-head Llama cut into sub-groups [1, 2, 1], its copied K/V heads kept equal
-  by their summed gradients, MLP columns [50, 30, 48]) follow the reference's loss
-  curve within 1e-10 (float64). In
-  float32 a Mixtral's curve leaves the reference's within 20 steps whichever way it
-  is split (measured: 2 % by step 20): rounding differences of 1e-7 flip a token's
-  top-2 experts, a discontinuity no reduction order can avoid; float32 is held to
-  one step's 1e-5;
+  2-KV-head Llama cut into sub-groups [1, 2, 1], its copied K/V heads kept equal by
+  their summed gradients, MLP columns [50, 30, 48]) follow the reference's loss
+  curve within 1e-10 (float64). In float32 a Mixtral's curve leaves the
+  reference's within 20 steps whichever way it is split (measured: 2 % by step
+  20): rounding differences of 1e-7 flip a token's top-2 experts, a discontinuity
+  no reduction order can avoid; float32 is held to one step's 1e-5;
 - greedy ``generate()`` gives the reference's tokens;
 - the balancer takes a parallel Llama's dims (``Balancer(model, optimizer)``), and
   moving them as it does (``plait.balance.migrate``: layer 0's heads to [3, 1],
   its MLP columns to [100, 28], after 3 AdamW steps) changes no number: 8 steps'
   losses and the final weights equal the reference's within 1e-10;
-- 2 ranks: the model's own plan (``"auto"``, fused operators), the same plan in
-  PyTorch's styles (plain path), torchtitan's sequence-parallel plan in PyTorch's
-  styles (on 3 ranks too, the sequence cut [7, 4, 5]), the Llama with 3 KV heads split [2, 1] by whole
-  KV-head groups, Mixtral expert-parallel (its own plan) and split by the
-  experts' FFN dim (``"moe_tp_experts"``);
+- 2 ranks: the model's own plan (``"auto"``, fused operators); the same plan in
+  PyTorch's styles (plain path); a Llama whose LM head is tied to its embedding
+  (one parameter, split by the same vocabulary rows); torchtitan's
+  sequence-parallel plan in PyTorch's styles (on 3 ranks too, the sequence cut
+  [7, 4, 5]); the Llama with 3 KV heads split [2, 1] by whole KV-head groups;
+  Mixtral expert-parallel (its own plan) and split by the experts' FFN dim
+  (``"moe_tp_experts"``);
 - 3 ranks: the 2-KV-head Llamas (each KV group cut into 2 sub-groups, its K/V head
   copied) even and through an uneven ``ShardPlan``, the 4-KV-head Llama with
   heads [2, 1, 1] and MLP columns uneven, Mixtral with experts [2, 1, 1] and with
@@ -50,12 +51,13 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 STEPS = 20
 
 
-def _llama(dtype, heads=8, kv=2, layers=4, width=256, vocab=1024):
+def _llama(dtype, heads=8, kv=2, layers=4, width=256, vocab=1024, tied=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
                       num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, max_position_embeddings=64)
+                      num_key_value_heads=kv, max_position_embeddings=64,
+                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype)
 
@@ -82,6 +84,7 @@ MODELS = {  # the issue's Llama, and smaller ones where the size adds nothing
     "3kv": lambda dtype: _llama(dtype, heads=6, kv=3, layers=2, width=96, vocab=256),
     "4kv": lambda dtype: _llama(dtype, heads=8, kv=4, layers=2, width=128, vocab=256),
     "mixtral": _mixtral,
+    "tied": lambda dtype: _llama(dtype, layers=1, width=64, vocab=128, tied=True),
     "mha": lambda dtype: _llama(dtype, heads=4, kv=4, layers=2, width=64, vocab=128),
     # the 20-step curves: one layer (each step is latency-bound on a loaded machine)
     "small-1": lambda dtype: _llama(dtype, layers=1, width=64, vocab=128),
@@ -253,7 +256,7 @@ F64, F32 = torch.float64, torch.float32
 CASES = {
     2: dict(parity=[("llama", "auto", None, True, F64), ("llama", "auto", None, True, F32),
                     ("small", "torch", None, False, F64), ("small", "sp", None, True, F64),
-                    ("3kv", "auto", None, True, F64),
+                    ("3kv", "auto", None, True, F64), ("tied", "auto", None, True, F64),
                     ("mixtral", "auto", None, True, F64), ("mixtral", "moe_tp", None, False, F64),
                     ("mixtral", "auto", None, True, F32)],
             curves=[("mixtral-1", "auto", None, F64)],

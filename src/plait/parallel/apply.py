@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
@@ -100,6 +101,7 @@ class _Run:
     plans: dict = field(default_factory=dict)   # path → ShardPlan for one-module styles
     used: set = field(default_factory=set)
     notes: list = field(default_factory=list)
+    ties: list = field(default_factory=list)    # (embedding, [heads]) sharing one weight
 
     # --- resolve: nothing changes yet ------------------------------------------
     def resolve(self, styles: dict) -> None:
@@ -126,6 +128,7 @@ class _Run:
         self.dims = find_dims(linears, modules)
         for dim in self.dims:
             plan = shard_for(self.shards, self.used, [dim.name, *dim.cols, *dim.rows], dim.kind)
+            dim.given = plan is not None
             try:
                 resolve_plan_for(dim, plan, self.info.world)
             except ValueError as err:
@@ -150,7 +153,8 @@ class _Run:
             experts_shape(module, path)
 
     def _check_tied(self, modules: dict) -> None:
-        """A parameter shared by a module that is replaced and one that is not would come apart."""
+        """A parameter shared by a module that is replaced and one that is not would come apart;
+        an embedding split by vocabulary rows and LM heads split by the same rows stay tied."""
         replaced = {p for p, s in self.styles.items()
                     if isinstance(s, (Colwise, Rowwise, VocabParallel, ExpertsEP, PlaitMoE,
                                       TableParallel))}
@@ -160,11 +164,36 @@ class _Run:
                 owners.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
         for names in owners.values():
             split = [n for n in names if n.rpartition(".")[0] in replaced]
-            if split and len(names) > 1:
+            if split and len(names) > 1 and not self._vocab_tie(names):
                 raise ValueError(f"{' and '.join(names)} are one tied parameter (tie_word_"
                                  f"embeddings?); plait splits {', '.join(split)} into a layer of "
-                                 "its own, which would untie them: untie the model or leave them out "
-                                 "of the plan")
+                                 "its own, which would untie them: untie the model, leave them out "
+                                 "of the plan, or split the embedding by vocabulary rows "
+                                 "(embedding_rowwise) and the head by the same rows (colwise)")
+
+    def _vocab_tie(self, names: list[str]) -> bool:
+        """Whether ``names`` are one embedding split by vocabulary rows (VocabParallel) and lone
+        column-parallel heads: one [V, D] weight cut alike, kept one parameter (``swap``)."""
+        paths = [n.rpartition(".")[0] for n in names]
+        if any(n.rpartition(".")[2] != "weight" for n in names):
+            return False
+        embeds = [p for p in paths if isinstance(self.styles.get(p), VocabParallel)]
+        heads = {p: d for d in self.dims for p in d.cols if p in paths and not d.rows
+                 and d.cuts[p].blocks == 1}
+        if len(embeds) != 1 or len(embeds) + len(heads) != len(paths):
+            return False
+        embed = embeds[0]
+        plans = {d.plan for d in heads.values() if d.given} | \
+            ({self.plans[embed]} if self.plans.get(embed) is not None else set())
+        if len(plans) > 1:
+            raise ValueError(f"{' and '.join(names)} are one tied parameter, but their shards "
+                             f"differ: {sorted(list(p.sizes) for p in plans)}")
+        plan = plans.pop() if plans else next(iter(heads.values())).plan
+        self.plans[embed] = plan
+        for d in heads.values():
+            d.plan = plan
+        self.ties.append((embed, list(heads)))
+        return True
 
     # --- build: the new layers, from the modules' own weights --------------------
     def build(self) -> dict[str, nn.Module]:
@@ -224,6 +253,12 @@ class _Run:
                 self._note(path, "experts split by their FFN dim (transformers' experts kernels), "
                            "outputs summed by a plain all-reduce")
         modules = dict(self.model.named_modules())
+        for embed, heads in self.ties:  # one [V_r, D] shard, cut alike: one parameter again
+            for head in heads:
+                assert torch.equal(modules[head].weight, modules[embed].weight), (embed, head)
+                modules[head].weight = modules[embed].weight
+            self._note(embed, f"tied to {', '.join(heads)}: one parameter, split by the same "
+                       "vocabulary rows")
         for dim in self.dims:
             self._hook_dim(dim, modules)
         for path, style in self.styles.items():

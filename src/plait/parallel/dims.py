@@ -54,6 +54,7 @@ class Dim:
     cuts: dict[str, LayerCut] = field(default_factory=dict)
     heads: tuple[int, int, int] | None = None  # (q heads, kv heads, head_dim)
     plan: ShardPlan | None = None
+    given: bool = False            # the plan came from shards= (not the even default)
     groups_local: int | None = None  # q heads per K/V head on every rank, when it changes
     note: str = ""
 
