@@ -22,6 +22,7 @@ gradient, gathered by name; the gathered weights bit for bit):
   1-D ``DeviceMesh`` (``mesh=``) instead of the default group; with the head's
   weight tied to the embedding's (both split by the same vocabulary rows, one
   parameter still);
+- plait's own GPT under ``plan="auto"`` (the plan ``apply_tp`` gives it);
 - on 2 ranks, a parallel MLP under ``torch.compile`` (compiled before its first step)
   gives the plain MLP's output and gradients;
 - what it logs, once, on rank 0; and every mistake it refuses, naming the module;
@@ -209,9 +210,26 @@ def _compiled():
                [float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()])
 
 
+def _gpt_auto():
+    """plait's own GPT under ``plan="auto"`` (its apply_tp plan) against the plain GPT."""
+    import plait
+    from plait.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=V, block_size=S, n_layer=2, n_head=4, n_embd=D)).double()
+    par = plait.parallelize(copy.deepcopy(ref), "auto", chunks=2)
+    ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(1))
+    (_, want), (_, got) = ref(ids, ids), par(ids, ids)
+    want.backward()
+    got.backward()
+    grads = full_state_dict(par, grads=True)
+    return max([float((want - got).abs())] +
+               [float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()])
+
+
 def _run(cases, compiled=False):
     first = _compiled() if compiled else None  # first: nothing made before it in this process
-    return [_case(*case) for case in cases], _logged("strings"), first
+    return [_case(*case) for case in cases], _logged("strings"), first, _gpt_auto()
 
 
 CASES = {
@@ -227,8 +245,9 @@ CASES = {
 @pytest.mark.parametrize("world", [2, 3])
 def test_plain_module_matches_one_process(world):
     results = run_ranks(_run, world, CASES[world], compiled=world == 2)
-    for rank, (per_case, logged, compiled) in enumerate(results):
+    for rank, (per_case, logged, compiled, gpt) in enumerate(results):
         assert compiled is None or compiled < TOL, compiled
+        assert gpt < TOL, gpt
         for case, (err, same, notes) in zip(CASES[world], per_case):
             assert err < TOL, (case, err)
             assert same, case
