@@ -1,4 +1,4 @@
-"""A transformers Llama trained tensor-parallel by plait: torchrun --nproc-per-node 2 train_hf_llama.py"""
+"""A transformers Llama, tensor-parallel by plait: torchrun --nproc-per-node 2 train_hf_llama.py"""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -79,7 +79,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
+        self.norm1, self.attn = nn.LayerNorm(D), Attention()
+        self.norm2, self.mlp = nn.LayerNorm(D), MLP()
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -125,7 +126,8 @@ def _torchtitan_plan():
         "extra": SequenceParallel(),  # a replicated projection on each rank's share of the tokens
         "blocks.*.norm1": SequenceParallel(), "blocks.*.norm2": SequenceParallel(),
         "norm": SequenceParallel(),
-        "blocks.*.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(seq,),
+                                            desired_input_layouts=(Replicate(),)),
         "blocks.*.attn.q_proj": ColwiseParallel(), "blocks.*.attn.k_proj": ColwiseParallel(),
         "blocks.*.attn.v_proj": ColwiseParallel(),
         "blocks.*.attn.o_proj": RowwiseParallel(output_layouts=seq),
@@ -144,7 +146,8 @@ def _plan(kind):
     return {"embed": "embedding_rowwise", "extra": "rowwise_split_input",
             **{f"{attn}.{p}_proj": "colwise" for p in "qkv"}, f"{attn}.o_proj": "rowwise",
             f"{attn}.q_norm": "replicated_with_grad_allreduce",
-            f"{mlp}.gate_proj": "colwise", f"{mlp}.up_proj": "colwise", f"{mlp}.down_proj": "rowwise",
+            f"{mlp}.gate_proj": "colwise", f"{mlp}.up_proj": "colwise",
+            f"{mlp}.down_proj": "rowwise",
             "head": "colwise_gather_output"}
 
 
@@ -297,21 +300,24 @@ def _mistakes():
         "unknown": par(_toy(), {f"{attn}.q_proj": "colwize"}),
         "dtensor": par(_toy(), {f"{attn}.q_proj": ColwiseParallel(use_local_output=False)}),
         "not_linear": par(_toy(), {"blocks.0.norm1": "colwise"}),
-        "not_heads": par(nn.ModuleDict({"a": BadHeads()}), {"a.q_proj": "colwise", "a.o_proj": "rowwise"}),
+        "not_heads": par(nn.ModuleDict({"a": BadHeads()}),
+                         {"a.q_proj": "colwise", "a.o_proj": "rowwise"}),
         "one_head": par(nn.ModuleDict({"a": OneHead()}),
                         {"a.q_proj": "colwise", "a.k_proj": "colwise", "a.o_proj": "rowwise"}),
         "count": par(_toy(), _plan("strings"), shards={"heads": ShardPlan((2, 1))}),
         "kind": par(_toy(), _plan("strings"), shards={"hedas": ShardPlan((1, 1))}),
         "uneven": par(_toy(), _plan("strings"), shards={"blocks.1.mlp": ShardPlan((90, 7))}),
         "tied": par(_toy(tied=True), {"head": "colwise_gather_output"}),
-        "twice": par(_toy(), {"blocks.*.attn.q_proj": "colwise", "blocks.0.attn.q_proj": "rowwise"}),
+        "twice": par(_toy(), {"blocks.*.attn.q_proj": "colwise",
+                              "blocks.0.attn.q_proj": "rowwise"}),
         "plan": par(_toy(), "mine"),
     })
 
 
 def test_mistakes_are_refused_naming_the_module():
     seen = run_ranks(_mistakes, 2)[0]
-    assert "plan entry 'blocks.*.atn.q_proj' ('colwise') matches no module of Toy" in seen["nothing"]
+    assert "plan entry 'blocks.*.atn.q_proj' ('colwise') matches no module of Toy" \
+        in seen["nothing"]
     assert "'blocks.0.attn.q_proj': transformers' style 'mla_kv_a_proj'" in seen["refused"]
     assert "not supported by plait" in seen["refused"]
     assert "'colwize' is not a transformers plan style plait knows" in seen["unknown"]
@@ -399,10 +405,15 @@ def test_torch_and_transformers_styles_read_as_plait_styles():
     assert ps.to_style(RowwiseParallel(output_layouts=seq), "a") == ps.Rowwise(output=seq)
     assert ps.to_style("rowwise_split_input", "a") == ps.Rowwise(input=Replicate())
     assert ps.to_style(SequenceParallel(sequence_dim=2), "a") == ps.SequenceParallel(seq_dim=2)
-    prepare = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
-                                 input_kwarg_layouts={"h": seq}, desired_input_kwarg_layouts={"h": seq})
-    assert ps.to_style(prepare, "a") == ps.Prepare(args=((seq, Replicate()), None), kwargs=(("h", None),))
+    prepare = PrepareModuleInput(input_layouts=(seq, None),
+                                 desired_input_layouts=(Replicate(), None),
+                                 input_kwarg_layouts={"h": seq},
+                                 desired_input_kwarg_layouts={"h": seq})
+    assert ps.to_style(prepare, "a") == \
+        ps.Prepare(args=((seq, Replicate()), None), kwargs=(("h", None),))
     assert ps.to_style("moe_tp_experts", "a") == ps.ExpertsTP()
-    assert ps.to_style("ep_dispatch_experts", "a") == ps.to_style("grouped_gemm", "a") == ps.ExpertsEP()
-    with pytest.raises(ValueError, match="'a': RowwiseParallel\\(output_layouts=Shard\\(-1\\)\\) is not"):
+    assert ps.to_style("ep_dispatch_experts", "a") == ps.to_style("grouped_gemm", "a") \
+        == ps.ExpertsEP()
+    refused = "'a': RowwiseParallel\\(output_layouts=Shard\\(-1\\)\\) is not"
+    with pytest.raises(ValueError, match=refused):
         ps.to_style(RowwiseParallel(output_layouts=Shard(-1)), "a")

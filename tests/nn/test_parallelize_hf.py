@@ -1,4 +1,4 @@
-"""transformers models made parallel by ``plait.parallelize``, against the same model on one process.
+"""transformers models made parallel by ``plait.parallelize``, against the model on one process.
 
 Built from a config with random weights (no download): the issue's Llama (4
 layers, width 256, 8 heads, 2 KV heads, vocabulary 1024), smaller Llamas
@@ -122,7 +122,8 @@ def _sp_plan():
 
     seq, rep, attn, mlp = Shard(1), Replicate(), "model.layers.*.self_attn", "model.layers.*.mlp"
     return {"model.embed_tokens": RowwiseParallel(input_layouts=rep),
-            "model.layers.0": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(seq,)),
+            "model.layers.0": PrepareModuleInput(input_layouts=(rep,),
+                                                 desired_input_layouts=(seq,)),
             "model.layers.*.input_layernorm": SequenceParallel(),
             "model.layers.*.post_attention_layernorm": SequenceParallel(),
             attn: PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
@@ -187,7 +188,7 @@ def _curve(name, plan, shards, dtype):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for step in range(STEPS):
-            ids = _batch(ref.config.vocab_size, seed=100 + step % 2)  # two batches: it can learn them
+            ids = _batch(ref.config.vocab_size, seed=100 + step % 2)  # two batches: learnable
             loss = model(input_ids=ids, labels=ids).loss
             opt.zero_grad()
             loss.backward()
@@ -226,8 +227,9 @@ def _migrated():
         losses = []
         for step in range(8):
             if model is par and step == 3:
-                migrate(par, opt, {**{n: ShardPlan((3, 1)) for n in dims["model.layers.0.self_attn"]},
-                                   **{n: ShardPlan((100, 28)) for n in dims["model.layers.0.mlp"]}})
+                to_heads, to_columns = ShardPlan((3, 1)), ShardPlan((100, 28))
+                migrate(par, opt, {**{n: to_heads for n in dims["model.layers.0.self_attn"]},
+                                   **{n: to_columns for n in dims["model.layers.0.mlp"]}})
             ids = _batch(ref.config.vocab_size, seed=100 + step % 2)
             loss = model(input_ids=ids, labels=ids).loss
             opt.zero_grad()

@@ -135,7 +135,8 @@ def plait_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict | N
     if hasattr(model, "blocks") and all(hasattr(b, "attn") for b in model.blocks):
         seq, rep = Shard(1), Replicate()
         into, out = (seq, seq) if sequence_parallel else (rep, rep)
-        plan: dict = {"blocks.*.attn.qkv": Colwise(input=into), "blocks.*.attn.proj": Rowwise(output=out)}
+        plan: dict = {"blocks.*.attn.qkv": Colwise(input=into),
+                      "blocks.*.attn.proj": Rowwise(output=out)}
         for i, block in enumerate(model.blocks):
             if hasattr(block.mlp, "router"):
                 plan[f"blocks.{i}.mlp"] = PlaitMoE(replicated_input=not sequence_parallel)

@@ -1,4 +1,4 @@
-"""``plait.parallelize(model, plan)``: any PyTorch or transformers model, tensor-parallel on plait's layers.
+"""``plait.parallelize(model, plan)``: any PyTorch or transformers model on plait's layers.
 
     import plait
     from plait.runtime import init_from_env

@@ -67,8 +67,9 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     group = _group(group, mesh)
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("plait.parallelize needs torch.distributed initialised (under torchrun: "
-                           "plait.runtime.init_from_env() or torch.distributed.init_process_group());"
-                           " without a process group there is nothing to split the model over")
+                         "plait.runtime.init_from_env() or "
+                         "torch.distributed.init_process_group()); without a process group "
+                         "there is nothing to split the model over")
     info = GroupInfo(group)
     auto = isinstance(plan, str)
     if auto and plan != "auto":
@@ -119,7 +120,8 @@ class _Run:
                 if not isinstance(module, nn.Linear):
                     raise TypeError(f"{path}: {type(style).__name__} splits an nn.Linear, but "
                                     f"{path} is a {type(module).__name__}")
-                if isinstance(style, Colwise) and style.output == Replicate() and (style.blocks or 1) > 1:
+                packed = isinstance(style, Colwise) and (style.blocks or 1) > 1
+                if packed and style.output == Replicate():
                     raise ValueError(f"{path}: a packed weight's output cannot be gathered whole")
                 linears[path] = (style, module)
             self._check_module(path, style, module)
@@ -134,7 +136,8 @@ class _Run:
             except ValueError as err:
                 raise ValueError(str(err) if str(err).startswith(dim.name) else
                                  f"{dim.name}: {err}") from None
-            if dim.groups_local is not None and not hasattr(modules[dim.name], "num_key_value_groups"):
+            told = hasattr(modules[dim.name], "num_key_value_groups")
+            if dim.groups_local is not None and not told:
                 raise ValueError(f"{dim.name}: {dim.note}, but the module has no "
                                  "num_key_value_groups to tell its forward")
         for path, style in styles.items():
@@ -231,7 +234,8 @@ class _Run:
             sp = style.output.is_shard()
         seq = (style.input if isinstance(style, Colwise) else style.output).dim if sp else 1
         kw = dict(plan=dim.plan, unit=cut.unit, overlap=self.overlap, chunks=self.chunks,
-                  sequence_parallel=sp, seq_dim=seq, seq_plan=self.shards.get("seq") if sp else None)
+                  sequence_parallel=sp, seq_dim=seq,
+                  seq_plan=self.shards.get("seq") if sp else None)
         if cut.copies > 1:
             return CopiedHeadsLinear.from_module(linear, self.group, copies=cut.copies, **kw)
         unit_name = _UNIT_NAMES.get(dim.kind) or \
@@ -389,9 +393,9 @@ class _Mover:
             return gather_from_region(x, self.group, have.dim, self.sizes)
         if have.is_replicate() and want.is_shard():
             return scatter_to_region(x, self.group, want.dim, self.sizes)
-        raise ValueError(f"moving a tensor from {layout_name(have)} to {layout_name(want)} is not "
-                         "supported (plait gathers Shard(d) → Replicate() and cuts Replicate() → "
-                         "Shard(d))")
+        raise ValueError(f"moving a tensor from {layout_name(have)} to {layout_name(want)} is "
+                         "not supported (plait gathers Shard(d) → Replicate() and cuts "
+                         "Replicate() → Shard(d))")
 
 
 def _grouped(notes: list[tuple[str, str]]) -> list[str]:

@@ -114,7 +114,8 @@ class VocabParallelEmbedding(nn.Module):
         self.plan = resolve_plan(plan, self.num_embeddings, self.info, what="vocabulary rows",
                                  layer=name)
         self.seq_dim, self.seq_plan = seq_dim, seq_plan
-        self.weight = nn.Parameter(shard_of(embedding.weight.detach(), self.plan, self.info.rank, 0))
+        rows = shard_of(embedding.weight.detach(), self.plan, self.info.rank, 0)  # [V_r, D]
+        self.weight = nn.Parameter(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = self.plan.slice_of(self.info.rank)
@@ -134,7 +135,8 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": unshard(value.detach(), self.plan, self.group, 0)}
 
     def extra_repr(self) -> str:
-        out = "all-reduced" if self.seq_dim is None else f"reduce-scattered along dim {self.seq_dim}"
+        out = "all-reduced" if self.seq_dim is None else \
+            f"reduce-scattered along dim {self.seq_dim}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, plan={list(self.plan.sizes)} rows, "
                 f"{out}")
 

@@ -51,7 +51,8 @@ def auto_plan(model: nn.Module) -> dict[str, Any]:
             return plan
         raise ValueError(f"plan='auto': {type(model).__name__} has no tensor-parallel plan of its "
                          "own (transformers' config.base_model_tp_plan or model._tp_plan); give a "
-                         "plan: {module path: ColwiseParallel() | RowwiseParallel() | 'colwise' …}")
+                         "plan: {module path: ColwiseParallel() | RowwiseParallel() | "
+                         "'colwise' …}")
     modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and prefix in modules else ""
@@ -101,7 +102,8 @@ def expand(model: nn.Module, plan: Mapping[str, Any], *, strict: bool = True
             what = f"plan entry {key!r} ({value!r}) matches no module of {type(model).__name__}"
             if strict:
                 near = [p for p in modules if p.split(".")[-1] == key.split(".")[-1]][:3]
-                raise ValueError(what + (f" (modules of that name: {', '.join(near)})" if near else ""))
+                named = f" (modules of that name: {', '.join(near)})" if near else ""
+                raise ValueError(what + named)
             log.info("%s; skipped", what)
             continue
         style = to_style(value, key)

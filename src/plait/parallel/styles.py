@@ -1,4 +1,4 @@
-"""The plan vocabulary: PyTorch's parallel styles, transformers' plan strings and plait's own, as one set.
+"""The plan vocabulary: PyTorch's parallel styles, transformers' strings, plait's own, as one.
 
 Every plan entry becomes one of the frozen styles below (``to_style``), a plain
 value that says what the module does and how its input and output are laid
@@ -201,21 +201,26 @@ def _from_torch(value: Any, where: str) -> Style:
 
     if isinstance(value, tp.ColwiseParallel):
         _local_output(value, where, "ColwiseParallel")
-        style = Colwise(input=_one(value.input_layouts, where), output=_one(value.output_layouts, where))
+        style = Colwise(input=_one(value.input_layouts, where),
+                        output=_one(value.output_layouts, where))
         _check_layouts(where, "ColwiseParallel", style.input, (REPLICATE, "seq"), "input_layouts")
-        _check_layouts(where, "ColwiseParallel", style.output, (FEATURES, REPLICATE), "output_layouts")
+        _check_layouts(where, "ColwiseParallel", style.output, (FEATURES, REPLICATE),
+                       "output_layouts")
         return style
     if isinstance(value, tp.RowwiseParallel):
         _local_output(value, where, "RowwiseParallel")
-        style = Rowwise(input=_one(value.input_layouts, where), output=_one(value.output_layouts, where))
-        _check_layouts(where, "RowwiseParallel", style.input, (FEATURES, REPLICATE), "input_layouts")
+        style = Rowwise(input=_one(value.input_layouts, where),
+                        output=_one(value.output_layouts, where))
+        _check_layouts(where, "RowwiseParallel", style.input, (FEATURES, REPLICATE),
+                       "input_layouts")
         _check_layouts(where, "RowwiseParallel", style.output, (REPLICATE, "seq"), "output_layouts")
         return style
     if isinstance(value, tp.SequenceParallel):
         (seq,) = value.sequence_sharding
         return SequenceParallel(seq_dim=seq.dim)
     if isinstance(value, tp.PrepareModuleInputOutput):
-        a, b = _from_torch(value.prepare_module_input, where), _from_torch(value.prepare_module_output, where)
+        a = _from_torch(value.prepare_module_input, where)
+        b = _from_torch(value.prepare_module_output, where)
         return Prepare(args=a.args, kwargs=a.kwargs, outputs=b.outputs)
     if isinstance(value, tp.PrepareModuleInput):
         args = _pairs(value.input_layouts or (), value.desired_input_layouts or (), where)
