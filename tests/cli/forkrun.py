@@ -55,6 +55,10 @@ def _child(row: dict, out: str, err: str) -> None:
     code = 1
     try:
         os.setpgid(0, 0)
+        # as plait started from a terminal: a suite started in the background by a script
+        # (bash: `cmd &`, or nohup) hands every process SIGINT ignored, so Ctrl-C could not
+        # reach the run under test
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(row["cwd"])
         os.environ.update(row.get("env", {}))
         tempfile.tempdir = None  # $TMPDIR as the row sets it, not as the parent found it
