@@ -152,6 +152,16 @@ def _batch(vocab, seed=1, rows=2, seq=16):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (rows, seq), generator=g)
 
+def _train_step(model, opt, vocab: int, step: int) -> float:
+    """One AdamW step on one of two fixed batches (learnable), its loss."""
+    ids = _batch(vocab, seed=100 + step % 2)
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
 
 def _parity(name, plan, shards, overlap, dtype):
     """Largest difference of logits, loss and gradients; whether the weights, keys and
@@ -188,12 +198,7 @@ def _curve(name, plan, shards, dtype):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for step in range(STEPS):
-            ids = _batch(ref.config.vocab_size, seed=100 + step % 2)  # two batches: learnable
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
+            losses.append(_train_step(model, opt, ref.config.vocab_size, step))
         curves.append(losses)
     return curves
 
@@ -230,12 +235,7 @@ def _migrated():
                 to_heads, to_columns = ShardPlan((3, 1)), ShardPlan((100, 28))
                 migrate(par, opt, {**{n: to_heads for n in dims["model.layers.0.self_attn"]},
                                    **{n: to_columns for n in dims["model.layers.0.mlp"]}})
-            ids = _batch(ref.config.vocab_size, seed=100 + step % 2)
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
+            losses.append(_train_step(model, opt, ref.config.vocab_size, step))
         curves.append(losses)
     weights = full_state_dict(par)
     err = max(float((weights[k] - v).abs().max()) for k, v in ref.state_dict().items())
