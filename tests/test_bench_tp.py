@@ -189,3 +189,103 @@ def test_each_rank_takes_the_bags_plaits_layer_leaves_it(batch, world, shares):
     assert [c.stop - c.start for c in cuts] == shares
     assert cuts[0].start == 0 and cuts[-1].stop == batch
     assert all(a.stop == b.start for a, b in zip(cuts, cuts[1:]))
+
+
+# --- --model hf-llama: a transformers Llama (grouped-query attention) three ways ----------
+
+HF_TINY = dict(model="hf-llama", n_layer=1, n_head=4, n_kv_head=2, n_embd=32, seq_len=16,
+               batch_size=2, warmup=1, steps=4, compare_steps=5)
+
+
+@pytest.fixture(scope="module")
+def hf_records():
+    records, where = bench_tp(TPBenchConfig(**HF_TINY), ranks=2, hosts=0)
+    assert "loopback" in where
+    return records
+
+
+def test_hf_llama_three_ways_follow_the_same_losses(hf_records):
+    """The same Llama under plait (fused, plain) and DTensor: every timed step's loss equal
+    within 1e-5 (float32: the same sums in another order at most); no DLRM part."""
+    assert [r["system"] for r in hf_records] == list(SYSTEMS)
+    by = {r["system"]: r for r in hf_records}
+    for r in hf_records:
+        assert KEYS | {"max_loss_diff_timed", "part", "model"} <= set(r)
+        assert r["part"] == "hf-llama" and r["world_size"] == 2 and r["t_step_s"] > 0
+        assert r["model"] == dict(name="hf-llama", n_layer=1, n_head=4, n_embd=32, seq_len=16,
+                                  batch_size=2, n_kv_head=2, ffn=256, vocab=128, plan="auto")
+        assert len(r["losses"]) == len(r["step_times_s"]) == 5
+        assert r["allreduce_per_step"] == 7 + 2 and r["microbatches"] == 1
+    for name in ("plait", "plait-plain"):
+        assert by[name]["loss_diff_vs"] == "pytorch-tp"
+        assert by[name]["max_loss_diff_timed"] <= 1e-5, by[name]["max_loss_diff_timed"]
+        assert by[name]["losses"] == pytest.approx(by["pytorch-tp"]["losses"], abs=1e-5, rel=0)
+    assert by["plait"]["losses"][-1] < by["plait"]["losses"][0] - 0.05  # it trains
+    summary = summarize_tp(hf_records)
+    assert summary["timed_losses_agree_1e-5"] and summary["losses_agree_1e-4"]
+    assert summary["plait_speedup_vs_pytorch_tp"] == pytest.approx(
+        by["pytorch-tp"]["t_step_s"] / by["plait"]["t_step_s"])
+
+
+def test_hf_plan_in_pytorch_styles():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from plait.bench.tp_hf import build_llama, own_plan, torch_tp_plan
+
+    cfg = TPBenchConfig(**HF_TINY)
+    model = build_llama(cfg, vocab_size=97)
+    plan = own_plan(model, "auto")
+    torch_plan = torch_tp_plan(plan)
+    assert set(torch_plan) == set(plan) and len(plan) == 9
+    head, embed = torch_plan["lm_head"], torch_plan["model.embed_tokens"]
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    assert isinstance(embed, RowwiseParallel) and embed.input_layouts == (Replicate(),)
+    o = torch_plan["model.layers.*.self_attn.o_proj"]
+    assert isinstance(o, RowwiseParallel) and o.input_layouts == (Shard(-1),)
+    assert isinstance(torch_plan["model.layers.*.self_attn.k_proj"], ColwiseParallel)
+    layers = own_plan(model, "layers")
+    assert sorted(layers) == sorted(k for k in plan if k.startswith("model.layers."))
+    with pytest.raises(ValueError, match="'sequence_parallel' has no PyTorch style"):
+        torch_tp_plan({"model.norm": "sequence_parallel"})
+
+
+def test_cli_hf_llama_layers_plan(tmp_path):
+    """Embedding and LM head replicated (``--hf-plan layers``) through the command line."""
+    out = tmp_path / "tp.json"
+    code = main(["bench", "tp", "--ranks", "2", "--model", "hf-llama", "--hf-plan", "layers",
+                 "--n-layer", "1", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "32",
+                 "--seq-len", "16", "--batch-size", "2", "--warmup", "0", "--steps", "3",
+                 "--no-progress", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [r["system"] for r in data["records"]] == list(SYSTEMS)  # no DLRM part
+    assert {r["allreduce_per_step"] for r in data["records"]} == {7}
+    assert data["meta"]["summary"]["timed_losses_agree_1e-5"] is True
+
+
+def test_cli_refuses_an_unknown_model_in_one_line(capsys):
+    assert main(["bench", "tp", "--model", "bert", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["plait: error: --model 'bert': choose from gpt, hf-llama"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(n_kv_head=3), "not a multiple of --n-kv-head 3"),
+    (dict(hf_plan="all"), "--hf-plan 'all': choose from auto, layers"),
+    (dict(n_kv_head=0), "positive"),
+])
+def test_bad_hf_configs_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        TPBenchConfig(**{**HF_TINY, **kw})
+
+
+def test_hf_kv_heads_must_split_over_the_ranks():
+    with pytest.raises(ValueError, match="KV-head count must be a multiple of the ranks"):
+        bench_tp(TPBenchConfig(**{**HF_TINY, "n_kv_head": 1}), ranks=2)
+
+
+def test_model_defaults_per_model():
+    assert (TPBenchConfig().n_layer, TPBenchConfig().n_embd) == (2, 512)
+    hf = TPBenchConfig(model="hf-llama")
+    assert (hf.n_layer, hf.n_embd, hf.n_kv_head) == (4, 256, 2) and not hf.runs_dlrm

@@ -1,4 +1,5 @@
-"""``plait bench tp``: plait's tensor parallelism against PyTorch's, training the same GPT.
+"""``plait bench tp``: plait's tensor parallelism against PyTorch's, training the same GPT
+(or, ``--model hf-llama``, the same transformers Llama: :mod:`plait.bench.tp_hf`).
 
 Every rank builds the same single-device GPT from the same seed, three times,
 and makes each copy tensor-parallel another way:
@@ -21,7 +22,7 @@ backward and update, started together behind a barrier; a step takes as long
 as its slowest rank; ``t_step_s`` is the median over the steps after warm-up.
 ``max_loss_diff``: the largest |loss − the reference's loss| over the first
 ``compare_steps`` steps (reference: ``pytorch-tp``; for ``pytorch-tp``
-itself, ``plait``).
+itself, ``plait``); ``max_loss_diff_timed`` the same over the timed steps.
 
 PyTorch's Shard(0) of the fused QKV weight ``[3·D, D]`` is contiguous, which
 would give rank 0 all of q and half of k. As torchtitan does with separate
@@ -47,12 +48,17 @@ from ..runtime import parse_rate, rank_context
 from ..runtime.priority import raise_comm_threads
 from ..runtime.timing import agreed_max, balanced_round, median, time_once
 from ..train import TrainConfig, build_gpt, gpt_loss
+from . import tp_hf
 from .tp_dlrm import EMB_SYSTEMS, PLAIT_EMB_SYSTEMS, EmbBenchConfig, run_emb_bench, torchrec_missing
 
 __all__ = ["TPBenchConfig", "SYSTEMS", "QUICK_TP", "bench_tp", "run_tp_bench",
            "parallelize_torch_tp", "heads_contiguous_qkv", "summarize_tp"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp")
+MODELS = ("gpt", "hf-llama")
+# per model where they differ: the GPT bench's sizes; the Llama of issue 23 (4 layers of
+# width 256), whose all-reduces are a larger share of a step than the 2 × 512 GPT's
+SIZES = {"gpt": dict(n_layer=2, n_embd=512), "hf-llama": dict(n_layer=4, n_embd=256)}
 REFERENCE = "pytorch-tp"
 QUICK_TP = dict(batch_size=8, warmup=2, steps=8)
 
@@ -76,9 +82,18 @@ class TPBenchConfig:
 
     systems: tuple[str, ...] = field(default=SYSTEMS, metadata=_h(
         "what to train: " + ", ".join(SYSTEMS)))
-    n_layer: int = field(default=2, metadata=_h("transformer blocks"))
+    model: str = field(default="gpt", metadata=_h(
+        "gpt (plait's GPT) or hf-llama (a transformers LlamaForCausalLM from a config, "
+        "grouped-query attention, no download; needs plait[hf])"))
+    n_layer: int | None = field(default=None, metadata=_h(
+        "transformer blocks (default: 2 for gpt, 4 for hf-llama)"))
     n_head: int = field(default=8, metadata=_h("attention heads"))
-    n_embd: int = field(default=512, metadata=_h("model width"))
+    n_kv_head: int = field(default=2, metadata=_h("hf-llama: key/value heads (grouped-query)"))
+    n_embd: int | None = field(default=None, metadata=_h(
+        "model width (default: 512 for gpt, 256 for hf-llama)"))
+    hf_plan: str = field(default="auto", metadata=_h(
+        "hf-llama: auto (the model's own plan, embedding and LM head split by vocabulary too) "
+        "or layers (the decoder layers' entries only; embedding and LM head replicated)"))
     seq_len: int = field(default=128, metadata=_h("characters per sequence"))
     batch_size: int = field(default=16, metadata=_h("sequences per step (the same on every rank)"))
     warmup: int = field(default=3, metadata=_h("untimed steps first (they still train)"))
@@ -88,12 +103,12 @@ class TPBenchConfig:
     optimizer: str = field(default="adamw", metadata=_h("adamw (weight decay 0) or sgd"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
     microbatches: int = field(default=2, metadata=_h(
-        "plait: micro-batches interleaved, one's all-reduces under the next one's compute "
+        "gpt's plait: micro-batches interleaved, one's all-reduces under the next one's compute "
         "(1: off; plait.nn.apply_tp(microbatches=))"))
     dlrm: bool = field(default=True, metadata=_h(
-        "also DLRM embeddings: plait's ShardedEmbeddingBag, fused and plain, against each "
-        "other and TorchRec's sharded EmbeddingBagCollection (TorchRec skipped, with the "
-        "reason, where it does not import)"))
+        "(--model gpt) also DLRM embeddings: plait's ShardedEmbeddingBag, fused and plain, "
+        "against each other and TorchRec's sharded EmbeddingBagCollection (TorchRec skipped, "
+        "with the reason, where it does not import)"))
     emb_tables: int = field(default=4, metadata=_h("DLRM: tables (whole tables per rank)"))
     emb_rows: int = field(default=50_000, metadata=_h("DLRM: rows per table"))
     emb_dim: int = field(default=64, metadata=_h("DLRM: embedding dim"))
@@ -106,11 +121,17 @@ class TPBenchConfig:
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model!r}: choose from {', '.join(MODELS)}")
+        for name, value in SIZES[self.model].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown or not self.systems:
             raise ValueError(f"--systems {list(self.systems)}: choose from {list(SYSTEMS)}")
-        sizes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_embd", "seq_len",
-                                               "batch_size", "steps", "compare_steps")}
+        sizes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd",
+                                               "seq_len", "batch_size", "steps",
+                                               "compare_steps")}
         if min(sizes.values()) < 1 or self.warmup < 0 or self.lr <= 0:
             raise ValueError(f"sizes and steps must be positive, warmup ≥ 0, lr > 0: "
                              f"{sizes}, warmup {self.warmup}, lr {self.lr}")
@@ -123,6 +144,24 @@ class TPBenchConfig:
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         self.train_config().gpt_config(97)  # refuse n_embd not divisible by n_head now
+        if self.model == "hf-llama":
+            self._check_hf()
+
+    def _check_hf(self) -> None:
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"--n-head {self.n_head} is not a multiple of --n-kv-head "
+                             f"{self.n_kv_head} (grouped-query attention)")
+        if self.hf_plan not in tp_hf.HF_PLANS:
+            raise ValueError(f"--hf-plan {self.hf_plan!r}: choose from "
+                             f"{', '.join(tp_hf.HF_PLANS)}")
+        missing = tp_hf.transformers_missing()
+        if missing is not None:
+            raise ValueError(f"--model hf-llama needs transformers (pip install 'plait[hf]'): "
+                             f"{missing}")
+
+    @property
+    def runs_dlrm(self) -> bool:
+        return self.dlrm and self.model == "gpt"
 
     @property
     def total_steps(self) -> int:
@@ -140,12 +179,16 @@ class TPBenchConfig:
                               seed=self.seed, chunks=self.emb_chunks or "auto")
 
     def check_world(self, world: int) -> None:
-        if self.dlrm and self.emb_tables % world:
+        if self.runs_dlrm and self.emb_tables % world:
             raise ValueError(f"--emb-tables {self.emb_tables} do not split evenly over {world} "
                              "ranks (TorchRec's table-wise plan and plait's are compared as equals)")
         if self.n_head % world:
             raise ValueError(f"--n-head {self.n_head} does not split over {world} ranks: PyTorch "
                              "TP shards evenly, so the head count must be a multiple of the ranks")
+        if self.model == "hf-llama" and self.n_kv_head % world:
+            raise ValueError(f"--n-kv-head {self.n_kv_head} does not split over {world} ranks: "
+                             "PyTorch TP shards k_proj/v_proj evenly, so the KV-head count "
+                             "must be a multiple of the ranks")
 
 
 # --- PyTorch tensor parallelism ---------------------------------------------
@@ -185,6 +228,8 @@ def parallelize_torch_tp(model: GPT, world: int | None = None) -> GPT:
 # --- one rank -----------------------------------------------------------------
 
 def _build(system: str, cfg: TPBenchConfig, vocab_size: int) -> nn.Module:
+    if cfg.model == "hf-llama":
+        return tp_hf.build_hf(system, cfg, vocab_size)
     device = rank_context().topology.device
     if system == "pytorch-tp":
         torch.manual_seed(cfg.seed)  # what build_gpt seeds: the same initial weights
@@ -200,8 +245,9 @@ def _optimizer(model: nn.Module, cfg: TPBenchConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, batch, losses: list[float]) -> None:
-    loss = gpt_loss(model, batch)
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch, losses: list[float],
+          loss_fn=gpt_loss) -> None:
+    loss = loss_fn(model, batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -215,32 +261,47 @@ def _train_interleaved(cfg: TPBenchConfig, built: dict, batches: list) -> dict:
     losses = {name: [] for name in built}
     times = {name: [] for name in built}
     names = list(built)
+    loss_fn = tp_hf.llama_loss if cfg.model == "hf-llama" else gpt_loss
     for i, batch in enumerate(batches):
         for name in balanced_round(names, i):
             model, opt = built[name]
-            times[name].append(time_once(lambda: _step(model, opt, batch, losses[name]), device))
-        ctx.report({"step": i, "of": len(batches)})
+            times[name].append(time_once(
+                lambda: _step(model, opt, batch, losses[name], loss_fn), device))
+        ctx.report({"part": cfg.model, "step": i, "of": len(batches)})
     return {"losses": losses, "times": times}
 
 
-def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float]) -> dict:
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
+            vocab_size: int) -> dict:
     ref = REFERENCE if name != REFERENCE else "plait"
     n = min(cfg.compare_steps, cfg.total_steps)
-    diff = (max(abs(a - b) for a, b in zip(losses[name][:n], losses[ref][:n]))
-            if ref in losses else None)
+    diff = _max_diff(losses[name][:n], losses[ref][:n]) if ref in losses else None
+    timed = (_max_diff(losses[name][cfg.warmup:], losses[ref][cfg.warmup:])
+             if ref in losses else None)
     t_step = median(step_s[cfg.warmup:])
     tokens = cfg.batch_size * cfg.seq_len
-    ctx = rank_context()
-    return {"system": name, "t_step_s": t_step, "tokens_per_s": tokens / t_step,
-            **_wire(cfg, dist.get_world_size(), ctx.link),
+    ctx, world = rank_context(), dist.get_world_size()
+    wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size) if cfg.model == "hf-llama"
+            else _wire(cfg, world, ctx.link))
+    sizes = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size")
+    model = {"name": cfg.model, **{k: getattr(cfg, k) for k in sizes}}
+    if cfg.model == "hf-llama":
+        model.update(n_kv_head=cfg.n_kv_head, ffn=tp_hf.ffn_width(cfg.n_embd),
+                     vocab=tp_hf.padded_vocab(vocab_size), plan=cfg.hf_plan)
+    return {"system": name, "part": cfg.model, "t_step_s": t_step,
+            "tokens_per_s": tokens / t_step, **wire,
             "max_loss_diff": diff, "loss_diff_vs": ref if diff is not None else None,
-            "compare_steps": n, "losses": losses[name], "step_times_s": step_s,
-            "tokens_per_step": tokens, "world_size": dist.get_world_size(),
-            "model": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "seq_len",
-                                                   "batch_size")},
-            "microbatches": cfg.microbatches if name == "plait" else 1,
+            "compare_steps": n, "max_loss_diff_timed": timed,
+            "losses": losses[name], "step_times_s": step_s,
+            "tokens_per_step": tokens, "world_size": world, "model": model,
+            "microbatches": cfg.microbatches if name == "plait" and cfg.model == "gpt" else 1,
             "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
-            "note": NOTES[name], "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
+            "note": (tp_hf.NOTES if cfg.model == "hf-llama" else NOTES)[name],
+            "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
 
 
 def _wire(cfg: TPBenchConfig, world: int, link: str) -> dict:
@@ -272,13 +333,13 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
     # DeviceMesh's own, if it made one, as well as plait's): runtime.priority
     raise_comm_threads()
     run = _train_interleaved(cfg, built, batches)
-    records = [_record(name, cfg, run["losses"], agreed_max(run["times"][name]))
-               for name in cfg.systems]
+    records = [_record(name, cfg, run["losses"], agreed_max(run["times"][name]),
+                       corpus.vocab_size) for name in cfg.systems]
     paths = explain().splitlines()
     for r in records:
         if r["system"] == "plait":
             r["paths"] = paths
-    return _with_speedups(records, REFERENCE) + (_dlrm_records(cfg) if cfg.dlrm else [])
+    return _with_speedups(records, REFERENCE) + (_dlrm_records(cfg) if cfg.runs_dlrm else [])
 
 
 def _dlrm_records(cfg: TPBenchConfig) -> list[dict]:
@@ -325,6 +386,9 @@ def summarize_tp(records: list[dict]) -> dict:
         out["plait_speedup_vs_pytorch_tp"] = by["plait"]["speedup_vs_pytorch_tp"]
         out["max_loss_diff"] = by["plait"]["max_loss_diff"]
         out["losses_agree_1e-4"] = by["plait"]["max_loss_diff"] <= 1e-4
+        out["max_loss_diff_timed"] = max(by[s]["max_loss_diff_timed"] for s in by
+                                         if s != REFERENCE)
+        out["timed_losses_agree_1e-5"] = out["max_loss_diff_timed"] <= 1e-5
     if "plait-plain" in by and REFERENCE in by:
         out["plait_plain_speedup_vs_pytorch_tp"] = by["plait-plain"]["speedup_vs_pytorch_tp"]
     if "plait" in by and "plait-plain" in by:

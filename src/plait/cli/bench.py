@@ -10,7 +10,7 @@ from ..bench.collectives import (LINK_SHARE_OK, CollectiveBenchConfig, bench_col
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
 from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
 from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_over_seeds,
-                            plot_hetero, summarize_hetero)
+                            plot_hetero, ratio_cell, summarize_hetero)
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..runtime import parse_rate
 from .args import add_dataclass_args, dataclass_from_args
@@ -38,8 +38,9 @@ def register(subparsers) -> None:
          "fused and the physical limit max(compute, bytes over the busiest link ÷ its rate) "
          "per operator and shape; a fused time under the limit is flagged.")
     _add(which, "tp", TPBenchConfig, run_tp,
-         "plait's tensor parallelism against PyTorch's (DTensor) on a GPT",
-         "The same GPT, weights, batches and optimizer under plait (fused and plain) and "
+         "plait's tensor parallelism against PyTorch's (DTensor) on a GPT or a transformers Llama",
+         "The same model (plait's GPT, or --model hf-llama: a transformers Llama from a config), "
+         "weights, batches and optimizer under plait (fused and plain) and "
          "torch.distributed.tensor.parallel; median step time, tokens/s and the largest loss "
          "difference.")
     _add(which, "hetero", HeteroBenchConfig, run_hetero,
@@ -199,20 +200,30 @@ def _tp_rows(records: list[dict], key: str) -> list[list]:
              f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}"] for r in records]
 
 
+def _dense_title(r: dict) -> str:
+    m = r["model"]
+    if m.get("name") == "hf-llama":
+        return (f"transformers Llama {m['n_layer']}×{m['n_embd']} ({m['n_head']} heads, "
+                f"{m['n_kv_head']} KV heads, MLP {m['ffn']}, vocab {m['vocab']}, plan "
+                f"{m['plan']})")
+    return f"GPT {m['n_layer']}×{m['n_embd']} ({m['n_head']} heads)"
+
+
 def _print_tp(records: list[dict], ranks: int, cfg) -> None:
-    gpt = [r for r in records if r["part"] == "gpt"]
+    gpt = [r for r in records if r["part"] in ("gpt", "hf-llama")]
     emb = [r for r in records if r["part"] == "dlrm" and not r.get("skipped")]
     link = records[0]["link"] if records else ""
     caption = (f"median over {cfg.steps} timed steps after {cfg.warmup} warm-up, each step's time "
                "the slowest rank's; steps interleaved")
     if gpt:
         m, wire = gpt[0]["model"], gpt[0]["t_comm_link_s"]
+        gathers = (f" and an all-gather of {human_bytes(gpt[0]['allgather_bytes'])}"
+                   if gpt[0].get("allgather_bytes") else "")
         wire_note = (f"; its {gpt[0]['allreduce_per_step']} all-reduces of "
-                     f"{human_bytes(gpt[0]['allreduce_bytes'])} take ≥ {_ms(wire)} ms a step at "
-                     "the link rate" if wire else "")
-        print_table(f"tensor parallelism on {ranks} ranks ({link}): GPT {m['n_layer']}×"
-                    f"{m['n_embd']} ({m['n_head']} heads), batch {m['batch_size']}×{m['seq_len']}, "
-                    f"{gpt[0]['optimizer']}",
+                     f"{human_bytes(gpt[0]['allreduce_bytes'])}{gathers} take ≥ {_ms(wire)} ms "
+                     "a step at the link rate" if wire else "")
+        print_table(f"tensor parallelism on {ranks} ranks ({link}): {_dense_title(gpt[0])}, "
+                    f"batch {m['batch_size']}×{m['seq_len']}, {gpt[0]['optimizer']}",
                     ["system", "step (ms)", "tokens/s", "× pytorch-tp",
                      f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
                     _tp_rows(gpt, "speedup_vs_pytorch_tp"), caption=caption + wire_note)
@@ -235,7 +246,7 @@ def run_tp(args: argparse.Namespace) -> int:
     if args.plot:
         raise ValueError(f"--plot {args.plot}: bench tp draws no plot (its --json has every step)")
     check_outputs(args, "json")
-    total = cfg.total_steps * (2 if cfg.dlrm else 1)
+    total = cfg.total_steps * (2 if cfg.runs_dlrm else 1)
     with progress_bar("bench tp", total, enabled=not args.no_progress) as advance:
         records, where = bench_tp(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
                                   on_progress=lambda rank, p: rank == 0 and advance(
@@ -271,16 +282,19 @@ def run_hetero(args: argparse.Namespace) -> int:
 
     print_table(f"heterogeneity on {ranks} ranks ({records[0]['link'] if records else ''}), "
                 f"GPT {cfg.n_layer}×{cfg.n_embd}, {cfg.steps} steps, {cfg.seeds} seed(s)",
-                ["scenario", "policy", "step (ms)", "ideal", "no straggler", "× ideal",
+                ["scenario", "policy", "step (ms)", "ideal", "no straggler",
+                 "× ideal (per seed)",
                  "held-out loss", "held-out acc (spread)", "decisions"],
                 [[r["scenario"], r["policy"], ms(r, "t_step_s"), ms(r, "t_ideal_s"),
                   ms(r, "t_no_straggler_s"),
-                  f"{r['ratio_to_ideal']:.2f}" if "ratio_to_ideal" in r else "–",
+                  ratio_cell(r),
                   f"{r['heldout_loss']:.3f}",
                   f"{100 * r['heldout_acc']:.1f} % (±{50 * r['heldout_acc_spread']:.1f})",
                   f"{r['decisions']:.0f}"] for r in rows],
-                caption=f"median step time after {cfg.warmup} warm-up steps, slowest rank; held-"
-                        "out figures the mean over seeds (spread: half the range)", labels=2)
+                caption=f"median step time after {cfg.warmup} warm-up steps, slowest rank; a "
+                        "seed's runs interleaved step by step; × ideal: median over seeds, "
+                        "then each seed's; held-out figures the mean over seeds (spread: half "
+                        "the range)", labels=2)
     summary = summarize_hetero(records, cfg)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
