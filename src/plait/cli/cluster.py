@@ -19,6 +19,7 @@ import sys
 import time
 
 from ..runtime import EmulatedCluster
+from ..runtime.cgroup import cpu_controller, join_cgroup, plait_cgroups, remove_cgroup
 from ..runtime.cluster import NETNS_PREFIX, _netns_names, remove_stale_namespaces
 from ..runtime.leftovers import NETNS_OWNED, owner_alive, remove_leftovers
 from .common import add_launch_args, port_number, resolve_placement
@@ -36,12 +37,14 @@ def register(subparsers) -> None:
                      help="make a rank FACTOR× slower at compute (read by plait's layers)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS…]")
     run.set_defaults(func=_run)
-    status = which.add_parser("status", help="list namespaces plait made that still exist")
+    status = which.add_parser("status", help="list namespaces and CPU-budget cgroups plait "
+                                             "made that still exist")
     status.set_defaults(func=_status)
     clean = which.add_parser("clean", help="remove what plait runs that are gone left behind "
-                                           "(namespaces, launch folders)")
+                                           "(namespaces, cgroups, launch folders)")
     clean.add_argument("--all", action="store_true",
-                       help="every plait namespace, a running plait's too (which breaks it)")
+                       help="every plait namespace and cgroup, a running plait's too (which "
+                            "breaks it)")
     clean.set_defaults(func=_clean)
 
 
@@ -49,14 +52,24 @@ def _set_pdeathsig() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
+def _rank_setup(cgroup: str | None):
+    """preexec_fn of a rank: into its host's CPU budget (if any), and die with the launcher."""
+    def setup() -> None:
+        if cgroup is not None:
+            join_cgroup(cgroup)
+        _set_pdeathsig()
+    return setup
+
+
 def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                    port: int = 29500, timeout_s: float | None = None, slow: str = "",
-                   deadline_s: float | None = None) -> int:
+                   deadline_s: float | None = None, host_cpu=None) -> int:
     """Run ``cmd`` on every rank; returns 0, or the first failing rank's exit status in the
-    shell's convention (128 + N for a rank ended by signal N; 124 past ``deadline_s``)."""
+    shell's convention (128 + N for a rank ended by signal N; 124 past ``deadline_s``).
+    ``host_cpu``: each host's CPU budget in cores (EmulatedCluster's ``cpu``)."""
     if not cmd:
         raise ValueError("no command given; write: plait cluster run --hosts 2 -- python train.py")
-    with EmulatedCluster(hosts=max(hosts, 1), link=link) as cluster:
+    with EmulatedCluster(hosts=max(hosts, 1), link=link, cpu=host_cpu) as cluster:
         print(f"plait: {cluster.describe()}", flush=True)
         procs, where = [], []
         try:
@@ -72,7 +85,8 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                 if timeout_s:
                     env["PLAIT_TIMEOUT_S"] = str(timeout_s)
                 prefix = ["ip", "netns", "exec", host.netns] if host.netns else []
-                procs.append(subprocess.Popen(prefix + cmd, env=env, preexec_fn=_set_pdeathsig))
+                procs.append(subprocess.Popen(prefix + cmd, env=env,
+                                              preexec_fn=_rank_setup(host.cgroup)))
                 where.append(f"host {host.index} ({host.addr})" if host.netns else "loopback")
             return _wait_all(procs, where, deadline_s)
         finally:
@@ -110,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return run_on_cluster(cmd, ranks=ranks, hosts=hosts, link=link, port=args.port,
                           timeout_s=args.timeout, slow=",".join(args.slow),
-                          deadline_s=args.deadline or None)
+                          deadline_s=args.deadline or None, host_cpu=args.host_cpu_budgets)
 
 
 def _owner(name: str) -> str:
@@ -124,6 +138,10 @@ def _owner(name: str) -> str:
 def _status(args: argparse.Namespace) -> int:
     names = [n for n in _netns_names() if n.startswith(NETNS_PREFIX)]
     print("\n".join(f"{n}  ({_owner(n)})" for n in names) if names else "no plait namespaces")
+    controller = cpu_controller()
+    groups = plait_cgroups(controller)
+    if groups:
+        print("\n".join(f"cgroup {controller.root}/{n}  ({_owner(n)})" for n in groups))
     return 0
 
 
@@ -131,8 +149,13 @@ def _clean(args: argparse.Namespace) -> int:
     """What dead runs left; with --all, every plait namespace (a live run's too: it breaks)."""
     if args.all:
         removed = remove_stale_namespaces()
+        controller = cpu_controller()
+        for name in plait_cgroups(controller):
+            remove_cgroup(f"{controller.root}/{name}")
+            removed.append(f"{controller.root}/{name}")
     else:
-        removed = [r.split(" ", 2)[-1] for r in remove_leftovers()]
+        removed = [r.removeprefix("network namespace ").split(" ", 1)[-1]
+                   for r in remove_leftovers()]
     print(f"removed {len(removed)}" + (f": {', '.join(removed)}" if removed else "")
           + ("" if args.all else " (what plait runs that are gone left; --all also removes "
                                  "a running one's)"))

@@ -9,7 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..bench.placement import HOST_CPU_ENV
 from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
+from ..runtime.cgroup import parse_budgets, parse_host_cpu
 
 __all__ = ["add_launch_args", "add_output_args", "resolve_placement", "finite_float",
            "positive_int", "non_negative_int", "positive_float", "non_negative_float",
@@ -74,6 +76,10 @@ def add_launch_args(parser: argparse.ArgumentParser, ranks: int = 2,
     group.add_argument("--link", default=None,
                        help="each host's link rate, shaped with tc tbf, e.g. 100mbit, 1gbit "
                             "(default 1gbit when --hosts is given)")
+    group.add_argument("--host-cpu", default=None, metavar="CORES[,CORES…]",
+                       help="each host's CPU budget in cores, enforced by the kernel (cgroup "
+                            "cpu quota), e.g. 1,0.5: host 1 gets half a core; one number for "
+                            "every host (needs --hosts; default: no budget)")
     group.add_argument("--timeout", type=positive_float, default=None,
                        help="seconds before any collective gives up (default 60)")
     group.add_argument("--deadline", type=non_negative_float, default=deadline_s, metavar="SECONDS",
@@ -113,7 +119,25 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
     if getattr(args, "slow", None):
         args.slow_specs = [parse_slow(s) for s in args.slow]
         validate_slow(args.slow_specs, ranks)
+    args.host_cpu_budgets = _host_cpu(getattr(args, "host_cpu", None), hosts)
     return ranks, hosts, link
+
+
+def _host_cpu(text: str | None, hosts: int) -> list[float] | None:
+    """--host-cpu as cores per host, or None; handed to bench.placement.run_placed through
+    PLAIT_HOST_CPU (set, or cleared, on every call: one command's budget never leaks into
+    the next command run in the same process)."""
+    os.environ.pop(HOST_CPU_ENV, None)
+    if text is None:
+        return None
+    if not hosts:
+        raise ValueError(f"--host-cpu {text} needs --hosts N: a CPU budget is per emulated host")
+    try:
+        budgets = parse_budgets(parse_host_cpu(text), hosts)
+    except ValueError as exc:
+        raise ValueError(f"--host-cpu {text}: {exc}") from None
+    os.environ[HOST_CPU_ENV] = ",".join(f"{b:g}" for b in budgets)
+    return budgets
 
 
 def check_writable(path: str | os.PathLike | None, flag: str, *,

@@ -10,6 +10,12 @@ CPU as compute (what loopback does).
 
 Without root or without iproute2 the cluster falls back to loopback and says
 so in one line; ``EmulatedCluster.emulated`` tells which one you got.
+
+``cpu=`` gives each host a CPU budget in cores (``[1, 0.5]``: host 1 has half
+a core), enforced by the kernel's cgroup ``cpu`` controller on the host's
+ranks and everything they start (:mod:`plait.runtime.cgroup`). None, the
+default, throttles nothing. A budget that cannot be enforced is an error,
+not a fallback: a benchmark that asked for a slow host must get one.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import subprocess
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
+from .cgroup import (CpuController, NoisyNeighbour, cpu_controller, cpu_support, make_cgroup,
+                     parse_budgets, quota_for, remove_cgroup)
 from .leftovers import remove_leftovers
 
 __all__ = [
@@ -99,6 +108,7 @@ class Host:
     netns: str | None  # None: the machine's own namespace (loopback)
     ifname: str
     addr: str
+    cgroup: str | None = None  # its CPU budget's cgroup (its ranks join it); None: no budget
 
 
 def _run(*cmd: str) -> None:
@@ -145,7 +155,7 @@ class EmulatedCluster:
     """
 
     def __init__(self, *, hosts: int, link: str | None = "1gbit", tag: str | None = None,
-                 require: bool = False):
+                 require: bool = False, cpu: float | Sequence[float] | None = None):
         if not isinstance(hosts, int) or hosts < 1:
             raise ValueError(f"hosts must be a positive integer, got {hosts!r}")
         if hosts > max_hosts():
@@ -159,9 +169,12 @@ class EmulatedCluster:
         # the maker's pid in every name: the next run removes what a dead one left (leftovers)
         self.tag = tag or f"{os.getpid()}x{uuid.uuid4().hex[:4]}"
         self.require = require
+        self.cpu = parse_budgets(cpu, hosts)  # cores per host, or None: no budget
         self.hosts: list[Host] = []
         self.fallback_reason: str | None = None
         self._made: list[str] = []
+        self._cgroups: list[str] = []
+        self._controller: CpuController | None = None
         self._sigterm_unwinds = False  # our handler is installed (see _unwind_on_sigterm)
 
     @property
@@ -173,14 +186,28 @@ class EmulatedCluster:
         return format_rate(self.bits_per_s) if self.emulated else "loopback"
 
     def describe(self) -> str:
+        budget = ""
+        if self.cpu:
+            version = self._controller.version if self._controller else "?"
+            budget = (f"; CPU budget {', '.join(f'{b:g}' for b in self.cpu)} cores per host "
+                      f"(cgroup v{version} cpu quota, {self._period_ms()} ms period)")
         if self.emulated:
             return (f"emulated cluster: {self.n_hosts} hosts in network namespaces, "
-                    f"links {format_rate(self.bits_per_s)} each way (tbf)")
-        return f"loopback (no emulated cluster: {self.fallback_reason})"
+                    f"links {format_rate(self.bits_per_s)} each way (tbf){budget}")
+        return f"loopback (no emulated cluster: {self.fallback_reason}){budget}"
+
+    def _period_ms(self) -> str:
+        periods = sorted({quota_for(b)[1] / 1000 for b in self.cpu or ()})
+        return "/".join(f"{p:g}" for p in periods)
 
     def up(self) -> "EmulatedCluster":
         if self.hosts:
             return self
+        if self.cpu:
+            self._controller = cpu_controller()
+            why_not = cpu_support(self._controller)
+            if why_not is not None:
+                raise RuntimeError(f"cannot give hosts a CPU budget: {why_not}")
         reason = cluster_support()
         if reason is None and self.bits_per_s is None:
             reason = "no link rate given"
@@ -188,20 +215,44 @@ class EmulatedCluster:
             if self.require:
                 raise RuntimeError(f"cannot make an emulated cluster: {reason}")
             self.fallback_reason = reason
-            self.hosts = [Host(i, None, "lo", "127.0.0.1") for i in range(self.n_hosts)]
             log.warning("plait: falling back to loopback: %s", reason)
-            return self
+            if not self.cpu:
+                self.hosts = [Host(i, None, "lo", "127.0.0.1") for i in range(self.n_hosts)]
+                return self
         atexit.register(self.down)
         self._unwind_on_sigterm()
         try:
-            self._build()
+            remove_leftovers()
+            if reason is None:
+                self._build()
+            else:
+                self.hosts = [Host(i, None, "lo", "127.0.0.1") for i in range(self.n_hosts)]
+            if self.cpu:
+                self._budget()
         except BaseException:
             self.down()
             raise
         return self
 
+    def _budget(self) -> None:
+        """One cgroup per host with its CPU budget; the hosts learn where it is."""
+        assert self._controller is not None and self.cpu is not None
+        for host, cores in zip(list(self.hosts), self.cpu):
+            name = f"{NETNS_PREFIX}{self.tag}-h{host.index}"
+            stale = os.path.join(self._controller.root, name)
+            if os.path.isdir(stale):  # a crashed run of the same tag
+                remove_cgroup(stale)
+            self._cgroups.append(make_cgroup(self._controller, name, cores))
+            self.hosts[host.index] = replace(host, cgroup=self._cgroups[-1])
+
+    def noisy_neighbour(self, host: int, processes: int = 1) -> NoisyNeighbour:
+        """A CPU-bound neighbour on ``host`` (inside its CPU budget), not yet started: call
+        ``start()`` partway through a run, ``stop()`` (or leave it to ``down()``) after."""
+        if not 0 <= host < len(self.hosts):
+            raise ValueError(f"no host {host}: the cluster has {len(self.hosts)} (is it up?)")
+        return NoisyNeighbour(self.hosts[host].cgroup, processes)
+
     def _build(self) -> None:
-        remove_leftovers()
         remove_stale_namespaces(self.tag)
         switch = f"{NETNS_PREFIX}{self.tag}-sw"
         _run("ip", "netns", "add", switch)
@@ -229,7 +280,17 @@ class EmulatedCluster:
             self.hosts.append(Host(i, ns, "eth0", addr))
 
     def down(self) -> None:
-        """Remove every namespace (and with them every veth, bridge and qdisc). Idempotent."""
+        """Remove every namespace (and with them every veth, bridge and qdisc) and every CPU
+        budget's cgroup (stopping what still runs in it, e.g. a noisy neighbour). Idempotent."""
+        for path in reversed(self._cgroups):
+            try:
+                stopped = remove_cgroup(path)
+            except OSError as exc:
+                log.warning("plait: could not remove cgroup %s: %s", path, exc)
+                continue
+            if stopped:
+                log.info("plait: stopped pids %s still in %s", stopped, path)
+        self._cgroups.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()

@@ -36,6 +36,7 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
+from .cgroup import join_cgroup
 from .cluster import EmulatedCluster, Host
 from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
@@ -73,6 +74,8 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
                conn) -> None:
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     try:
+        if host.cgroup is not None:  # the host's CPU budget, before any of fn's work
+            join_cgroup(host.cgroup)
         os.environ.update(env)
         # every rank of a launch shares this machine's cores, whatever host it emulates
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

@@ -2,10 +2,12 @@
 
 Everything plait makes on the machine carries its maker's pid in its name:
 network namespaces ``plait-<pid>x<hex>-h0`` (and their bridge and veths, which go
-with them) and launch folders ``plait-launch-<pid>-…`` in the temporary
-directory. When the next run starts it removes those whose maker is no longer
-running, and says so. Anything whose maker still runs is left alone (another
-plait run on the same machine), and so is anything named otherwise.
+with them), the hosts' CPU-budget cgroups of the same names (runtime.cgroup; what
+still runs in one is stopped, as the host it emulated is gone) and launch folders
+``plait-launch-<pid>-…`` in the temporary directory. When the next run starts it
+removes those whose maker is no longer running, and says so. Anything whose maker
+still runs is left alone (another plait run on the same machine), and so is anything
+named otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+
+from .cgroup import cpu_controller, plait_cgroups, remove_cgroup
 
 __all__ = ["LAUNCH_DIR_PREFIX", "owner_alive", "remove_leftovers"]
 
@@ -52,6 +56,14 @@ def _stale_namespaces() -> list[str]:
     return [n for n in names if _dead_owner(n, NETNS_OWNED) is not None]
 
 
+def _stale_cgroups() -> list[str]:
+    controller = cpu_controller()
+    if controller is None or os.geteuid() != 0:
+        return []
+    return [os.path.join(controller.root, n) for n in plait_cgroups(controller)
+            if _dead_owner(n, NETNS_OWNED) is not None]
+
+
 def _stale_launch_dirs() -> list[str]:
     root = tempfile.gettempdir()
     try:
@@ -68,6 +80,15 @@ def remove_leftovers() -> list[str]:
     for name in _stale_namespaces():
         if subprocess.run(["ip", "netns", "del", name], capture_output=True).returncode == 0:
             removed.append(f"network namespace {name}")
+    for path in _stale_cgroups():
+        try:
+            stopped = remove_cgroup(path)
+        except OSError as exc:
+            log.warning("plait: could not remove cgroup %s: %s", path, exc)
+            continue
+        removed.append(f"cgroup {path}")
+        if stopped:
+            log.warning("plait: stopped pids %s, still running in %s", stopped, path)
     for path in _stale_launch_dirs():
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
