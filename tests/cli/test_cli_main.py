@@ -109,13 +109,24 @@ def test_tables_fold_labels_never_figures(width):
     rows = [["unfused", "migrate", *figures], ["fused", "semi", *figures[:-1], "[red]62.4%[/red]"]]
     buf = io.StringIO()
     print_table("16384 x H100, llama3-70b", columns, rows, caption="simulated", labels=2,
-                to=Console(file=buf, width=width))
+                to=Console(file=buf, width=width, force_terminal=True, color_system=None))
     text = buf.getvalue()
     assert "…" not in text and all(f in text for f in figures + ["62.4%"]), text
     # too narrow even for the figures: wider than the terminal (which wraps), never cropped
     assert all(len(line) <= max(width, 70) for line in text.splitlines()), text
     if width >= 80:
         assert "unfused" in text and "migrate" in text  # room enough: labels stay whole
+
+
+def test_piped_tables_keep_their_labels_whole():
+    """Piped (a log): no terminal wraps, so the table is as wide as it needs, labels whole
+    (bench ops' log folded 'matmul_all_reduce' into 'matm/ul_a/ll_r/educ/e')."""
+    columns = ["op", "shape", *(f"figure {i}" for i in range(12))]
+    rows = [["matmul_all_reduce", "1024×1024×1024", *(f"{i}.25" for i in range(12))]]
+    buf = io.StringIO()
+    print_table("wide", columns, rows, labels=2, to=Console(file=buf, width=80))
+    text = buf.getvalue()
+    assert "matmul_all_reduce" in text and "1024×1024×1024" in text, text
 
 
 def _main(monkeypatch, capsys, argv, error):

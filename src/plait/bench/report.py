@@ -77,7 +77,10 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     """Print a table whose figures are never cut: in a terminal too narrow even for the
     figures alone, it is printed wider than the terminal (which then wraps its lines)."""
     to = to or console
-    table, need = make_table(title, columns, rows, caption, labels, width=to.width)
+    # piped (a log, `| tee`): no terminal wraps the lines, so the table takes the width it
+    # needs whole, rather than folding its labels into four-letter pieces
+    fit = to.width if to.is_terminal else max(to.width, 10_000)
+    table, need = make_table(title, columns, rows, caption, labels, width=fit)
     width = to.width
     try:
         to.width = max(width, need)  # rich would crop at its width: widen it for this table
