@@ -7,6 +7,10 @@ the DLRM splits its batch inside), so every rank computes the same loss.
 AdamW with a short warm-up and cosine decay; no gradient clipping (a norm
 over sharded gradients would need its own all-reduce).
 
+The transformers models (``hf-llama``, ``hf-mixtral``; :mod:`plait.train_hf`) are
+made parallel by ``plait.parallelize(model, plan="auto")`` instead, and train on the
+GPT's data with the GPT's loss.
+
 Building blocks for benchmarks: ``build_gpt(cfg, group)`` (a plait-TP GPT or
 MoE-GPT), ``train_steps(...)`` (N steps → per-step times and losses),
 ``evaluate_gpt`` / ``evaluate_dlrm`` (held-out loss and accuracy).
@@ -28,35 +32,44 @@ from .models import DLRM, GPT, DLRMConfig, GPTConfig
 from .nn import apply_tp
 from .ops import explain
 from .plan import ShardPlan
+from .train_hf import (HF_MODELS, HF_PLAN_KINDS, build_hf, check_hf_plans, check_hf_sizes,
+                       hf_logits_loss, hf_loss, require_transformers)
 
-__all__ = ["TrainConfig", "build_gpt", "build_dlrm", "train_steps", "gpt_loss", "dlrm_loss",
-           "evaluate_gpt", "evaluate_dlrm", "train_rank", "train"]
+__all__ = ["TrainConfig", "build_gpt", "build_dlrm", "build_hf", "train_steps", "gpt_loss",
+           "dlrm_loss", "hf_loss", "evaluate_gpt", "evaluate_dlrm", "train_rank", "train"]
 
-MODELS = ("gpt", "moe", "dlrm")
+MODELS = ("gpt", "moe", "dlrm", *HF_MODELS)
 # what an unset flag means, per model: tiny enough to train here in about a minute
 PRESETS = {
-    "gpt": dict(steps=400, batch_size=16, lr=3e-3),
-    "moe": dict(steps=400, batch_size=16, lr=3e-3),
-    "dlrm": dict(steps=600, batch_size=256, lr=1e-2),
+    "gpt": dict(steps=400, batch_size=16, lr=3e-3, n_head=4),
+    "moe": dict(steps=400, batch_size=16, lr=3e-3, n_head=4),
+    "dlrm": dict(steps=600, batch_size=256, lr=1e-2, n_head=4),
+    "hf-llama": dict(steps=300, batch_size=16, lr=3e-3, n_head=8, kv_heads=2),
+    "hf-mixtral": dict(steps=300, batch_size=16, lr=3e-3, n_head=8, kv_heads=2),
 }
 
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    model: str = field(default="gpt", metadata=_h("gpt, moe (a GPT whose MLPs are MoE) or dlrm"))
+    model: str = field(default="gpt", metadata=_h(
+        "gpt, moe (a GPT whose MLPs are MoE), dlrm, or a transformers model built from a "
+        "config: hf-llama (grouped-query attention), hf-mixtral (its MLPs are experts)"))
     steps: int | None = field(default=None, metadata=_h("optimizer steps (default 400 for the "
-                                                        "GPTs, 600 for dlrm)"))
-    batch_size: int | None = field(default=None, metadata=_h("sequences (GPT) or samples (DLRM) "
-                                                             "per step (default 16 / 256)"))
+                                                        "GPTs, 300 for hf-*, 600 for dlrm)"))
+    batch_size: int | None = field(default=None, metadata=_h("sequences (GPT, hf-*) or samples "
+                                                             "(DLRM) per step (default 16 / 256)"))
     lr: float | None = field(default=None, metadata=_h("peak learning rate of AdamW (default 3e-3 "
-                                                       "for the GPTs, 1e-2 for dlrm)"))
-    seq_len: int = field(default=64, metadata=_h("GPT: characters per sequence"))
-    n_layer: int = field(default=2, metadata=_h("GPT: transformer blocks"))
-    n_head: int = field(default=4, metadata=_h("GPT: attention heads"))
-    n_embd: int = field(default=128, metadata=_h("GPT: model width"))
-    n_experts: int = field(default=4, metadata=_h("moe: experts per MoE layer"))
-    top_k: int = field(default=2, metadata=_h("moe: experts per token"))
+                                                       "for the GPTs and hf-*, 1e-2 for dlrm)"))
+    seq_len: int = field(default=64, metadata=_h("GPT, hf-*: characters per sequence"))
+    n_layer: int = field(default=2, metadata=_h("GPT, hf-*: transformer blocks"))
+    n_head: int | None = field(default=None, metadata=_h(
+        "GPT, hf-*: attention (query) heads (default 4; 8 for hf-*)"))
+    kv_heads: int | None = field(default=None, metadata=_h(
+        "hf-*: key/value heads, each read by n_head / kv_heads query heads (default 2)"))
+    n_embd: int = field(default=128, metadata=_h("GPT, hf-*: model width"))
+    n_experts: int = field(default=4, metadata=_h("moe, hf-mixtral: experts per MoE layer"))
+    top_k: int = field(default=2, metadata=_h("moe, hf-mixtral: experts per token"))
     overlap: bool = field(default=True, metadata=_h("fused compute–collective operators "
                                                     "(--no-overlap: the plain path)"))
     sequence_parallel: bool = field(default=False, metadata=_h("GPT: sequence-parallel "
@@ -67,7 +80,7 @@ class TrainConfig:
         "all-reduces on the wire while the next computes (fused, not sequence-parallel)"))
     plans: tuple[str, ...] = field(default=(), metadata=_h(
         "uneven partition plans, KIND=A:B:…, e.g. heads=3:1,mlp=320:192 (kinds: heads, mlp, "
-        "experts, seq, tables, batch)"))
+        "experts, seq, tables, batch; hf-*: heads count KV-head groups)"))
     eval_batches: int = field(default=8, metadata=_h("held-out batches evaluated at the end"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
@@ -75,21 +88,27 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        hf = self.model in HF_MODELS
+        if self.kv_heads is not None and not hf:
+            raise ValueError(f"--kv-heads applies to --model {' and '.join(HF_MODELS)}, not to "
+                             f"{self.model}")
         for key, value in PRESETS[self.model].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
         for name in ("steps", "batch_size", "seq_len", "n_layer", "n_head", "n_embd",
-                     "n_experts", "top_k"):
+                     "n_experts", "top_k") + (("kv_heads",) if hf else ()):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.eval_batches < 0:
             raise ValueError(f"--eval-batches must be 0 or more, got {self.eval_batches}")
         if self.chunks != "auto" and not (str(self.chunks).isdigit() and int(self.chunks) >= 1):
             raise ValueError(f"--chunks must be 'auto' or a positive number, got {self.chunks!r}")
-        if self.sequence_parallel and self.model == "dlrm":
-            raise ValueError("--sequence-parallel applies to the GPT models, not to dlrm")
+        if self.sequence_parallel and self.model not in ("gpt", "moe"):
+            raise ValueError(f"--sequence-parallel applies to the GPT models (gpt, moe), not "
+                             f"to {self.model}")
         if self.microbatches < 1:
             raise ValueError(f"--microbatches must be positive, got {self.microbatches}")
         if self.microbatches > 1 and (self.model != "gpt" or self.sequence_parallel
@@ -97,6 +116,9 @@ class TrainConfig:
             raise ValueError(f"--microbatches {self.microbatches} applies to --model gpt, fused "
                              "(not --no-overlap) and not --sequence-parallel")
         self.shard_plans()  # refuse a malformed --plans now
+        if hf:
+            check_hf_sizes(self)
+            require_transformers(self.model)
 
     @property
     def chunk_count(self):
@@ -114,7 +136,17 @@ class TrainConfig:
         return plans
 
     def check_plans(self, world: int) -> None:
-        """Refuse, before anything starts, a plan that does not fit the model on ``world`` ranks."""
+        """Refuse, before anything starts, a plan that does not fit the model on ``world``
+        ranks."""
+        if self.model in HF_MODELS:
+            allowed = HF_PLAN_KINDS[self.model]
+            plans = self.shard_plans()
+            for kind in plans:
+                if kind not in allowed:
+                    raise ValueError(f"--plans {kind}=… does not apply to --model {self.model} "
+                                     f"(it takes {', '.join(allowed)})")
+            check_hf_plans(self, plans, world)
+            return
         gpt = self.gpt_config(97)
         dims = {"heads": (gpt.n_head, "heads"), "mlp": (gpt.mlp_ratio * gpt.n_embd, "columns"),
                 "experts": (self.n_experts, "experts"), "seq": (self.seq_len, "positions"),
@@ -211,13 +243,15 @@ def dlrm_loss(model, batch) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_gpt(model, corpus: CharCorpus, cfg: TrainConfig) -> dict:
-    """Held-out cross-entropy and next-token accuracy over ``cfg.eval_batches`` fixed batches."""
+    """Held-out cross-entropy and next-token accuracy over ``cfg.eval_batches`` fixed batches
+    (of plait's GPTs, or of the transformers model when ``cfg.model`` is ``hf-*``)."""
+    forward = hf_logits_loss if cfg.model in HF_MODELS else (lambda m, x, y: m(x, y))
     model.eval()
     gen = torch.Generator().manual_seed(10_000 + cfg.seed)
     losses, correct, total = [], 0, 0
     for _ in range(cfg.eval_batches):
         x, y = corpus.batch("heldout", cfg.batch_size, cfg.seq_len, gen)
-        logits, loss = model(x, y)
+        logits, loss = forward(model, x, y)
         losses.append(loss.item())
         correct += int((logits.argmax(-1) == y).sum())
         total += y.numel()
@@ -257,13 +291,15 @@ def train_rank(cfg: TrainConfig) -> dict:
         dlrm_cfg = DLRMConfig()
         model = build_dlrm(cfg, dlrm=dlrm_cfg)
         log = ClickLog(dlrm_cfg.table_sizes, dlrm_cfg.dense_features, seed=cfg.seed)
-        batches, loss_fn, unit = log.batches(cfg.batch_size, seed=cfg.seed + 1), dlrm_loss, "samples"
+        batches = log.batches(cfg.batch_size, seed=cfg.seed + 1)
+        loss_fn, unit = dlrm_loss, "samples"
         per_step = cfg.batch_size
     else:
         corpus = CharCorpus.load()
-        model = build_gpt(cfg, vocab_size=corpus.vocab_size)
+        build, loss_fn = (build_hf, hf_loss) if cfg.model in HF_MODELS else (build_gpt, gpt_loss)
+        model = build(cfg, vocab_size=corpus.vocab_size)
         batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
-        loss_fn, unit, per_step = gpt_loss, "tokens", cfg.batch_size * cfg.seq_len
+        unit, per_step = "tokens", cfg.batch_size * cfg.seq_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     def on_step(record: dict) -> None:
@@ -284,7 +320,7 @@ def train_rank(cfg: TrainConfig) -> dict:
     paths = explain() if dist.is_initialized() else "one process: no collectives"
     return {"records": history, "eval": final, "train_s": train_s, "unit": unit,
             "params_rank": params, "parallel": getattr(model, "_plait_parallel", ""),
-            "paths": paths.splitlines()}
+            "notes": list(getattr(model, "_plait_notes", ())), "paths": paths.splitlines()}
 
 
 def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None = None,

@@ -31,7 +31,8 @@ def write_train_report(result: dict, cfg, out: str | Path, where: str, wall_s: f
                "last_tenth_mean_loss": sum(losses[-head:]) / head,
                **result["eval"], "train_s": result["train_s"], "wall_s": wall_s,
                "unit": result["unit"], "params_per_rank": result["params_rank"],
-               "parallel": result["parallel"], "operator_paths": result["paths"], "where": where}
+               "parallel": result["parallel"], "parallel_notes": result.get("notes", []),
+               "operator_paths": result["paths"], "where": where}
     config = {k: v for k, v in asdict(cfg).items()}
     write_json(out / "log.json", records, {"command": "train", "config": config, "summary": summary})
     _plot(out / "loss.png", losses, result["eval"], cfg, where)

@@ -16,10 +16,13 @@ __all__ = ["register", "run_train"]
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="train a small GPT, MoE-GPT or DLRM with plait's parallel layers",
-        description="Trains on data that needs no download (stdlib source text for the GPTs, "
-                    "a synthetic Zipf click log for DLRM) and writes DIR/loss.png and "
-                    "DIR/log.json (every step; held-out loss and accuracy at the end).")
+        "train", help="train a small GPT, MoE-GPT, DLRM, or transformers Llama or Mixtral "
+                      "with plait's parallel layers",
+        description="Trains on data that needs no download (stdlib source text for the GPTs and "
+                    "the transformers models, a synthetic Zipf click log for DLRM) and writes "
+                    "DIR/loss.png and DIR/log.json (every step; held-out loss and accuracy at "
+                    "the end). hf-llama and hf-mixtral are built from a config (random weights, "
+                    "no download) and made parallel by plait.parallelize(model, plan='auto').")
     add_launch_args(parser)
     add_dataclass_args(parser, TrainConfig)
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@FROM[-UNTIL]]",
