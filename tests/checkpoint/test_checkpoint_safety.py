@@ -1,7 +1,7 @@
 """Nothing lost, nothing half-written: verified loads, failed saves, keep-K, async publish.
 
-On 2 ranks (one launch for the refusals, one for the failed saves and the asynchronous
-save, one in which a rank dies mid-write):
+On 2 ranks (one launch for the refusals, the failed saves and the asynchronous save; one
+in which a rank dies mid-write):
 
 - a flipped byte, a truncated file, a missing shard file, a missing manifest and a
   checkpoint of another model (MLP ratio 2 instead of 4) are refused with one line naming
@@ -78,8 +78,19 @@ def _refusals(root):
     return seen
 
 
-def test_a_bad_checkpoint_is_refused_on_every_rank_before_anything_changes(tmp_path):
-    ranks = run_ranks(_refusals, 2, str(tmp_path))
+def _two_rank_cases(root):
+    return {"refusals": _refusals(f"{root}/refusals"), "saves": _failed_saves(f"{root}/run")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank launch for the refusals and the failed and asynchronous saves."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    return root, run_ranks(_two_rank_cases, 2, str(root))
+
+
+def test_a_bad_checkpoint_is_refused_on_every_rank_before_anything_changes(two_ranks):
+    ranks = [r["refusals"] for r in two_ranks[1]]
     assert ranks[0] == ranks[1]  # the same line on every rank
     seen = ranks[0]
     want = {"flipped byte": ("__1_0.distcp", "checksum mismatch"),
@@ -138,9 +149,9 @@ class _nothing:
         return False
 
 
-def test_a_failed_save_keeps_the_previous_checkpoint_and_async_publishes_when_written(tmp_path):
-    root = tmp_path / "run"
-    ranks = run_ranks(_failed_saves, 2, str(root))
+def test_a_failed_save_keeps_the_previous_checkpoint_and_async_publishes_when_written(two_ranks):
+    root = two_ranks[0] / "run"
+    ranks = [r["saves"] for r in two_ranks[1]]
     out = ranks[0]
     for r in ranks:
         line = r["full disk"]

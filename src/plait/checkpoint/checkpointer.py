@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import store
@@ -35,6 +35,7 @@ from .layout import module_plans
 from .pieces import LoadPlanner, SavePlanner, Staged
 from .state import (apply, destinations, model_shapes, model_tensors, optimizer_index,
                     snapshot, unpack)
+from .writer import Writer
 
 __all__ = ["Checkpointer", "CheckpointError", "Loaded"]
 
@@ -165,7 +166,7 @@ class Checkpointer:
         tmp = store.tmp_dir(self.root, step)
         manifest = self._manifest(step, model, optimizer, rank_state is not None)
         state = snapshot(model, optimizer, extra_state, rank_state, self.rank)
-        writer = FileSystemWriter(tmp, thread_count=self.thread_count)
+        writer = Writer(tmp, thread_count=self.thread_count)
         if blocking:
             try:
                 with quiet(self.distributed):
