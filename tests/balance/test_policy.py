@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from plait.balance import (PolicyConfig, SemiPolicy, ema, imbalance, resize_fraction,
                            resize_fractions, static_plan)
+from plait.balance.speed import window_speed
 from plait.plan import ShardPlan
 
 speeds_st = st.lists(st.floats(0.05, 1.0), min_size=1, max_size=8)
@@ -236,3 +237,133 @@ def test_confirm_steps_lets_one_noisy_reading_pass():
     assert [(t, a.kind) for t, a in patient] == [(19, "resize")]
     with pytest.raises(ValueError, match="confirm_steps must be a positive integer"):
         PolicyConfig(confirm_steps=0)
+
+
+def _closed_loop(policy, true_speeds, every=2, window=5):
+    """``policy`` fed as ``Balancer`` feeds it: a ``SpeedMonitor`` model that takes one
+    reading per rank every ``every`` steps (the window's speed, work over time), reports the
+    trimmed mean of the last ``window`` readings (``window_speed``) with confidence
+    ``readings / window``, and drops its readings whenever an action is applied (the plan
+    changed). Returns the actions."""
+    readings, acts, since = [], [], []
+    for t, speeds in enumerate(true_speeds):
+        since.append(speeds)
+        if (t + 1) % every == 0:
+            readings.append([len(since) / sum(1 / w[r] for w in since)
+                             for r in range(len(speeds))])
+            readings, since = readings[-window:], []
+        seen = ([window_speed([r[i] for r in readings]) for i in range(len(speeds))]
+                if readings else [1.0] * len(speeds))
+        action = policy.step([s / max(seen) for s in seen], len(readings) / window)
+        if action.kind != "none":
+            acts.append((t, action))
+            readings, since = [], []
+    return acts
+
+
+def _jitter(world, steps, seed, dip=0.7, chance=0.15, noise=0.05):
+    """No straggler: 5 % noise, and now and then (``chance`` a step) one rank at random, never
+    the one of the step before, reads ``dip`` for a step: a shared machine's jitter."""
+    rng = random.Random(seed)
+    trace = _noisy([1.0] * world, steps, noise, seed)
+    last = None
+    for t in range(steps):
+        rank = rng.randrange(world) if rng.random() < chance else None
+        if rank is not None and rank != last:
+            trace[t][rank] *= dip
+        last = rank
+    return trace
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_semi_makes_no_decision_under_jitter_alone(world):
+    """Through the monitor's window (trimmed mean of 5 readings, every 2 steps) and
+    ``confirm_steps=3`` (what ``plait bench hetero`` runs): 10 seeds × 300 steps of jitter
+    without a persistent straggler (5 % noise; a tenth of the steps, one rank 0.7×), no
+    decision. (Not so with 0.5× dips in a tenth of the steps, 8 of 60 runs of 2 to 4 ranks
+    resized, nor 0.7× in a quarter, 5 of 60.) Each reading taken alone (a window of one)
+    and acted on at once (``confirm_steps=1``) resizes."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    for seed in range(10):
+        trace = _jitter(world, 300, seed, dip=0.7, chance=0.1)
+        assert _closed_loop(SemiPolicy(cfg, total=64 * world, world=world), trace) == [], seed
+    hasty = PolicyConfig(confirm_steps=1, spike_steps=12)
+    trace = _jitter(world, 300, 0, dip=0.7, chance=0.1)
+    assert _closed_loop(SemiPolicy(hasty, total=64 * world, world=world), trace, window=1)
+
+
+def test_semi_bridges_a_spike_by_resizing_and_undoes_it():
+    """A 3× spike for 8 steps (as ``plait bench hetero``'s ``spike``): resized while it lasts,
+    undone after it ends, never migrated."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    trace = _noisy([1.0, 1.0], 80, 0.03, 1)
+    for t in range(20, 28):
+        trace[t][1] /= 3.0
+    policy = SemiPolicy(cfg, total=64, world=2)
+    acts = _closed_loop(policy, trace)
+    assert [a.kind for _, a in acts] == ["resize", "undo"], acts
+    assert 20 <= acts[0][0] < 28 and acts[1][0] < 28 + 15, acts
+    assert policy.fractions is None and policy.plan == policy.even
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_semi_migrates_a_persistent_straggler_once_its_resizing_undone(world):
+    """A 2× straggler from step 10 to the end: resized (again as the window's reading
+    settles from 0.67 to 0.5, on 2 ranks), then one migration, which ends the resizing; and
+    nothing more: no resize on top of the migrated plan."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    trace = _noisy([1.0] * world, 150, 0.03, world)
+    for t in range(10, 150):
+        trace[t][world - 1] /= 2.0
+    policy = SemiPolicy(cfg, total=64 * world, world=world)
+    acts = _closed_loop(policy, trace)
+    kinds = [a.kind for _, a in acts]
+    assert kinds[-1] == "migrate" and set(kinds[:-1]) == {"resize"} and len(kinds) <= 3, acts
+    assert policy.fractions is None and policy.plan.sizes[-1] < policy.even.sizes[-1]
+
+
+def test_semi_migrates_only_once_it_repays_the_migrations_cost():
+    """A 1.3× straggler: the proportional plan [36, 28] saves 12.5 % of the dim's compute a
+    step. At a
+    cost of 0.25 steps a migration repays itself there and back (2 × 0.25) after 4 steps, so
+    it migrates at spike_steps (5); at 3.6 steps (a measured cost) it waits until the
+    imbalance has lasted 2 × 3.6 / 0.125 = 57.6 steps, resized meanwhile."""
+    trace = [[1.0, 1 / 1.3]] * 100
+    cheap = SemiPolicy(PolicyConfig(spike_steps=5, migrate_cost_steps=0.25), total=64, world=2)
+    assert [(t, a.kind) for t, a in _drive(cheap, trace)] == [(0, "resize"), (4, "migrate")]
+    dear = SemiPolicy(PolicyConfig(spike_steps=5), total=64, world=2)
+    dear.note_migration_cost(3.6)
+    acts = _drive(dear, trace)
+    assert [(t, a.kind) for t, a in acts] == [(0, "resize"), (57, "migrate")], acts
+    assert "58 steps × saving 0.12" in acts[1][1].reason
+    with pytest.raises(ValueError, match="finite number of steps"):
+        dear.note_migration_cost(float("nan"))
+
+
+def test_semi_waits_for_confidence_after_a_plan_change():
+    """Speeds read with confidence under min_confidence (0.5) are not acted on and start no
+    imbalance; one under way ages through them (the next reading says whether it is over)."""
+    policy = SemiPolicy(PolicyConfig(spike_steps=5, migrate_cost_steps=0.5), total=64, world=2)
+    slow = [1.0, 0.5]
+    assert [policy.step(slow, 1 / 3).kind for _ in range(10)] == ["none"] * 10
+    assert [policy.step(slow, 2 / 3).kind for _ in range(2)] == ["resize", "none"]
+    assert [policy.step(slow, 0.0).kind for _ in range(2)] == ["none", "none"]
+    assert policy.step(slow, 2 / 3).kind == "migrate"  # 5 steps old
+    with pytest.raises(ValueError, match="min_confidence"):
+        PolicyConfig(min_confidence=1.5)
+
+
+def test_semi_follows_a_straggler_that_moves_and_returns_to_even():
+    """Rank 1 2× slow for 60 steps, then rank 0 for 60, then neither: each slowdown is
+    bridged and migrated (the second plan the mirror of the first), and the plan returns to
+    even when it ends (the window's readings, part slow and part not, are bridged by a
+    resize while they settle, undone once they read balanced)."""
+    trace = [[1.0, 0.5]] * 60 + [[0.5, 1.0]] * 60 + [[1.0, 1.0]] * 40
+    policy = SemiPolicy(PolicyConfig(confirm_steps=3, spike_steps=12), total=64, world=2)
+    acts = _closed_loop(policy, trace)
+    kinds = [a.kind for _, a in acts]
+    plans = [a.plan.sizes for _, a in acts if a.kind == "migrate"]
+    assert plans == [(43, 21), (21, 43), (32, 32)], acts
+    assert kinds[:4] == ["resize", "migrate", "resize", "migrate"], acts
+    assert 60 <= acts[2][0] < 70 and acts[-1][0] >= 120 and acts[-1][1].kind == "migrate"
+    assert policy.fractions is None and policy.plan == policy.even

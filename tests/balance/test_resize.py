@@ -204,8 +204,9 @@ def _balanced_gpt(policies):
     for policy in policies:
         model = apply_tp(copy.deepcopy(ref), overlap=True, chunks=2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        balancer = Balancer(model, opt, None, PolicyConfig(name=policy, spike_steps=6),
-                            every=2, alpha=1.0, warmup=3)
+        balancer = Balancer(model, opt, None, PolicyConfig(name=policy, spike_steps=6,
+                                                           migrate_cost_steps=0.5),
+                            every=2, window=1, warmup=3)
         losses, slow = [], Straggler([SlowSpec(1, 2.0, until_step=SLOW_UNTIL)], dist.get_rank())
         rank_context().straggler = slow
         for step, (idx, targets) in enumerate(batches):
@@ -235,13 +236,17 @@ def _balanced_gpt(policies):
 def test_balancer_migrates_a_persistent_straggler_exactly():
     """2 ranks, rank 1 emulated 2× slower until step 9, timed by FLOPs, so when the balancer
     acts is known: the monitor's first exchange ends step 4 (3 warm-up steps, then every 2)
-    and reads speeds (1, 0.5); the exchange after step 10 reads (1, 1) (alpha 1: no
-    smoothing), and 5 balanced steps later, at step 14, the plan returns to even.
+    and reads speeds (1, 0.5); the exchange after step 10 reads (1, 1) (a window of one
+    reading), and 5 balanced steps later, at step 14, the plan returns to even. After each
+    decision the monitor restarts, and the policies wait a step for its next reading.
 
     ``migrate`` moves both dims (4 heads, 128 MLP columns) to the proportional plan at step 4
     and back to even at step 14, and every step's loss equals the single-process float64 GPT's
     to 1e-12 (exact migration, optimizer state included). ``semi`` resizes at step 4, migrates
-    once the imbalance has lasted spike_steps = 6 steps (step 9), returns to even at 14."""
+    once the imbalance has lasted spike_steps = 6 steps (step 9; at step 5 it waits for the
+    restarted monitor's reading, and the imbalance ages) and repays a migration there and
+    back at a cost of 0.5 steps (6 × 0.25 of the heads' compute saved, 6 × 0.33 of the
+    columns', each at least 2 × 0.5), and returns to even at 14."""
     from plait.balance import static_plan
 
     results = run_ranks(_balanced_gpt, 2, ("migrate", "semi"))
@@ -326,3 +331,32 @@ def _balancer_resizes_and_rotates():
     balancer.step(1)  # a refresh: the kept did not move since (score 0), the skipped keep theirs
     assert proj._kept.tolist() == fc._kept.tolist() and fc.keep == proj.keep == 0.5
     assert set(fc._kept.tolist()) == set(range(16)) - set(first)
+
+
+def test_hetero_rows_give_every_seeds_ratio_and_the_targets():
+    """Per (scenario, policy): the median ratio over seeds, each seed's in seed order, their
+    range; the summary's per-seed figures for issue 22's targets."""
+    from plait.bench.hetero import _targets, mean_over_seeds, ratio_cell
+
+    def rec(seed, scenario, policy, ratio, acc, decisions=0):
+        return {"seed": seed, "scenario": scenario, "policy": policy, "t_step_s": ratio,
+                "ratio_to_ideal": ratio, "heldout_loss": 2.0, "heldout_acc": acc,
+                "decisions": [{}] * decisions}
+
+    records = [rec(s, "none", "even", 1.0, 0.30) for s in (1, 0)]
+    records += [rec(1, "straggler-2x", "semi", 1.08, 0.29, 2),
+                rec(0, "straggler-2x", "semi", 1.02, 0.30, 2),
+                rec(0, "straggler-2x", "migrate", 1.00, 0.30, 1),
+                rec(1, "straggler-2x", "migrate", 1.10, 0.30, 1),
+                rec(0, "none", "semi", 1.0, 0.30), rec(1, "none", "semi", 1.01, 0.30, 1)]
+    rows = {(r["scenario"], r["policy"]): r for r in mean_over_seeds(records)}
+    semi = rows["straggler-2x", "semi"]
+    assert semi["ratio_per_seed"] == [1.02, 1.08]
+    assert semi["ratio_spread"] == pytest.approx(0.06)
+    assert ratio_cell(semi) == "1.05 (1.02 1.08)"
+    assert ratio_cell({"ratio_to_ideal": 1.0, "ratio_per_seed": [1.0]}) == "1.00"
+    out = _targets(rows, rows["none", "even"])
+    assert out["straggler-2x_semi_ratio_per_seed"] == [1.02, 1.08]
+    assert out["straggler-2x_semi_minus_migrate_per_seed"] == pytest.approx([0.02, -0.02])
+    assert out["none_semi_decisions_per_seed"] == [0, 1]
+    assert out["acc_loss_pp"]["straggler-2x/semi"] == pytest.approx(0.5)

@@ -60,6 +60,8 @@ def _monitor_on_one_rank():
         monitor.layer_speeds("x")
     with pytest.raises(ValueError, match="every must be a positive"):
         SpeedMonitor(every=0)
+    with pytest.raises(ValueError, match="window must be a positive"):
+        SpeedMonitor(window=0)
 
 
 _PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
@@ -109,7 +111,7 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
             kw = dict(plan=plan, overlap=overlap, chunks=2, seed=0)
             model = nn.Sequential(ColumnParallelLinear(64, 64, **kw),
                                   RowParallelLinear(64, 32, **kw))
-            monitor = SpeedMonitor(every=every, alpha=0.25)
+            monitor = SpeedMonitor(every=every, window=3)
             assert monitor.attach(model) == ["0", "1"]
             readings, sent = [], []
             with device:
@@ -128,17 +130,98 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
 def test_monitor_finds_the_slow_rank_whatever_its_share():
     """Rank 1 emulated 3× slower is found at speeds (1, 1/3) exactly, also when a 3:1 plan
     gives it a third of rank 0's work and so the same time (speeds count work); once it is
-    fast again its speed climbs as the EMA (alpha 0.25) says: 1/2, then 5/8. Every rank holds
-    the same figures, and the monitor sends one all-gather of 2 layers × (seconds, work)
-    float64 per 2 steps, nothing in between."""
+    fast again its speed is the median of the last 3 readings: 1/3 after one fast reading,
+    1 after two. Every rank holds the same figures, and the monitor sends one all-gather of
+    2 layers × (seconds, work) float64 per 2 steps, nothing in between."""
     results = run_ranks(_monitor_on_virtual_devices, 2, 2, 12, 8)
     assert results[0] == results[1]  # every rank holds the same figures
-    want = [1 / 3] * 4 + [1 / 2, 5 / 8]  # exchanges after steps 1, 3, 5, 7 (slow), 9, 11
+    want = [1 / 3] * 4 + [1 / 3, 1]  # exchanges after steps 1, 3, 5, 7 (slow), 9, 11
     for case, (readings, sent, shares) in results[0].items():
         assert shares == len(readings) == len(want), (case, shares)
         for (speeds, layer, stragglers), w in zip(readings, want):
             assert speeds[0] == 1.0 and layer[0] == 1.0, (case, speeds, layer)
             assert speeds[1] == pytest.approx(w, rel=1e-9), (case, speeds, w)
             assert layer[1] == pytest.approx(w, rel=1e-9), (case, layer, w)
-            assert stragglers == (1,), (case, stragglers)
+            assert stragglers == ((1,) if w < 1 else ()), (case, stragglers)
         assert sent == [[], [2 * 2 * 8]] * 6, (case, sent)
+
+
+class _StallClock(_FlopClock):
+    """The FLOP clock, where the next matrix product after ``arm(seconds)`` takes that much
+    longer: a preemption or page fault in the middle of the compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = 0.0
+
+    def arm(self, seconds):
+        self.armed = seconds
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.overloadpacket in _PRODUCTS:
+            self.now, self.armed = self.now + self.armed, 0.0
+        return out
+
+
+def _migrated_on_virtual_devices(steps):
+    """The last rank emulated 2× slower throughout, timed by FLOPs (at step 12 a stall of
+    0.1 s, 40-60 steps' compute, in rank 0's first product), an MLP (96 → 192 → 32 columns,
+    fused, 2 pieces) balanced by policy ``migrate`` through ``Balancer`` (every 2 steps,
+    window 5, no warm-up): after each exchange that no decision followed, (step, speeds,
+    confidence, the plan's sizes); the decisions (step, kind, sizes, reason)."""
+    from plait.balance import Balancer, PolicyConfig, speed
+    from plait.runtime import SlowSpec, Straggler, rank_context, straggler
+
+    world = dist.get_world_size()
+    device = _StallClock()
+    speed.compute_clock = straggler.compute_clock = device.clock  # in this rank's process only
+    slow = Straggler([SlowSpec(world - 1, 2.0)], dist.get_rank())
+    rank_context().straggler = slow
+    kw = dict(overlap=True, chunks=2)
+    model = nn.Sequential(ColumnParallelLinear(96, 192, seed=0, **kw),
+                          RowParallelLinear(192, 32, seed=1, **kw))
+    model._plait_dims = {"mlp": ("0", "1")}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    balancer = Balancer(model, opt, None, PolicyConfig(name="migrate"), every=2, warmup=0)
+    x = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
+    readings = []
+    for step in range(steps):
+        slow.set_step(step)
+        if step == 12 and dist.get_rank() == 0:
+            device.arm(0.1)
+        with device:
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        shares = balancer.monitor.shares
+        if not balancer.step(step) and balancer.monitor.shares > shares:
+            readings.append((step, balancer.monitor.speeds(), balancer.monitor.confidence(),
+                             model[0].plan.sizes))
+    return readings, [(d.step, d.kind, d.sizes, d.reason) for d in balancer.log]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_2x_straggler_reads_half_before_and_after_migration(world):
+    """The last rank 2× slower reads 0.5 (within 5 %) on 2 and 3 ranks before the balancer
+    migrates work away from it and after, on the new plan: speeds are per unit of work. The policy acts once the window of 5 readings is half full (step 5: readings
+    after steps 1, 3, 5); the readings taken under the old plan are dropped at the move, and
+    confidence climbs again from 1/5. A stall of 40-60 steps' compute on rank 0 in one reading
+    does not move the trimmed mean (a plain mean of the window reads rank 0 as the
+    straggler)."""
+    results = run_ranks(_migrated_on_virtual_devices, world, 24)
+    assert all(r == results[0] for r in results)  # every rank holds the same figures
+    readings, decisions = results[0]
+    even = ShardPlan.even(192, world).sizes
+    assert [(s, k) for s, k, *_ in decisions] == [(5, "migrate")], decisions
+    moved, reason = decisions[0][2:]
+    assert moved[-1] < even[-1] and sum(moved) == 192, moved
+    seen = ", ".join(["1.00"] * (world - 1) + ["0.50"])
+    assert f"speeds [{seen}]" in reason, reason
+    want = [1.0] * (world - 1) + [0.5]
+    assert [(r[0], r[2]) for r in readings] == [(1, 0.2), (3, 0.4), (7, 0.2), (9, 0.4),
+                                                (11, 0.6), (13, 0.8)] + [
+        (s, 1.0) for s in range(15, 24, 2)], readings
+    for step, speeds, confidence, sizes in readings:
+        assert sizes == (even if step < 5 else moved), (step, sizes)
+        assert speeds == pytest.approx(want, rel=0.05), (step, speeds)

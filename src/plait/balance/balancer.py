@@ -3,8 +3,9 @@
 ``Balancer(model, optimizer, group, PolicyConfig(name="semi"))`` once after
 ``apply_tp``; ``balancer.step(step)`` after every optimizer step (every rank:
 it holds collectives). A dim is what one plan splits: the heads of a block's
-attention (QKV and output projection together), the columns of its MLP (fc and
-proj). Each dim has its own :class:`SemiPolicy` fed the group's shared speeds;
+attention (QKV and output projection together; with grouped-query attention its
+KV-head groups, a group being more features in q and o than in k and v), the columns of its
+MLP (fc and proj). Each dim has its own :class:`SemiPolicy` fed the group's shared speeds;
 its actions are applied at the step boundary:
 
 - ``resize``: every layer of the dim computes ``fractions[rank]`` of the
@@ -14,7 +15,10 @@ its actions are applied at the step boundary:
   optimizer state (``plait.balance.migrate``, exact); resizing ends;
 - ``undo``: resizing ends.
 
-The first ``warmup`` steps are not measured (first calls allocate and warm
+After every applied decision the speed monitor restarts (its readings were taken under the
+old plans) and the policies wait for new ones; a migration's cost (the slowest rank's seconds
+over the dim's compute per step) is what the dim's policy weighs the next one by. The first
+``warmup`` steps are not measured (first calls allocate and warm
 caches on some ranks more than others). Every decision and its reason is kept in ``log`` (rank 0 also logs it at INFO
 on ``plait.balance``). Every ``refresh`` steps the layers refresh the priority
 scores ZERO-resizing uses, and a resized dim chooses its features anew (so
@@ -69,7 +73,7 @@ class Balancer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  group=None, config: PolicyConfig | None = None, *, every: int = 2,
-                 alpha: float = 0.6, refresh: int = 200, warmup: int = 3):
+                 window: int = 5, refresh: int = 200, warmup: int = 3):
         if not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 1:
             raise ValueError(f"refresh must be a positive number of steps, got {refresh!r}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
@@ -86,7 +90,7 @@ class Balancer:
         modules = dict(model.named_modules())
         self.dims = {dim: [modules[name] for name in names] for dim, names in dims.items()}
         self.names = dict(dims)
-        self.monitor = SpeedMonitor(group, every=every, alpha=alpha)
+        self.monitor = SpeedMonitor(group, every=every, window=window)
         self.monitor.attach(model)
         self.rank, self.world = self.monitor.rank, self.monitor.world
         self.policies: dict[str, SemiPolicy] = {}
@@ -95,10 +99,12 @@ class Balancer:
             if len(plans) != 1:
                 raise ValueError(f"the layers of {dim} have different plans {plans}; one plan "
                                  "must split them together")
-            features = {(layer.features(), layer.unit) for layer in layers}
-            if len(features) != 1:
-                raise ValueError(f"the layers of {dim} split (features, unit) {sorted(features)}"
-                                 " on this rank; resizing skips the same features in each")
+            units = {layer.features() // layer.unit for layer in layers}
+            if len(units) != 1:  # e.g. grouped-query attention: q counts more per unit than k/v
+                shapes = sorted({(layer.features(), layer.unit) for layer in layers})
+                raise ValueError(f"the layers of {dim} split (features, unit) {shapes} on this "
+                                 "rank: different numbers of plan units; resizing skips the "
+                                 "same units (heads, KV-head groups) in each")
             policy = SemiPolicy(self.config, layers[0].plan.total, self.world)
             policy.plan = layers[0].plan  # start from the plan it was built with
             self.policies[dim] = policy
@@ -124,20 +130,24 @@ class Balancer:
                     _resize_dim(layers, layers[0].keep)  # skipped can return
         if self.config.name == "even":
             return []
-        speeds = self.monitor.speeds()
+        speeds, confidence = self.monitor.speeds(), self.monitor.confidence()
         done = []
         for dim, policy in self.policies.items():
-            action = policy.step(speeds)
+            action = policy.step(speeds, confidence)
             if action.kind != "none":
                 done.append(self._apply(step, dim, action))
+        if done:  # the readings so far were taken under the old plans
+            self.monitor.restart()
         return done
 
     def _apply(self, step: int, dim: str, action: Action) -> Decision:
         layers = self.dims[dim]
         report = None
         if action.kind == "migrate":
+            compute_s = self.monitor.step_seconds(self.names[dim])  # before the move
             report = migrate(self.model, self.optimizer,
                              {name: action.plan for name in self.names[dim]})
+            self._note_cost(dim, report.seconds, compute_s)
         _resize_dim(layers, action.fractions[self.rank] if action.kind == "resize" else 1.0)
         decision = Decision(step, dim, action.kind, action.reason, layers[0].plan.sizes,
                             action.fractions, report)
@@ -146,6 +156,21 @@ class Balancer:
             log.info("step %d %s: %s %s", step, dim, action.kind, action.reason)
         return decision
 
+    def _note_cost(self, dim: str, seconds: float, compute_s: float) -> None:
+        """The dim's policy learns what the migration cost, in steps of the dim's compute:
+        the slowest rank's seconds (one small all_reduce, so every rank holds the same
+        figure and keeps deciding alike)."""
+        cost = torch.tensor([seconds], dtype=torch.float64)
+        if self.world > 1:
+            device = "cpu"
+            if torch.distributed.get_backend(self.group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            cost = cost.to(device)
+            torch.distributed.all_reduce(cost, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.group)
+        if compute_s > 0:
+            self.policies[dim].note_migration_cost(float(cost) / compute_s)
+
     def state(self) -> dict:
         """What each dim looks like now: its plan and this rank's kept share."""
         return {dim: {"sizes": list(layers[0].plan.sizes), "keep": layers[0].keep}
@@ -153,10 +178,18 @@ class Balancer:
 
 
 def _resize_dim(layers, keep: float) -> None:
-    """Every layer of a dim keeps the same features: the top ``keep`` of whole units (heads)
-    by their summed priority (so the column-parallel layer skips what the row-parallel one
-    after it skips); 1 ends the resizing without scoring anything."""
-    kept = None if keep >= 1.0 else select_features(
-        sum(layer.priority() for layer in layers), keep, layers[0].unit)
+    """Every layer of a dim keeps the same plan units (heads; with grouped-query attention
+    whole KV-head groups, which are more features in q than in k and v): the top ``keep`` of
+    them by their priority summed over the layers (so the column-parallel layers skip what
+    the row-parallel one after them skips); 1 ends the resizing without scoring anything."""
+    if keep >= 1.0:
+        for layer in layers:
+            layer.resize(1.0)
+        return
+    score = sum(layer.priority().reshape(-1, layer.unit).sum(dim=1) for layer in layers)
+    units = select_features(score, keep, 1)  # [n] plan units on this rank, or None: all
     for layer in layers:
+        kept = None if units is None else (
+            units[:, None] * layer.unit + torch.arange(layer.unit, device=units.device)
+        ).reshape(-1)
         layer.resize(keep, kept=kept)

@@ -52,6 +52,11 @@ class PolicyConfig:
     """Steps of balance before resizing is undone or a migrated plan returns to even."""
     max_skip: float = 0.5
     """The largest fraction of its reduction dim a resized rank may skip (0 ≤ . < 1)."""
+    migrate_cost_steps: float = 1.0
+    """semi: what one migration costs, in steps of the dim's compute, until one is measured
+    (``SemiPolicy.note_migration_cost``)."""
+    min_confidence: float = 0.5
+    """Decide nothing on speeds whose confidence (``SpeedMonitor.confidence()``) is lower."""
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -63,6 +68,11 @@ class PolicyConfig:
         if not (1.0 < self.release < self.trigger and math.isfinite(self.trigger)):
             raise ValueError(f"need 1 < release < trigger for hysteresis, got release="
                              f"{self.release}, trigger={self.trigger}")
+        if not (self.migrate_cost_steps >= 0.0 and math.isfinite(self.migrate_cost_steps)):
+            raise ValueError(f"migrate_cost_steps must be a finite number of steps ≥ 0, got "
+                             f"{self.migrate_cost_steps}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
         if not 0.0 <= self.max_skip < 1.0:
             raise ValueError(f"max_skip must be in [0, 1) (a rank keeps some of its work), "
                              f"got {self.max_skip}")
@@ -148,20 +158,28 @@ def imbalance(speeds: Sequence[float], plan: ShardPlan | None = None,
 class SemiPolicy:
     """The balancer's state machine for one layer (one sharded dim of ``total`` units).
 
-    Call ``step(speeds)`` once per training step with the latest shared speeds;
-    apply the returned :class:`Action`. With ``name="semi"``: an imbalance at or
-    above ``trigger`` is bridged at once by resizing; if it lasts ``spike_steps``
-    it is migrated to a proportional plan (exact) and the resizing ends; once the
-    speeds are balanced (below ``release``) for ``settle_steps`` the resizing is
-    undone, or the plan returns to even. The other names use the parts they say.
+    Call ``step(speeds, confidence)`` once per training step with the latest shared speeds
+    and the monitor's confidence in them; apply the returned :class:`Action`. With
+    ``name="semi"``: an imbalance at or above ``trigger`` (for ``confirm_steps``) is bridged
+    by resizing; it is migrated to a proportional plan (exact; the resizing ends with it)
+    once it has lasted ``spike_steps`` and long enough to repay the migration: an imbalance
+    that has lasted ``a`` steps is expected to last about ``a`` more, so it migrates when
+    ``a · saving ≥ 2 · cost`` (``saving``: the share of the dim's step compute the new plan
+    saves over the current one; ``cost``: a migration, there and back, in steps of that
+    compute, measured by the caller through :meth:`note_migration_cost`). Once the speeds
+    are balanced (below ``release``) for ``settle_steps`` the resizing is undone, or the
+    plan returns to even. Readings under ``min_confidence`` (right after a plan change) are
+    not acted on; an imbalance under way ages through them. The other names use the parts
+    they say.
 
     Every plan remembers the speeds it was made for (its *basis*: equal speeds
     for the even plan). A plan in whole quanta cannot match its basis exactly, so
     the imbalance left on a migrated plan is not a new slowdown: only speeds that
     move away from the basis by ``trigger`` (``departure``) are resized or, if they
-    persist, migrated again. An imbalance that has already given back over half its height
-    (in log) is a spike ending, not persisting, and is not migrated however long the
-    monitor's smoothing stretches it; ``confirm_steps`` lets one noisy reading pass.
+    persist, migrated again; so one imbalance is never both migrated and resized on top.
+    An imbalance that has already given back over half its height (in log) is a spike
+    ending, not persisting, and is not migrated however long the monitor's window
+    stretches it.
     """
 
     def __init__(self, config: PolicyConfig, total: int, world: int):
@@ -176,12 +194,24 @@ class SemiPolicy:
         self.back_steps = 0  # consecutive steps the speeds were back at the plan's basis
         self.peak = self.departure = 1.0  # the departure at its height this episode, and now
         self.done_static = False
+        self.cost_steps = config.migrate_cost_steps  # one migration, in steps of compute
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
 
-    def step(self, speeds: Sequence[float]) -> Action:
+    def note_migration_cost(self, steps: float) -> None:
+        """A migration of this dim took ``steps`` steps of its compute (measured)."""
+        if not (steps >= 0.0 and math.isfinite(steps)):
+            raise ValueError(f"a migration's cost is a finite number of steps ≥ 0, got {steps}")
+        self.cost_steps = steps
+
+    def step(self, speeds: Sequence[float], confidence: float = 1.0) -> Action:
         speeds = check_speeds(speeds, self.world)
         cfg = self.config
+        if confidence < cfg.min_confidence:  # right after a plan change: wait for readings
+            self.steps += 1
+            if self.imbalanced_steps:  # one under way ages; the next reading says if it ended
+                self.imbalanced_steps += 1
+            return Action("none", f"confidence {confidence:.2f} < {cfg.min_confidence}")
         raw = imbalance(speeds)  # the speeds themselves, whatever the plan
         on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
         departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
@@ -219,9 +249,12 @@ class SemiPolicy:
                                      f"the even plan; {figures}", plan=self.even)
         out = moved and raw >= cfg.release and self.imbalanced_steps >= cfg.confirm_steps
         # a slowdown that has given back over half its height (in log) is a spike ending, not
-        # one that persists: the monitor's smoothing only makes it look long
+        # one that persists: the monitor's window only makes it look long
         receding = math.log(self.departure) < 0.5 * math.log(self.peak)
         persisted = name == "semi" and self.imbalanced_steps >= cfg.spike_steps and not receding
+        if out and persisted:
+            pays, why = self._pays(speeds)
+            persisted, figures = pays, f"{figures}; {why}"
         if out and (name == "migrate" or persisted):
             why = "persisted" if name == "semi" else "policy migrate"
             action = self._migrate(speeds, f"{why} ({self.imbalanced_steps} steps): {figures}")
@@ -229,12 +262,28 @@ class SemiPolicy:
                 return action
         if self.fractions is not None:
             current = imbalance(speeds, self.plan, self.fractions)
+            if current >= cfg.trigger and raw < cfg.release:  # the resizing is the imbalance
+                return Action("undo", f"balanced again, and the resizing leaves {current:.2f}:"
+                                      f" {figures}")
             if current >= cfg.trigger:
                 return self._resize(speeds, current, f"speeds moved under the resizing; {figures}")
         elif out and name in ("resize", "semi"):
             kind = "a spike" if name == "semi" else "a slowdown"
             return self._resize(speeds, on_plan, f"bridging {kind}; {figures}")
         return Action("none", figures)
+
+    def _pays(self, speeds) -> tuple[bool, str]:
+        """Whether migrating now repays its cost there and back, if the imbalance lasts as
+        long again as it has (see the class doc), and the figures that say so."""
+        def pace(plan):
+            return max(n / s for n, s in zip(plan.sizes, speeds))
+
+        target = static_plan(self.total, speeds, self.config.quantum)
+        saving = 1.0 - pace(target) / pace(self.plan)
+        gain = self.imbalanced_steps * saving
+        return gain >= 2.0 * self.cost_steps, (
+            f"{self.imbalanced_steps} steps × saving {saving:.2f} = {gain:.2f} steps vs "
+            f"2 × cost {self.cost_steps:.2f}")
 
     def _resize(self, speeds, current: float, reason: str) -> Action:
         """New fractions, if they beat the ``current`` imbalance by the hysteresis ratio (so a

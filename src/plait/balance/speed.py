@@ -1,4 +1,4 @@
-"""The speed monitor: each rank times its own compute in every layer, smooths it, shares it.
+"""The speed monitor: each rank times its own compute in every layer and shares a robust reading.
 
 A layer's compute region (``plait.nn._shard.compute_scope`` / ``straggled``,
 the same places the straggler emulation wraps) reports to the layer's
@@ -9,13 +9,17 @@ waiting for another rank's pieces is never counted as this rank's compute. (The
 sequence-parallel and MoE operators are still timed whole, their exposed wire
 included.)
 
-A rank's speed is the work it did (the weight elements it multiplied per forward: fewer
-while ZERO-resized)
-over the seconds it took, forward and backward. Counting work, not time, means
-a rank given fewer columns is not mistaken for a faster one, so a plan that
-moved work does not undo itself. Every ``every`` steps the group exchanges one
-small float64 vector per rank (``2 · layers`` figures) in one all_gather, and
-each rank folds the window into an EMA.
+A rank's speed is per unit of work: the weight elements it multiplied per forward (fewer
+while ZERO-resized, more or fewer after a migration) over the seconds it took, forward and
+backward; so a rank given fewer heads or columns is not mistaken for a faster one, and a
+plan that moved work does not undo itself. Every ``every`` steps the group exchanges one
+small float64 vector per rank (``2 · layers`` figures) in one all_gather; each exchange is
+one *reading* per rank. The speed is the median of the last ``window`` readings (one
+reading far off, a preemption or a page fault, does not move it), and ``confidence()`` is
+how full that window is. After a plan change the caller calls :meth:`restart`: the
+readings taken under the old plan are dropped (a real device's cost per unit is not quite
+constant in the share's size, so old readings are not in the new plan's units) and
+confidence starts again from 0.
 
 Clock: on a one-thread CPU rank, the thread's CPU time plus the straggler
 emulation's sleeps in the region (ranks sharing cores are otherwise measured
@@ -29,7 +33,9 @@ it includes waiting for a slower one; the last to arrive measures the exchange).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import NamedTuple, Sequence
 
 import torch
@@ -37,7 +43,8 @@ import torch.distributed as dist
 
 from ..runtime.straggler import compute_clock
 
-__all__ = ["SpeedMonitor", "LayerTimer", "ema", "relative_speeds", "flag_stragglers"]
+__all__ = ["SpeedMonitor", "LayerTimer", "ema", "relative_speeds", "flag_stragglers",
+           "window_speed"]
 
 
 def ema(previous: float | None, new: float, alpha: float) -> float:
@@ -45,6 +52,18 @@ def ema(previous: float | None, new: float, alpha: float) -> float:
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"EMA weight alpha must be in (0, 1], got {alpha}")
     return new if previous is None else alpha * new + (1.0 - alpha) * previous
+
+
+def window_speed(readings: Sequence[float]) -> float:
+    """A rank's readings, the highest and lowest left out (from 3 readings on), averaged:
+    one reading far off (a stall) does not move it, and a short dip that lands in two of
+    five readings moves it by its share (a median would take the dip's value). 0 when it
+    has none: no figure."""
+    if not readings:
+        return 0.0
+    ordered = sorted(readings)
+    kept = ordered[1:-1] if len(ordered) >= 3 else ordered
+    return statistics.fmean(kept)
 
 
 def relative_speeds(speeds: Sequence[float]) -> tuple[float, ...]:
@@ -111,18 +130,20 @@ class LayerTimer:
 
 
 class SpeedMonitor:
-    """Per-rank compute speed, smoothed and shared over ``group``.
+    """Per-rank compute speed per unit of work, a trimmed mean of a window of shared readings.
 
     ``attach(model)`` once; ``step()`` at the end of every training step (every
-    rank: every ``every``-th call is a collective); read ``speeds()``,
-    ``layer_speeds(name)`` and ``stragglers()``.
+    rank: every ``every``-th call is a collective); ``restart()`` (every rank) after the
+    plan changes; read ``speeds()``, ``layer_speeds(name)``, ``confidence()``,
+    ``stragglers()`` and ``step_seconds(keys)``.
     """
 
-    def __init__(self, group=None, *, every: int = 10, alpha: float = 0.5):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive number of steps, got {every!r}")
-        ema(None, 0.0, alpha)  # validates alpha
-        self.group, self.every, self.alpha = group, every, alpha
+    def __init__(self, group=None, *, every: int = 10, window: int = 5):
+        for name, value in (("every", every), ("window", window)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive number of "
+                                 f"{'steps' if name == 'every' else 'readings'}, got {value!r}")
+        self.group, self.every, self.window = group, every, window
         live = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if live else 1
         self.rank = dist.get_rank(group) if live else 0
@@ -130,9 +151,12 @@ class SpeedMonitor:
         self._seconds: dict[str, float] = {}
         self._work: dict[str, float] = {}
         self._pending: list = []
-        self._smoothed: dict[str, list[float | None]] = {}  # key (and "" for all) → per rank
+        self._readings: dict[str, list[deque]] = {}  # key ("" for all) → per rank, last window
+        self._last_s: dict[str, list[float]] = {}  # key → per rank, the last reading's seconds
+        self._window_steps = 0  # steps in the window being accumulated
         self.steps = 0
         self.shares = 0
+        self.restarts = 0
         self.overhead_s = 0.0
         self.compute_s = 0.0  # this rank's timed compute, all layers, since it was made
 
@@ -148,7 +172,7 @@ class SpeedMonitor:
         if key not in self._seconds:
             self.keys.append(key)
             self._seconds[key], self._work[key] = 0.0, 0.0
-            self._smoothed[key] = [None] * self.world
+            self._last_s[key] = [0.0] * self.world
         return LayerTimer(self, key)
 
     def _add(self, key: str, seconds: float, work: float) -> None:
@@ -157,22 +181,33 @@ class SpeedMonitor:
         self.compute_s += seconds
 
     def discard(self) -> None:
-        """Forget this window's figures (a warm-up step); no collective."""
+        """Forget the figures accumulated since the last exchange (a warm-up step, or the
+        old plan's steps); no collective."""
         self._resolve_pending()
         for key in self.keys:
             self._seconds[key], self._work[key] = 0.0, 0.0
+        self._window_steps = 0
+
+    def restart(self) -> None:
+        """The plan changed: drop every reading and what accumulated since the last exchange
+        (all ranks, at the same step; no collective). ``confidence()`` is 0 until new
+        readings come."""
+        self.discard()
+        self._readings.clear()
+        self.restarts += 1
 
     # --- the exchange ---------------------------------------------------------
     def step(self) -> bool:
         """End of a training step; every ``every``-th call shares (all ranks). True if it did."""
         self.steps += 1
+        self._window_steps += 1
         if self.steps % self.every:
             return False
         self.share()
         return True
 
     def share(self) -> None:
-        """Exchange this window's seconds and work (one all_gather) and fold them into the EMA."""
+        """Exchange this window's seconds and work (one all_gather), one reading per rank."""
         start = time.perf_counter()
         self._resolve_pending()
         self.shares += 1
@@ -181,9 +216,8 @@ class SpeedMonitor:
         local = torch.tensor([v for k in self.keys for v in (self._seconds[k], self._work[k])],
                              dtype=torch.float64)  # [2·L]
         table = self._gather(local).view(self.world, len(self.keys), 2)  # [p, L, (s, work)]
-        self._fold(table)
-        for key in self.keys:
-            self._seconds[key], self._work[key] = 0.0, 0.0
+        self._fold(table, max(self._window_steps, 1))
+        self.discard()
         self.overhead_s += time.perf_counter() - start
 
     def _resolve_pending(self) -> None:
@@ -203,26 +237,51 @@ class SpeedMonitor:
         dist.all_gather(parts, local.to(device), group=self.group)
         return torch.stack(parts).cpu()
 
-    def _fold(self, table: torch.Tensor) -> None:
+    def _fold(self, table: torch.Tensor, steps: int) -> None:
         rows = table.tolist()  # [p][L][2]
         for i, key in enumerate(self.keys + [""]):
             for r in range(self.world):
                 pairs = rows[r] if key == "" else [rows[r][i]]
                 seconds, work = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-                if seconds > 0 and work > 0:  # no figure this window: keep the last
-                    smoothed = self._smoothed.setdefault(key, [None] * self.world)
-                    smoothed[r] = ema(smoothed[r], work / seconds, self.alpha)
+                if key:
+                    self._last_s[key][r] = seconds / steps
+                if seconds > 0 and work > 0:  # no figure this window: keep the others
+                    ranks = self._readings.setdefault(
+                        key, [deque(maxlen=self.window) for _ in range(self.world)])
+                    ranks[r].append(work / seconds)
 
     # --- what it says ---------------------------------------------------------
+    def _speeds(self, key: str) -> tuple[float, ...]:
+        ranks = self._readings.get(key)
+        if ranks is None:
+            return (1.0,) * self.world
+        return relative_speeds([window_speed(list(q)) for q in ranks])
+
     def speeds(self) -> tuple[float, ...]:
-        """Every rank's smoothed speed over all layers, fastest = 1 (all 1 before any figure)."""
-        return relative_speeds([s or 0.0 for s in self._smoothed.get("", [None] * self.world)])
+        """Every rank's speed over all layers, fastest = 1 (all 1 before any reading)."""
+        return self._speeds("")
 
     def layer_speeds(self, key: str) -> tuple[float, ...]:
         """The same for one layer (its name in the model, as ``attach`` returned it)."""
         if key not in self._seconds:
             raise ValueError(f"no layer {key!r} is timed; timed: {self.keys}")
-        return relative_speeds([s or 0.0 for s in self._smoothed[key]])
+        return self._speeds(key)
+
+    def confidence(self) -> float:
+        """How full the window is, for the rank with fewest readings since the last
+        restart: 0 (nothing yet) to 1 (``window`` readings)."""
+        ranks = self._readings.get("")
+        if ranks is None:
+            return 0.0
+        return min(len(q) for q in ranks) / self.window
+
+    def step_seconds(self, keys: Sequence[str] | None = None) -> float:
+        """The slowest rank's compute per step in ``keys`` (all layers if None) over the last
+        reading (the same figure on every rank)."""
+        keys = self.keys if keys is None else keys
+        if not keys:
+            return 0.0
+        return max(sum(self._last_s[k][r] for k in keys) for r in range(self.world))
 
     def stragglers(self, threshold: float = 1.2) -> tuple[int, ...]:
         """Ranks at least ``threshold`` × slower than the fastest."""

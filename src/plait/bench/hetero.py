@@ -2,7 +2,8 @@
 
 Every rank trains the same small GPT (plait TP, fused operators) from the same
 seed on the same batches, once per (seed, scenario, policy), all in one
-launch. A scenario slows ranks through the runtime's straggler emulation (a
+launch; a seed's runs are interleaved step by step in balanced orders (see
+:func:`run_hetero`). A scenario slows ranks through the runtime's straggler emulation (a
 rank ``F`` × slower sleeps ``(F − 1)`` × each of its compute pieces):
 
 - ``none``: no straggler, the reference;
@@ -38,11 +39,12 @@ from ..balance.policy import POLICIES
 from ..data import CharCorpus
 from ..runtime import rank_context
 from ..runtime.straggler import SlowSpec, Straggler
-from ..runtime.timing import agreed_max
+from ..runtime.timing import agreed_max, balanced_round
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
 __all__ = ["HeteroBenchConfig", "SCENARIOS", "ideal_step", "QUICK_HETERO", "scenario_specs", "run_hetero",
-           "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun"]
+           "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun",
+           "ratio_cell"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike")
 QUICK_HETERO = dict(steps=50, seeds=1)
@@ -227,37 +229,57 @@ def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec]
 
 
 def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
-    """What each rank runs: every (seed, scenario, policy); rank 0's records are the result."""
+    """What each rank runs: every (seed, scenario, policy); rank 0's records are the result.
+
+    A seed's runs are interleaved step by step, in the balanced orders of
+    :func:`plait.runtime.timing.balanced_round` (each run in each place and after each
+    other run equally often), every step started together: load on a shared machine that
+    drifts lands on every policy of the seed alike, and the ratio to that seed's ``none``
+    run compares runs that saw the same machine."""
     world = dist.get_world_size()
     torch.set_num_threads(1)
     corpus = CharCorpus.load()
     report = rank_context().report
     runs = cfg.runs()
-    out = []
-    for i, (seed, scenario, policy) in enumerate(runs):
-        specs = scenario_specs(scenario, world, cfg)
-        policy_cfg = PolicyConfig(name=policy, spike_steps=cfg.spike_steps,
-                                  confirm_steps=cfg.confirm_steps)
-        result = train_balanced(cfg.train_config(seed), policy_cfg, specs, corpus,
-                                every=cfg.every, refresh=cfg.refresh)
-        times = result.pop("times")
-        timed = times[cfg.warmup:]
-        out.append({"seed": seed, "scenario": scenario, "policy": policy, "world_size": world,
-                    "t_step_s": statistics.median(timed), "step_times_s": times,
-                    "losses": result["losses"], "heldout_loss": result["eval"]["heldout_loss"],
-                    "heldout_acc": result["eval"]["heldout_accuracy"],
-                    "compute_s_per_step": result["compute_s_per_step"],
-                    "monitor_overhead": result["monitor_s"] / max(sum(times), 1e-12),
-                    "decisions": result["decisions"], "final_state": result["final_state"],
-                    "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
-                    "link": cfg.extra.get("link", "loopback"), "hosts": cfg.extra.get("hosts", 0),
-                    "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-                              "seq_len": cfg.seq_len, "batch_size": cfg.batch_size},
-                    "overlap": cfg.overlap})
-        if dist.get_rank() == 0:
-            report({"run": i + 1, "of": len(runs), "scenario": scenario, "policy": policy,
-                    "seed": seed, "t_step_s": out[-1]["t_step_s"]})
+    out, done = [], 0
+    for seed in sorted({s for s, _, _ in runs}):
+        mine = [(sc, pol) for s, sc, pol in runs if s == seed]
+        live = []
+        for scenario, policy in mine:
+            specs = scenario_specs(scenario, world, cfg)
+            policy_cfg = PolicyConfig(name=policy, spike_steps=cfg.spike_steps,
+                                      confirm_steps=cfg.confirm_steps)
+            live.append((scenario, policy, specs,
+                         BalancedRun(cfg.train_config(seed), policy_cfg, specs, corpus,
+                                     every=cfg.every, refresh=cfg.refresh)))
+        for step in range(cfg.steps):
+            for *_, run in balanced_round(live, step):
+                run.step(step, barrier=True)
+        for scenario, policy, specs, run in live:
+            out.append(_record(cfg, seed, scenario, policy, specs, run.finish(), world))
+            done += 1
+            if dist.get_rank() == 0:
+                report({"run": done, "of": len(runs), "scenario": scenario, "policy": policy,
+                        "seed": seed, "t_step_s": out[-1]["t_step_s"]})
     return with_ideal(out, cfg.warmup)
+
+
+def _record(cfg: HeteroBenchConfig, seed: int, scenario: str, policy: str, specs, result: dict,
+            world: int) -> dict:
+    times = result.pop("times")
+    timed = times[cfg.warmup:]
+    return {"seed": seed, "scenario": scenario, "policy": policy, "world_size": world,
+            "t_step_s": statistics.median(timed), "step_times_s": times,
+            "losses": result["losses"], "heldout_loss": result["eval"]["heldout_loss"],
+            "heldout_acc": result["eval"]["heldout_accuracy"],
+            "compute_s_per_step": result["compute_s_per_step"],
+            "monitor_overhead": result["monitor_s"] / max(sum(times), 1e-12),
+            "decisions": result["decisions"], "final_state": result["final_state"],
+            "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
+            "link": cfg.extra.get("link", "loopback"), "hosts": cfg.extra.get("hosts", 0),
+            "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                      "seq_len": cfg.seq_len, "batch_size": cfg.batch_size},
+            "overlap": cfg.overlap, "interleaved": True}
 
 
 def ideal_step(t_none: float, compute: float, factors) -> float:
@@ -302,8 +324,24 @@ def mean_over_seeds(records: list[dict]) -> list[dict]:
             values = [r[key] for r in rs if key in r]
             if values:
                 row[key] = statistics.median(values) if key != "max_loss_diff_vs_none" else max(values)
+        ratios = [r["ratio_to_ideal"] for r in sorted(rs, key=lambda r: r["seed"])
+                  if "ratio_to_ideal" in r]
+        if ratios:  # every seed's, in seed order, and their range
+            row["ratio_per_seed"] = ratios
+            row["ratio_spread"] = max(ratios) - min(ratios)
+        row["decisions_per_seed"] = [len(r["decisions"])
+                                     for r in sorted(rs, key=lambda r: r["seed"])]
         rows.append(row)
     return rows
+
+
+def ratio_cell(row: dict) -> str:
+    """The table's "× ideal": the median over seeds, then every seed's in seed order."""
+    if "ratio_to_ideal" not in row:
+        return "–"
+    seeds = row.get("ratio_per_seed", [])
+    each = " ".join(f"{r:.2f}" for r in seeds) if len(seeds) > 1 else ""
+    return f"{row['ratio_to_ideal']:.2f}" + (f" ({each})" if each else "")
 
 
 def spike_reaction(record: dict, spike_at: int, spike_len: int) -> dict:
@@ -339,7 +377,30 @@ def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
     if spikes:
         out["spike_semi_react_steps"] = [s["react_steps"] for s in spikes]
         out["spike_semi_return_steps"] = [s["return_steps"] for s in spikes]
+    out.update(_targets(rows, base))
     out["max_monitor_overhead"] = max(r["monitor_overhead"] for r in records)
+    return out
+
+
+def _targets(rows: dict, base: dict | None) -> dict:
+    """Per seed, what issue 22 asks of semi: its ratio on ``straggler-2x`` and the gap to
+    migrate alone there, its gap to resize alone on ``spike``, its decisions on ``none``;
+    and per scenario and policy, held-out accuracy below the ``none`` run (pp, the mean)."""
+    out: dict = {}
+    for scenario, other in (("straggler-2x", "migrate"), ("spike", "resize")):
+        semi, alone = rows.get((scenario, "semi")), rows.get((scenario, other))
+        if semi and "ratio_per_seed" in semi:
+            out[f"{scenario}_semi_ratio_per_seed"] = semi["ratio_per_seed"]
+            if alone and "ratio_per_seed" in alone:
+                out[f"{scenario}_semi_minus_{other}_per_seed"] = [
+                    a - b for a, b in zip(semi["ratio_per_seed"], alone["ratio_per_seed"])]
+    none_semi = rows.get(("none", "semi"))
+    if none_semi:
+        out["none_semi_decisions_per_seed"] = none_semi["decisions_per_seed"]
+    if base:
+        out["acc_loss_pp"] = {f"{sc}/{pol}": round(100 * (base["heldout_acc"] - r["heldout_acc"]),
+                                                   3)
+                              for (sc, pol), r in rows.items() if (sc, pol) != ("none", "even")}
     return out
 
 
