@@ -13,14 +13,22 @@
 The plan's vocabulary (PyTorch's styles, transformers' strings, plait's own) is
 in :mod:`plait.parallel.styles`; how column/row pairs and attention heads are
 found, in :mod:`plait.parallel.dims`; the extra layers, in
-:mod:`plait.parallel.layers` and :mod:`plait.parallel.experts`.
+:mod:`plait.parallel.layers` and :mod:`plait.parallel.experts`; data parallelism
+around the tensor parallelism on a ``dp × tp`` mesh, in :mod:`plait.parallel.data`:
+
+    mesh = plait.parallel.dp_tp_mesh(dp=2, tp=2)         # tp groups [0, 1], [2, 3]
+    model = plait.parallelize(model, "auto", mesh=mesh)   # TP on "tp", PyTorch's DP on "dp"
 """
 
 from ..nn.parallelize import full_state_dict
 from .apply import parallelize
+from .data import (MeshLayout, check_replicas, choose_kind, data_parallel, dp_tp_mesh,
+                   replica_mismatch, replica_signature, unsharded)
 from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel, VocabParallel)
 
 __all__ = ["parallelize", "full_state_dict", "Colwise", "Rowwise", "VocabParallel",
            "SequenceParallel", "Prepare", "Replicated", "ExpertsTP",
-           "ExpertsEP", "PlaitMoE", "TableParallel", "BatchParallel"]
+           "ExpertsEP", "PlaitMoE", "TableParallel", "BatchParallel",
+           "MeshLayout", "dp_tp_mesh", "data_parallel", "choose_kind", "unsharded",
+           "check_replicas", "replica_signature", "replica_mismatch"]

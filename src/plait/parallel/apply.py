@@ -27,6 +27,7 @@ from ..nn.moe import MoE
 from ..ops.context import get_context
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
+from .data import DP_KINDS, data_parallel
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
 from .layers import CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn
@@ -45,9 +46,14 @@ _KIND_NAMES = {"heads": "attention (by heads)", "mlp": "MLP (by columns)", "colu
 
 def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, group=None,
                 mesh=None, shards: Mapping[str, ShardPlan] | None = None, overlap: bool = True,
-                chunks="auto") -> nn.Module:
+                chunks="auto", dp_kind: str | None = "auto") -> nn.Module:
     """Make ``model`` tensor-parallel over ``group`` (or the ``"tp"`` dim of ``mesh``) in place
     and return it. Every rank calls it with the same plan, on the same full model.
+
+    A 2-D ``("dp", "tp")`` mesh (``plait.parallel.dp_tp_mesh``): tensor-parallel on ``"tp"``,
+    then data-parallel on ``"dp"`` by PyTorch (``plait.parallel.data_parallel(model, mesh,
+    kind=dp_kind)``: ``"auto"``, ``"fsdp"`` or ``"ddp"``, whose wrapper is returned; None:
+    tensor parallelism only, the dp axis left to the caller).
 
     ``plan``: ``"auto"`` (the model's own), or ``{module path (``*`` wildcards): style}``
     with PyTorch's ``ColwiseParallel()``/``RowwiseParallel()``/``SequenceParallel()``/
@@ -65,6 +71,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     (``generate``). ``model._plait_dims`` names the dims ``plait.balance.Balancer`` moves.
     """
     group = _group(group, mesh)
+    if dp_kind is not None and dp_kind not in DP_KINDS:
+        raise ValueError(f"dp_kind must be one of {', '.join(DP_KINDS)} or None, got {dp_kind!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("plait.parallelize needs torch.distributed initialised (under torchrun: "
                          "plait.runtime.init_from_env() or "
@@ -86,6 +94,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     # the operators' context is made on first use, collectively; made here, eagerly, a
     # model compiled (torch.compile) before its first step does not trace its making
     get_context(group)
+    if _has_dp(mesh) and dp_kind is not None:
+        return data_parallel(model, mesh, kind=dp_kind)
     return model
 
 
@@ -363,6 +373,7 @@ class _Run:
                 self._note(dim.name, "grouped-query heads (q and k/v count heads in different "
                            "units): the balancer does not move them yet")
         self.model._plait_dims = {**kept, **dims}
+        self.model._plait_tp_group = self.group  # plait.parallel.data: the replicas' check
         kinds = {kind: sum(d.kind == kind for d in self.dims) for kind in _KIND_NAMES}
         counted = ", ".join(f"{n} {_KIND_NAMES[k]}" for k, n in kinds.items() if n) or "no linears"
         others = sorted({type(s).__name__ for s in self.styles.values()
@@ -423,6 +434,10 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     setattr(owner, name, module)
+
+
+def _has_dp(mesh) -> bool:
+    return mesh is not None and mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) == {"dp", "tp"}
 
 
 def _group(group, mesh):
