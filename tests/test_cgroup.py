@@ -297,7 +297,7 @@ def test_more_ranks_than_cores_with_equal_budgets_nothing_starves():
     world = 2 * CORES  # 2 ranks on each of CORES hosts with a core each
     with EmulatedCluster(hosts=CORES, link="1gbit", cpu=1) as cluster:
         out = launch(_busy_steps, world, args=(20, 20), cluster=cluster, threads=1,
-                     timeout_s=30, deadline_s=120)
+                     timeout_s=30, deadline_s=60)
     computes = [c for _, c in out]
     spread = max(computes) / min(computes)
     print(f"\n{world} ranks on {CORES} cores, a core per host: compute "
