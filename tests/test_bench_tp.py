@@ -197,6 +197,10 @@ HF_TINY = dict(model="hf-llama", n_layer=1, n_head=4, n_kv_head=2, n_embd=32, se
                batch_size=2, warmup=1, steps=4, compare_steps=5)
 
 
+LAYER_LINEARS = [f"self_attn.{p}_proj" for p in "qkvo"] + \
+    [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+
+
 @pytest.fixture(scope="module")
 def hf_records():
     records, where = bench_tp(TPBenchConfig(**HF_TINY), ranks=2, hosts=0)
@@ -216,6 +220,8 @@ def test_hf_llama_three_ways_follow_the_same_losses(hf_records):
                                   batch_size=2, n_kv_head=2, ffn=256, vocab=128, plan="auto")
         assert len(r["losses"]) == len(r["step_times_s"]) == 5
         assert r["allreduce_per_step"] == 7 + 2 and r["microbatches"] == 1
+        assert r["split_modules"] == sorted(["lm_head", "model.embed_tokens",
+                                             *(f"model.layers.*.{m}" for m in LAYER_LINEARS)])
     for name in ("plait", "plait-plain"):
         assert by[name]["loss_diff_vs"] == "pytorch-tp"
         assert by[name]["max_loss_diff_timed"] <= 1e-5, by[name]["max_loss_diff_timed"]
@@ -261,6 +267,8 @@ def test_cli_hf_llama_layers_plan(tmp_path):
     data = json.loads(out.read_text())
     assert [r["system"] for r in data["records"]] == list(SYSTEMS)  # no DLRM part
     assert {r["allreduce_per_step"] for r in data["records"]} == {7}
+    for r in data["records"]:  # what each system really split: the decoder layers' linears
+        assert r["split_modules"] == sorted(f"model.layers.*.{m}" for m in LAYER_LINEARS)
     assert data["meta"]["summary"]["timed_losses_agree_1e-5"] is True
 
 

@@ -339,6 +339,8 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
     for r in records:
         if r["system"] == "plait":
             r["paths"] = paths
+        if cfg.model == "hf-llama":
+            r["split_modules"] = tp_hf.split_modules(built[r["system"]][0])
     return _with_speedups(records, REFERENCE) + (_dlrm_records(cfg) if cfg.runs_dlrm else [])
 
 

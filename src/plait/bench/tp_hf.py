@@ -42,6 +42,8 @@ unevenly; the bench compares equal splits).
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 from ..runtime import parse_rate, rank_context
 
 __all__ = ["HF_PLANS", "NOTES", "ffn_width", "padded_vocab", "llama_config", "build_llama",
-           "own_plan", "torch_tp_plan", "build_hf", "llama_loss", "hf_wire",
+           "own_plan", "torch_tp_plan", "build_hf", "split_modules", "llama_loss", "hf_wire",
            "transformers_missing"]
 
 HF_PLANS = ("auto", "layers")
@@ -154,6 +156,20 @@ def build_hf(system: str, cfg, vocab_size: int) -> nn.Module:
     # "auto" as a user writes it (the same entries as ``plan``)
     return parallelize(model, "auto" if cfg.hf_plan == "auto" else plan,
                        overlap=system == "plait", chunks="auto")
+
+
+def split_modules(model: nn.Module) -> list[str]:
+    """The modules a system actually split (plait's layers, or modules holding DTensor
+    parameters), layer numbers written ``*``: read from the parallel model, not the plan."""
+    from torch.distributed.tensor import DTensor
+
+    found = set()
+    for path, module in model.named_modules():
+        own = module.parameters(recurse=False)
+        if type(module).__module__.startswith("plait.") or \
+                any(isinstance(p, DTensor) for p in own):
+            found.add(re.sub(r"\.\d+\.", ".*.", path))
+    return sorted(found)
 
 
 def llama_loss(model: nn.Module, batch) -> torch.Tensor:
