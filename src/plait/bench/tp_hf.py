@@ -34,8 +34,9 @@ the global head counts; a contiguous ``Shard(0)`` of ``q_proj`` (``H ·
 head_dim`` rows) and of ``k_proj``/``v_proj`` (``H_kv · head_dim`` rows) gives
 rank r query heads ``[r·H/p, (r+1)·H/p)`` and KV heads ``[r·H_kv/p, …)``, which
 are each other's groups, so no reordering is needed (unlike the GPT's fused
-QKV). With ``use_local_output=False`` the ``-1`` would be resolved on a DTensor's
-global shape: the config would then have to be divided per rank. ``H_kv`` must
+QKV). With ``use_local_output=False`` on q/k/v the attention would be handed
+DTensors and stops at the rotary embedding, whose cos/sin are plain tensors
+(measured: "aten.mul.Tensor got mixed torch.Tensor and DTensor"). ``H_kv`` must
 be a multiple of the ranks for DTensor (plait itself also splits whole groups
 unevenly; the bench compares equal splits).
 """
