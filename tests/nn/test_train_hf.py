@@ -5,7 +5,7 @@ own classes (the config, the seed, the char corpus's batches, AdamW and the sche
 float64: tensor parallelism changes only the order of a few sums, so every step's loss and
 the held-out loss agree within 1e-9 (relative). Cases: the default Llama shape (8 query
 heads over 2 KV heads) on 2 ranks; on 3 ranks, the 2 KV-head groups cut into 4 sub-groups
-and split unevenly ``--plans heads=2:1:1,mlp=30:20:14``; Mixtral expert-parallel on 2 ranks
+and split unevenly ``--plans heads=1:2:1,mlp=30:20:14``; Mixtral expert-parallel on 2 ranks
 with ``--plans experts=3:1``. Then ``plait train --model hf-llama`` through ``main`` with
 tiny sizes, end to end (log.json, loss.png), and the inputs it refuses in one line.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from plait.cli.main import main
 from plait.data import CharCorpus
 from plait.runtime.testing import run_ranks
-from plait.train import TrainConfig, lr_at, train_rank
+from plait.train import TrainConfig, build_hf, lr_at, train_rank
 
 pytest.importorskip("transformers")
 
@@ -30,14 +30,24 @@ SIZES = dict(steps=5, n_layer=1, n_embd=32, seq_len=16, batch_size=4, lr=1e-2, e
 CASES = {  # ranks → the configs trained in one launch (each launch imports transformers anew)
     2: [dict(model="hf-llama", **SIZES),
         dict(model="hf-mixtral", plans=("experts=3:1",), **SIZES)],
-    3: [dict(model="hf-llama", plans=("heads=2:1:1", "mlp=30:20:14"), **SIZES)],
+    3: [dict(model="hf-llama", plans=("heads=1:2:1", "mlp=30:20:14"), **SIZES)],
+}
+SHARDS = {  # (ranks, model) → {parameter of layer 0: its rows on each rank}: --plans reached it
+    (2, "hf-llama"): {"self_attn.q_proj.weight": [16, 16], "mlp.gate_proj.weight": [32, 32]},
+    (2, "hf-mixtral"): {"self_attn.q_proj.weight": [16, 16], "mlp.experts.": [3, 1]},
+    (3, "hf-llama"): {"self_attn.q_proj.weight": [8, 16, 8], "mlp.gate_proj.weight": [30, 20, 14]},
 }
 RTOL = 1e-9
 
 
 def _train_on_rank(cfgs: list[TrainConfig]) -> list[dict]:
     torch.set_default_dtype(torch.float64)
-    return [train_rank(cfg) for cfg in cfgs]
+    results = [train_rank(cfg) for cfg in cfgs]
+    for cfg, result in zip(cfgs, results):  # the model train_rank builds, built again
+        model = build_hf(cfg, vocab_size=CharCorpus.load().vocab_size)
+        result["rows"] = {name.partition("layers.0.")[2]: p.shape[0]
+                          for name, p in model.named_parameters() if "layers.0." in name}
+    return results
 
 
 def _transformers_model(cfg: TrainConfig, vocab: int) -> torch.nn.Module:
@@ -116,6 +126,9 @@ def _check(cfg: TrainConfig, ranks: int, results: list[dict]) -> None:
         assert abs(result["eval"]["heldout_accuracy"] - want_acc) <= 1 / tokens
         assert result["parallel"].startswith(f"{name} on {ranks} ranks"), result["parallel"]
         assert any("fused" in line for line in result["paths"]), result["paths"]
+    for param, want_rows in SHARDS[ranks, cfg.model].items():  # [rows on rank 0, 1, …]
+        got_rows = [next(n for p, n in r["rows"].items() if p.startswith(param)) for r in results]
+        assert got_rows == want_rows, (cfg.model, param, got_rows, results[0]["rows"])
     if ranks == 3:  # 2 KV heads on 3 ranks: each group cut in 2 sub-groups, K/V copied
         assert any("sub-groups" in note for note in results[0]["notes"]), results[0]["notes"]
 
@@ -160,10 +173,14 @@ BAD = [  # (argv after "train", what the one line must say)
 ]
 
 
+TINY = ["--steps", "1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "8", "--batch-size",
+        "2", "--eval-batches", "1", "--no-progress"]  # should a refusal fail: a short run
+
+
 @pytest.mark.parametrize("argv,says", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_refused_in_one_line(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *argv, "--out", "run", "--no-progress"]) == 2
+    assert main(["train", *TINY, *argv, "--out", "run"]) == 2
     out = capsys.readouterr()
     assert out.err.count("\n") == 1 and out.err.startswith("plait: error: "), out.err
     assert says in out.err, out.err
@@ -173,7 +190,7 @@ def test_refused_in_one_line(argv, says, tmp_path, monkeypatch, capsys):
 def test_without_transformers_one_line_names_the_extra(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "transformers", None)  # import finds nothing
-    assert main(["train", "--model", "hf-mixtral", "--out", "run"]) == 2
+    assert main(["train", *TINY, "--model", "hf-mixtral", "--out", "run"]) == 2
     err = capsys.readouterr().err
     assert err == ("plait: error: --model hf-mixtral needs transformers, which is not "
                    "installed: pip install 'plait[hf]'\n"), err
