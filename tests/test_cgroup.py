@@ -429,3 +429,16 @@ def test_run_placed_takes_the_flags_budget(monkeypatch):
     assert "PLAIT_HOST_CPU" not in os.environ
     with pytest.raises(ValueError, match="needs an emulated cluster"):
         run_placed(_record_budget, _Cfg(), ranks=2, hosts=0, host_cpu=0.5)
+
+
+@pytest.mark.parametrize("command", [["bench", "hetero"], ["bench", "ops"], ["bench", "tp"],
+                                     ["bench", "collectives"], ["train"], ["demo"],
+                                     ["cluster", "run"]])
+def test_every_distributed_command_takes_host_cpu(command, monkeypatch):
+    from plait.cli.common import resolve_placement
+    from plait.cli.main import build_parser
+
+    monkeypatch.delenv("PLAIT_HOST_CPU", raising=False)
+    args = build_parser().parse_args([*command, "--hosts", "2", "--host-cpu", "1,0.5"])
+    resolve_placement(args)
+    assert args.host_cpu_budgets == [1.0, 0.5] and os.environ["PLAIT_HOST_CPU"] == "1,0.5"
