@@ -1,23 +1,28 @@
 """Data × tensor parallelism (``plait.parallel.data``) against one process on the global batch.
 
 4 ranks, dp 2 × tp 2 on gloo: plait's tensor parallelism on each tp group,
-PyTorch's data parallelism (``data_parallel``, "auto": DDP on CPU) across them;
-each replica reads its half of a global batch of 4 sequences. Every step's loss
-(the replicas' mean) equals a single-process model's on the whole batch within
-1e-9 (float64, 5 AdamW steps), and the weights at the end too (gathered over tp,
-on every rank), for:
+PyTorch's data parallelism (``data_parallel``, "auto": FSDP2 where every
+gradient goes through autograd, DDP where norms are summed over tp by hooks)
+across them; each replica reads its half of a global batch of 4 sequences.
+Every step's loss (the replicas' mean) equals a single-process model's on the
+whole batch within 1e-9 (float64, 5 AdamW steps), and the weights at the end
+too (gathered over tp, on every rank), for:
 
-- plait's GPT, tp groups on consecutive ranks, in two calls
+- plait's GPT (FSDP2), tp groups on consecutive ranks, in two calls
   (``parallelize(mesh=mesh["tp"])``, then ``data_parallel(model, mesh)``);
 - plait's GPT with uneven MLP columns [40, 24] (agreed across dp), tp groups
-  across hosts (``tp_inside_host=False``: ranks [0, 2], [1, 3]);
-- a tiny transformers Llama (its own plan), in one call (``parallelize(mesh=mesh)``);
+  across hosts (``tp_inside_host=False``: ranks [0, 2], [1, 3]); 3 steps;
+- plait's GPT sequence-parallel (``apply_tp``; DDP); 3 steps;
+- a tiny transformers Llama (its own plan; FSDP2), in one call
+  (``parallelize(mesh=mesh)``), its loss computed in float64 from the logits;
 - on 2 ranks, the degenerate meshes dp 2 × tp 1 and dp 1 × tp 2 (GPT, 3 steps).
 
 Refused on every rank, with the same one line, before anything is wrapped:
 replicas cut by different MLP plans ([40, 24] on ranks 0 and 1, even on 2 and
-3); and a parameter that only one tp position's replicas disagree on (the
-verdict is shared over the tp axis). Without processes: which ranks form the tp
+3); a parameter that only one tp position's replicas disagree on (the verdict
+is shared over the tp axis); DDP on a fused row-parallel layer and FSDP2 on
+sequence-parallel norms (each would lose a gradient); a model cut over another
+group than the mesh's tp axis. Without processes: which ranks form the tp
 and dp groups under both placements (hypothesis), which axis crosses hosts.
 """
 
@@ -170,14 +175,18 @@ def _refused():
     def kind(name, **kw):
         return lambda: data_parallel(_tp(_gpt(), mesh, **kw), mesh, kind=name)
 
+    def group():  # tensor-parallel over all 4 ranks, then given the 2 × 2 mesh
+        return data_parallel(plait.parallelize(_gpt(), "auto", chunks=2), mesh)
+
     return raised({"plans": plans, "extra": extra, "ddp": kind("ddp"),
-                   "fsdp": kind("fsdp", sp=True)})
+                   "fsdp": kind("fsdp", sp=True), "group": group})
 
 
 def _four_ranks():
     return {"gpt": _train("gpt", 2, 2),
-            "gpt-uneven-across": _train("gpt", 2, 2, inside=False, shards={"mlp": (40, 24)}),
-            "gpt-sp": _train("gpt", 2, 2, sp=True),
+            "gpt-uneven-across": _train("gpt", 2, 2, inside=False, shards={"mlp": (40, 24)},
+                                        steps=3),
+            "gpt-sp": _train("gpt", 2, 2, sp=True, steps=3),
             "llama": _train("llama", 2, 2, one_call=True),
             "refused": _refused()}
 
@@ -212,6 +221,8 @@ def test_dp_tp_matches_one_process_and_refuses_mismatched_plans():
                                "blocks.0.ln_1.weight, blocks.0.ln_1.bias, blocks.0.attn.proj."
                                "bias and 3 more have their gradients summed over tp"), fsdp
         assert fsdp.endswith("use kind='ddp'"), fsdp
+        assert "the model was made tensor-parallel over ranks [0, 1, 2, 3], but this mesh's " \
+               "tp axis here is ranks" in out["refused"]["group"], out["refused"]["group"]
     lines = {name: {out["refused"][name] for out in results} for name in ("plans", "extra")}
     # the same one line on every rank
     assert all(len(seen) == 1 for seen in lines.values()), lines
