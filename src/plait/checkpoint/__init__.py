@@ -15,7 +15,7 @@ format, and loading reshards: a checkpoint saved on 3 ranks with heads [3, 5, 2]
 How shards are described to DCP. A plait shard is uneven, changes at run time (the
 balancer migrates it), and may be several disjoint slices of the full tensor (a fused
 QKV weight's rank shard is q-heads, k-heads and v-heads rows). Three ways were weighed,
-reading torch 2.13's DCP:
+reading torch 2.13's DCP source:
 
 - ``DTensor.from_local(local, mesh, [Shard(0)], shape=, stride=)``: DCP's write items for
   a DTensor come from ``compute_local_shape_and_global_offset``, which derives each
