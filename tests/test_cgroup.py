@@ -187,10 +187,11 @@ def _spin(n: int) -> tuple[float, float]:
 def _in_turns(n: int, rounds: int, neighbour_after: int | None = None):
     """Each round every rank runs the loop alone, in rank order (so a loaded machine hits
     every rank alike); with ``neighbour_after``, the last rank starts a noisy neighbour on its
-    host after that many rounds. Returns this rank's (wall, CPU) time of each loop."""
+    host after that many rounds. Returns this rank's (wall, CPU) time of each loop, and the
+    neighbour's CPU seconds and whether it ran in this rank's cgroup (None, None: none)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     _spin(n // 4)  # warm-up
-    times, neighbour = [], None
+    times, neighbour, seen = [], None, (None, None)
     try:
         for r in range(rounds):
             if r == neighbour_after and rank == world - 1:
@@ -201,10 +202,18 @@ def _in_turns(n: int, rounds: int, neighbour_after: int | None = None):
                 if turn == rank:
                     times.append(_spin(n))
         dist.barrier()
+        if neighbour is not None:
+            seen = (sum(_cpu_s(pid) for pid in neighbour.pids),
+                    set(neighbour.pids) <= set(cgroup_pids(rank_context().host.cgroup)))
     finally:
         if neighbour is not None:
             neighbour.stop()
-    return times
+    return times, seen
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _throttled(cgroup: str) -> int:
@@ -220,8 +229,8 @@ def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
     more than half a core."""
     _budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 0.5]) as cluster:
-        full, half = launch(_in_turns, 2, args=(100, 7), cluster=cluster, threads=1,
-                            timeout_s=30)
+        (full, _), (half, _) = launch(_in_turns, 2, args=(100, 7), cluster=cluster,
+                                      threads=1, timeout_s=30)
         throttled = [_throttled(h.cgroup) for h in cluster.hosts]
     ratios = [h[0] / f[0] for f, h in zip(full, half)]
     shares = [(f[1] / f[0], h[1] / h[0]) for f, h in zip(full, half)]
@@ -243,8 +252,8 @@ def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
     _budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 1]) as cluster:
         tag = cluster.tag
-        quiet, noisy = launch(_in_turns, 2, args=(150, 8, 4), cluster=cluster, threads=1,
-                              timeout_s=30)
+        (quiet, _), (noisy, (neighbour_s, inside)) = launch(
+            _in_turns, 2, args=(150, 8, 4), cluster=cluster, threads=1, timeout_s=30)
     ratios = [n[0] / q[0] for q, n in zip(quiet, noisy)]
     shares = [n[1] / n[0] for n in noisy]
     # unloaded: host 0 got its whole core that round, so host 1 could have too
@@ -253,7 +262,9 @@ def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
     shared = [ratios[i] for i in unloaded if i >= 5]
     print(f"\nhost 1 / host 0 at 1 core each, rounds 1-3 alone, 5-7 with a noisy neighbour on "
           f"host 1: {', '.join(f'{r:.2f}' for r in ratios)}; host 1's CPU share "
-          f"{', '.join(f'{h:.2f}' for h in shares)}; {len(unloaded)} rounds unloaded")
+          f"{', '.join(f'{h:.2f}' for h in shares)}; {len(unloaded)} rounds unloaded; the "
+          f"neighbour used {neighbour_s:.2f} CPU s")
+    assert inside and neighbour_s >= 0.1, (inside, neighbour_s)
     assert statistics.median(shares[5:]) <= 0.6, shares  # the neighbour has half the core
     if alone:
         assert 0.75 <= statistics.median(alone) <= 1.3, ratios
