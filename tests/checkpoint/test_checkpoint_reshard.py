@@ -11,6 +11,7 @@ whole, is bit-identical to what was saved; so are the caller's extra and per-ran
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -37,20 +38,29 @@ def _load(root):
             list(model.blocks[0].attn.qkv.plan.sizes), full(model, opt))
 
 
-def test_saved_uneven_on_3_loads_on_2_and_4_ranks_and_one_process(tmp_path):
-    root = str(tmp_path / "ckpt")
-    saved = run_ranks(_save, 3, root)
-    path, sizes, want = saved[0]
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One 3-rank launch: (root, every tensor saved, whole)."""
+    root = str(tmp_path_factory.mktemp("uneven") / "ckpt")
+    path, sizes, want = run_ranks(_save, 3, root)[0]
     assert sizes == ([3, 5, 2], [48, 80, 32])
     assert path.endswith("step-3")
-    for world in (2, 4):
-        for r, (step, extra, mine, plan, now, got) in enumerate(run_ranks(_load, world, root)):
-            assert (step, extra, plan) == (3, {"data_position": 12, "lr": [0.1, 0.2]},
-                                           [3, 5, 2])
-            assert len(now) == world
-            assert same(got, want) == [], (world, r)
-            # rank r's own state where rank r saved one, None past the saving world
-            assert (mine or {}).get("rank") == (r if r < 3 else None), (world, r)
+    return root, want
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_saved_uneven_on_3_ranks_loads_on_other_world_sizes(saved, world):
+    root, want = saved
+    for r, (step, extra, mine, plan, now, got) in enumerate(run_ranks(_load, world, root)):
+        assert (step, extra, plan) == (3, {"data_position": 12, "lr": [0.1, 0.2]}, [3, 5, 2])
+        assert len(now) == world
+        assert same(got, want) == [], (world, r)
+        # rank r's own state where rank r saved one, None past the saving world
+        assert (mine or {}).get("rank") == (r if r < 3 else None), (world, r)
+
+
+def test_saved_uneven_on_3_ranks_loads_into_the_plain_model_and_exports(saved, tmp_path):
+    root, want = saved
     model, opt = build(seed=1)  # this process: no torch.distributed, the plain GPT
     found = checkpoint.load(root, model, opt)
     assert found.step == 3 and found.world_size == 3
@@ -59,7 +69,7 @@ def test_saved_uneven_on_3_loads_on_2_and_4_ranks_and_one_process(tmp_path):
     # export: from the live 3-rank model and from the checkpoint, one file each, that the
     # plain GPT loads with load_state_dict (strict)
     exported = checkpoint.export(root, tmp_path / "from-dir.pt")
-    for state in (load_file(tmp_path / "ckpt" / "live.safetensors"), torch.load(exported)):
+    for state in (load_file(Path(root) / "live.safetensors"), torch.load(exported)):
         plain, _ = build(seed=2)
         plain.load_state_dict(state)
         params = dict(plain.named_parameters())
