@@ -462,6 +462,11 @@ def _tp_speed(r):
                 )["speedup_vs_pytorch_tp"]
 
 
+def _tp_speed_of(part):
+    return lambda r: next(x for x in r.data["records"] if x["system"] == "plait"
+                          and x.get("part") == part)["speedup_vs_pytorch_tp"]
+
+
 def _collective_share(r):
     top = max(x["bytes"] for x in r.data["records"] if x["collective"] == "all_reduce")
     x = next(x for x in r.data["records"] if x["collective"] == "all_reduce" and x["bytes"] == top)
@@ -489,6 +494,9 @@ HEADLINE = [
      "bench-ops-quick", _ops_summary("median_efficiency_balanced"), ".2f", "", "benchmarks.md#fused-operators-plait-bench-ops"),
     ("GPT training step, plait against PyTorch TP (DTensor), same losses",
      "bench-tp-quick", _tp_speed, ".2f", "×", "benchmarks.md#plait-against-pytorch-tp-plait-bench-tp"),
+    ("A transformers Llama (GQA) training step, plait against PyTorch TP (DTensor), same plan "
+     "and losses", "bench-tp-hf-llama-quick", _tp_speed_of("hf-llama"), ".2f", "×",
+     "benchmarks.md#plait-against-pytorch-tp-plait-bench-tp"),
     ("A 2 × straggler: step time / ideal, even shards (no balancing)",
      "bench-hetero-quick", _hetero("even"), ".2f", "×", "balancing.md#measured-plait-bench-hetero"),
     ("A 2 × straggler: step time / ideal, `semi` balancer",

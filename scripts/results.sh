@@ -32,6 +32,7 @@ COMMANDS=(
   "comm-priority-off|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}|PLAIT_COMM_PRIORITY=off"
   "comm-priority-rt|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}|PLAIT_COMM_PRIORITY=rt"
   "bench-tp-quick|bench tp --hosts 2 --link 1gbit --quick --no-progress --json {json}"
+  "bench-tp-hf-llama-quick|bench tp --model hf-llama --hosts 2 --link 1gbit --quick --no-progress --json {json}"
   "bench-hetero-quick|bench hetero --quick --ranks 2 --scenarios none,straggler-2x --policies even,semi --seeds 1 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
   "simulate-h100-16k|simulate --cluster h100-16k --model llama3-70b --json {json}"
