@@ -15,6 +15,8 @@ too (gathered over tp, on every rank), for:
 - plait's GPT sequence-parallel (``apply_tp``; DDP); 3 steps;
 - a tiny transformers Llama (its own plan; FSDP2), in one call
   (``parallelize(mesh=mesh)``), its loss computed in float64 from the logits;
+- blocks of one ``"rowwise_split_input"`` layer (FSDP2; their deferred weight
+  gradients run before FSDP2 reduces each block); 3 steps;
 - on 2 ranks, the degenerate meshes dp 2 × tp 1 and dp 1 × tp 2 (GPT, 3 steps).
 
 Refused on every rank, with the same one line, before anything is wrapped:
@@ -58,7 +60,32 @@ def _llama():
     return LlamaForCausalLM(cfg).double()
 
 
-MODELS = {"gpt": _gpt, "llama": _llama}
+class Lone(torch.nn.Module):
+    """Blocks whose only split layer is row-parallel on a replicated input (transformers'
+    ``"rowwise_split_input"``): no column-parallel layer after it in the backward runs its
+    deferred weight gradient, so it is pending when the block's backward ends."""
+
+    def __init__(self, vocab=32, width=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+        self.head = torch.nn.Linear(width, vocab)
+        self.vocab = vocab
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for proj in self.blocks:
+            x = x + torch.tanh(proj(x))
+        return self.head(x)
+
+
+def _lone():
+    torch.manual_seed(0)
+    return Lone().double()
+
+
+MODELS = {"gpt": _gpt, "llama": _llama, "lone": _lone}
+PLANS = {"lone": {"blocks.*": "rowwise_split_input"}}
 
 
 def _loss(name, model, ids):
@@ -66,7 +93,7 @@ def _loss(name, model, ids):
     to float32, which rounds a half-batch's mean differently from the whole batch's)."""
     if name == "gpt":
         return model(ids[:, :-1], ids[:, 1:])[1]
-    logits = model(input_ids=ids[:, :-1]).logits  # [B, S, V]
+    logits = model(ids[:, :-1]) if name == "lone" else model(input_ids=ids[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
@@ -76,7 +103,7 @@ def _batch(step, vocab):
     return torch.randint(0, vocab, (ROWS, SEQ + 1), generator=g)
 
 
-def _tp(ref, mesh, shards=None, sp=False):
+def _tp(ref, mesh, shards=None, sp=False, plan="auto"):
     """A deep copy of ``ref`` made tensor-parallel on the mesh's tp axis (``sp``: plait's GPT
     sequence-parallel, by ``apply_tp``)."""
     import plait
@@ -86,7 +113,7 @@ def _tp(ref, mesh, shards=None, sp=False):
     model = copy.deepcopy(ref)
     if sp:
         return apply_tp(model, mesh.get_group("tp"), shards, sequence_parallel=True, chunks=2)
-    return plait.parallelize(model, "auto", mesh=mesh["tp"], shards=shards, chunks=2)
+    return plait.parallelize(model, plan, mesh=mesh["tp"], shards=shards, chunks=2)
 
 
 def _parallel(ref, mesh, one_call=False, **kw):
@@ -96,7 +123,7 @@ def _parallel(ref, mesh, one_call=False, **kw):
     from plait.parallel import data_parallel
 
     if one_call:
-        model = plait.parallelize(copy.deepcopy(ref), "auto", mesh=mesh, chunks=2)
+        model = plait.parallelize(copy.deepcopy(ref), kw.get("plan", "auto"), mesh=mesh, chunks=2)
         return model, getattr(model, "module", model)
     tp_model = _tp(ref, mesh, **kw)
     return data_parallel(tp_model, mesh), tp_model
@@ -111,8 +138,9 @@ def _train(name, dp, tp, inside=True, steps=STEPS, **kw):
 
     mesh = dp_tp_mesh(dp, tp, tp_inside_host=inside)
     ref = MODELS[name]()
-    model, tp_model = _parallel(ref, mesh, **kw)
-    vocab = ref.config.vocab_size if name == "llama" else ref.cfg.vocab_size
+    model, tp_model = _parallel(ref, mesh, plan=PLANS.get(name, "auto"), **kw)
+    vocab = {"llama": lambda: ref.config.vocab_size, "lone": lambda: ref.vocab,
+             "gpt": lambda: ref.cfg.vocab_size}[name]()
     replica = mesh.get_local_rank("dp")
     rows = slice(replica * ROWS // dp, (replica + 1) * ROWS // dp)  # this replica's share
     curves = []
@@ -188,6 +216,7 @@ def _four_ranks():
                                         steps=3),
             "gpt-sp": _train("gpt", 2, 2, sp=True, steps=3),
             "llama": _train("llama", 2, 2, one_call=True),
+            "lone": _train("lone", 2, 2, steps=3),
             "refused": _refused()}
 
 
@@ -211,7 +240,8 @@ def test_dp_tp_matches_one_process_and_refuses_mismatched_plans():
         # FSDP2 where every gradient goes through autograd; DDP where norms are summed by hooks
         assert {case: cls for case, (_, _, cls) in curves.items()} == {
             "gpt": "FSDPGPT", "gpt-uneven-across": "FSDPGPT",
-            "gpt-sp": "DistributedDataParallel", "llama": "FSDPLlamaForCausalLM"}
+            "gpt-sp": "DistributedDataParallel", "llama": "FSDPLlamaForCausalLM",
+            "lone": "FSDPLone"}
         ddp, fsdp = out["refused"]["ddp"], out["refused"]["fsdp"]
         assert ddp.startswith("ValueError: data parallelism by DDP would lose gradients: fused "
                               "row-parallel layers (blocks.0.attn.proj, blocks.0.mlp.proj) add "

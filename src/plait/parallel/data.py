@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..nn.linear import RowParallelLinear
+from ..ops.deferred import run_deferred
 from ..plan import ShardPlan
 
 __all__ = ["MeshLayout", "dp_tp_mesh", "data_parallel", "choose_kind", "unsharded",
@@ -177,7 +178,9 @@ def data_parallel(model: nn.Module, mesh, *, kind: str = "auto", **kwargs) -> nn
     ``"dp"`` axis; ``kwargs`` go to ``fully_shard`` or ``DistributedDataParallel``.
 
     ``kind="fsdp"``: FSDP2, in place, as torchtitan applies it: ``fully_shard`` on each
-    element of the model's ``nn.ModuleList`` s (its blocks), then on the whole model. Between
+    element of the model's ``nn.ModuleList`` s (its blocks), then on the whole model; plait's
+    deferred weight gradients (``plait.ops.deferred``) are run as each block's backward ends,
+    before FSDP2 reduces the block (a root-level row-parallel layer's are not). Between
     steps the parameters are DTensors sharded over dp (``model.unshard()`` gives the plain
     tensors back inside :func:`unsharded`). ``"ddp"``: ``DistributedDataParallel`` over
     the dp group, a wrapper (the model is its ``.module``). ``"auto"``: whichever of the
@@ -198,6 +201,9 @@ def data_parallel(model: nn.Module, mesh, *, kind: str = "auto", **kwargs) -> nn
 
         for unit in _blocks(model):
             fully_shard(unit, mesh=_dp_mesh(mesh), **kwargs)
+            # after FSDP2's own pre-forward hook: in the backward, between the block and
+            # FSDP2's reduce-scatter of its gradients
+            unit.register_forward_pre_hook(_flush_deferred_before_reduce, with_kwargs=True)
         wrapped = fully_shard(model, mesh=_dp_mesh(mesh), **kwargs)
     else:
         from torch.nn.parallel import DistributedDataParallel
@@ -260,6 +266,28 @@ def choose_kind(model: nn.Module, kind: str = "auto") -> str:
         raise ValueError(f"data parallelism by {kind.upper()} would lose gradients: "
                          f"{why_not[kind]}; use {fix}")
     return kind
+
+
+class _FlushDeferred(torch.autograd.Function):
+    """Identity; its backward runs the weight gradients plait deferred
+    (``plait.ops.deferred``) before the gradient leaves the block, so that FSDP2, which
+    reduces a block's ``.grad`` once its input's gradient is done, reduces them too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        run_deferred()
+        return grad
+
+
+def _flush_deferred_before_reduce(module: nn.Module, args: tuple, kwargs: dict):
+    def flushed(a):
+        return _FlushDeferred.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+
+    return tuple(flushed(a) for a in args), {k: flushed(v) for k, v in kwargs.items()}
 
 
 def _few(names: list[str]) -> str:
