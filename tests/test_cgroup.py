@@ -253,7 +253,7 @@ def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 1]) as cluster:
         tag = cluster.tag
         (quiet, _), (noisy, (neighbour_s, inside)) = launch(
-            _in_turns, 2, args=(150, 8, 4), cluster=cluster, threads=1, timeout_s=30)
+            _in_turns, 2, args=(100, 8, 4), cluster=cluster, threads=1, timeout_s=30)
     ratios = [n[0] / q[0] for q, n in zip(quiet, noisy)]
     shares = [n[1] / n[0] for n in noisy]
     # unloaded: host 0 got its whole core that round, so host 1 could have too
