@@ -46,10 +46,11 @@ from typing import Any
 
 from .checkpointer import Checkpointer, CheckpointError, Loaded
 from .export import export, full_tensors
+from .run_state import SeededStream, rng_state, set_rng_state
 from .store import latest
 
 __all__ = ["Checkpointer", "CheckpointError", "Loaded", "save", "load", "latest", "verify",
-           "export", "full_tensors"]
+           "export", "full_tensors", "SeededStream", "rng_state", "set_rng_state"]
 
 
 def save(root: str | os.PathLike, step: int, model, optimizer=None, extra_state: Any = None,
