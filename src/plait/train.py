@@ -34,6 +34,7 @@ from .ops import explain
 from .plan import ShardPlan
 from .train_hf import (HF_MODELS, HF_PLAN_KINDS, build_hf, check_hf_plans, check_hf_sizes,
                        hf_logits_loss, hf_loss, require_transformers)
+from .train_parallel import RankParallel, check_parallel, mesh_layout
 
 __all__ = ["TrainConfig", "build_gpt", "build_dlrm", "build_hf", "train_steps", "gpt_loss",
            "dlrm_loss", "hf_loss", "evaluate_gpt", "evaluate_dlrm", "train_rank", "train"]
@@ -85,6 +86,17 @@ class TrainConfig:
         "experts, seq, tables, batch; hf-*: heads count KV-head groups)"))
     eval_batches: int = field(default=8, metadata=_h("held-out batches evaluated at the end"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data order"))
+    dp: int = field(default=1, metadata=_h(
+        "data-parallel replicas (gpt, hf-llama): each takes an equal share of every batch's "
+        "rows; --dp × --tp must be the number of ranks"))
+    tp: int | None = field(default=None, metadata=_h(
+        "ranks in one tensor-parallel group (default: ranks / --dp)"))
+    tp_across_hosts: bool = field(default=False, metadata=_h(
+        "a tp group's ranks --dp apart, so tensor parallelism crosses hosts and each replica "
+        "is consecutive ranks (default: a tp group is consecutive ranks, inside a host)"))
+    balance: str = field(default="even", metadata=_h(
+        "balancing policy run in the loop: even (no balancer), resize, migrate, semi "
+        "(gpt, hf-llama; --dp 1)"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
 
     def __post_init__(self) -> None:
@@ -117,6 +129,7 @@ class TrainConfig:
                                       or not self.overlap):
             raise ValueError(f"--microbatches {self.microbatches} applies to --model gpt, fused "
                              "(not --no-overlap) and not --sequence-parallel")
+        check_parallel(self)
         self.shard_plans()  # refuse a malformed --plans now
         if hf:
             check_hf_sizes(self)
@@ -289,9 +302,10 @@ def train_rank(cfg: TrainConfig) -> dict:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     report = rank_context().report if dist.is_initialized() else (lambda payload: None)
+    run = RankParallel(cfg)  # --dp × --tp, --balance
     if cfg.model == "dlrm":
         dlrm_cfg = DLRMConfig()
-        model = build_dlrm(cfg, dlrm=dlrm_cfg)
+        model = run.wrap(build_dlrm(cfg, dlrm=dlrm_cfg))
         log = ClickLog(dlrm_cfg.table_sizes, dlrm_cfg.dense_features, seed=cfg.seed)
         batches = log.batches(cfg.batch_size, seed=cfg.seed + 1)
         loss_fn, unit = dlrm_loss, "samples"
@@ -299,12 +313,15 @@ def train_rank(cfg: TrainConfig) -> dict:
     else:
         corpus = CharCorpus.load()
         build, loss_fn = (build_hf, hf_loss) if cfg.model in HF_MODELS else (build_gpt, gpt_loss)
-        model = build(cfg, vocab_size=corpus.vocab_size)
-        batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+        model = run.wrap(build(cfg, run.tp_group, vocab_size=corpus.vocab_size))
+        batches = run.replica_rows(corpus.batches("train", cfg.batch_size, cfg.seq_len,
+                                                  seed=cfg.seed + 1))
         unit, per_step = "tokens", cfg.batch_size * cfg.seq_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    run.attach(model, optimizer)
 
     def on_step(record: dict) -> None:
+        run.after_step(record)  # the balancer's step; the global batch's loss over dp
         record[f"{unit}_per_s"] = per_step / record["time_s"]
         if rank == 0:
             report({"step": record["step"], "loss": record["loss"],
@@ -320,9 +337,8 @@ def train_rank(cfg: TrainConfig) -> dict:
         final = evaluate_gpt(model, corpus, cfg)
     params = sum(p.numel() for p in model.parameters())  # this rank's share
     paths = explain() if dist.is_initialized() else "one process: no collectives"
-    return {"records": history, "eval": final, "train_s": train_s, "unit": unit,
-            "params_rank": params, "parallel": getattr(model, "_plait_parallel", ""),
-            "notes": list(getattr(model, "_plait_notes", ())), "paths": paths.splitlines()}
+    return run.report({"records": history, "eval": final, "train_s": train_s, "unit": unit,
+                       "params_rank": params, "paths": paths.splitlines()}, cfg.steps)
 
 
 def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None = None,
@@ -332,6 +348,6 @@ def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None 
     from .bench.placement import run_placed
 
     cfg = replace(cfg)  # validated
-    cfg.check_plans(ranks)
+    cfg.check_plans(mesh_layout(cfg, ranks).tp)
     return run_placed(train_rank, cfg, ranks=ranks, hosts=hosts, link=link or "1gbit",
                       timeout_s=timeout_s, on_progress=on_progress, slow=slow)

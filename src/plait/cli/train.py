@@ -7,6 +7,7 @@ import time
 
 from ..bench.report import console, progress_bar
 from ..train import TrainConfig, train
+from ..train_parallel import mesh_layout, placement_line
 from ..train_report import write_train_report
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement
@@ -37,6 +38,9 @@ def run_train(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(TrainConfig, args)
     cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
+    layout = mesh_layout(cfg, ranks)
+    cfg.check_plans(layout.tp)  # a refused run prints nothing before its one line
+    console.print(f"placement: {placement_line(layout, hosts)}")
     out = args.out or f"reports/train/{cfg.model}"
     made = check_writable(out, "--out", directory=True)
     start = time.perf_counter()

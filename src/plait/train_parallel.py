@@ -1,0 +1,173 @@
+"""``plait train --dp N --tp M`` and ``--balance POLICY``: what the training loop adds per rank.
+
+Data × tensor parallelism: ``N × M`` ranks on a ``("dp", "tp")`` DeviceMesh
+(:class:`plait.parallel.MeshLayout`; ``--tp-across-hosts`` for the other
+placement). The model is made tensor-parallel on the rank's tp group by the
+same builder as before (``apply_tp`` for the GPT, ``plait.parallelize`` for
+the transformers models), then data-parallel over dp by PyTorch
+(``plait.parallel.data_parallel``: FSDP2 or DDP, whichever sees every
+gradient). Every rank draws the same global batch; replica ``d`` keeps rows
+``[d·B/N, (d+1)·B/N)``. The logged loss is the replicas' mean: the rows are
+equal in number and length, so it is the global batch's mean loss.
+
+Balancing: ``plait.balance.Balancer`` (the API ``bench hetero``'s ``BalancedRun``
+drives) steps after every optimizer step; its time is added to the step's
+time (as ``BalancedRun`` times it), its decisions go into the step's record and
+the run's result. With ``dp > 1`` it is refused: a decision changes one tp
+group's ``ShardPlan``, and data parallelism needs every replica in a tp
+position to hold the same shapes; plans agreed across dp are not built yet.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .parallel.data import MeshLayout
+
+__all__ = ["BALANCE", "DP_MODELS", "BALANCED_MODELS", "mesh_layout", "check_parallel",
+           "placement_line", "RankParallel"]
+
+BALANCE = ("even", "resize", "migrate", "semi")
+DP_MODELS = ("gpt", "hf-llama")
+"""Models ``--dp`` above 1 is tested with (loss against one process on the global batch)."""
+BALANCED_MODELS = ("gpt", "hf-llama")
+"""Models whose sharded dims (attention heads, MLP columns) the balancer moves."""
+# the balancer's settings for a shared machine, the values bench hetero uses by default
+EVERY, REFRESH, CONFIRM_STEPS, SPIKE_STEPS = 2, 200, 3, 12
+
+
+def mesh_layout(cfg, ranks: int) -> MeshLayout:
+    """The ``dp × tp`` layout of ``cfg`` on ``ranks`` ranks (``--tp`` unset: ranks / dp), or
+    ValueError in one line when the product is not ``ranks``."""
+    dp = cfg.dp
+    if cfg.tp is None and ranks % dp:
+        raise ValueError(f"--dp {dp} does not divide {ranks} ranks")
+    tp = cfg.tp if cfg.tp is not None else ranks // dp
+    if dp * tp != ranks:
+        raise ValueError(f"--dp {dp} × --tp {tp} = {dp * tp} ranks, but the run has {ranks} "
+                         "(--ranks, or --hosts)")
+    return MeshLayout(dp=dp, tp=tp, tp_inside_host=not cfg.tp_across_hosts)
+
+
+def check_parallel(cfg) -> None:
+    """Refuse, in one line, what ``--dp``, ``--tp``, ``--tp-across-hosts`` and ``--balance``
+    cannot do with the rest of ``cfg`` (called from ``TrainConfig.__post_init__``)."""
+    for name in ("dp", "tp"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be positive, got {value}")
+    if cfg.balance not in BALANCE:
+        raise ValueError(f"--balance must be one of {', '.join(BALANCE)}, got {cfg.balance!r}")
+    if cfg.dp > 1 and cfg.model not in DP_MODELS:
+        raise ValueError(f"--dp {cfg.dp} applies to --model {' and '.join(DP_MODELS)}, not to "
+                         f"{cfg.model}")
+    if cfg.dp > 1 and cfg.batch_size % cfg.dp:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over --dp "
+                         f"{cfg.dp} replicas")
+    if cfg.balance != "even" and cfg.model not in BALANCED_MODELS:
+        raise ValueError(f"--balance {cfg.balance} applies to --model "
+                         f"{' and '.join(BALANCED_MODELS)}, not to {cfg.model} (its experts or "
+                         "tables are not balanced yet)")
+    if cfg.balance != "even" and cfg.dp > 1:
+        raise ValueError(f"--balance {cfg.balance} needs --dp 1: a decision re-cuts one tp "
+                         "group's shards, and data parallelism needs every replica to hold the "
+                         "same shapes (plans agreed across dp are not built yet)")
+
+
+def placement_line(layout: MeshLayout, hosts: int) -> str:
+    """Which ranks form the tp and dp groups, which share a host, which axis crosses hosts."""
+    if not hosts:
+        return f"{layout.describe()}; one machine (loopback)"
+    per_host = layout.world_size // hosts
+    blocks = [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]
+    return f"{layout.describe(hosts=hosts)}; hosts {blocks}"
+
+
+class RankParallel:
+    """One rank's share of ``--dp``/``--tp`` and ``--balance``; every rank makes one, in the
+    same order of calls (each of ``wrap``, ``after_step`` and ``report`` may hold collectives)."""
+
+    def __init__(self, cfg, ranks: int | None = None):
+        self.cfg = cfg
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.layout = mesh_layout(cfg, ranks or world)
+        self.mesh = self.layout.mesh() if self.layout.dp > 1 else None
+        self.tp_group = self.mesh.get_group("tp") if self.mesh is not None else None
+        self.dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
+        self.replica = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
+        self.balancer = None
+        self.tp_model = None
+        self.dp_kind = ""
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The tensor-parallel ``model`` made data-parallel over dp (unchanged at dp 1)."""
+        self.tp_model = model
+        if self.mesh is None:
+            return model
+        from .parallel.data import data_parallel
+
+        wrapped = data_parallel(model, self.mesh)
+        self.dp_kind = "DDP" if wrapped is not model else "FSDP2"  # fully_shard: in place
+        return wrapped
+
+    def replica_rows(self, batches: Iterator) -> Iterator:
+        """This replica's rows of every global batch (tensors whose first dim is the batch)."""
+        dp = self.layout.dp
+        for batch in batches:
+            if dp == 1:
+                yield batch
+                continue
+            rows = batch[0].shape[0] // dp
+            share = slice(self.replica * rows, (self.replica + 1) * rows)
+            yield tuple(t[share] for t in batch)
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Start the balancer (``--balance`` other than even) on the tensor-parallel model."""
+        if self.cfg.balance == "even":
+            return
+        from .balance import Balancer, PolicyConfig
+
+        policy = PolicyConfig(name=self.cfg.balance, confirm_steps=CONFIRM_STEPS,
+                              spike_steps=SPIKE_STEPS)
+        self.balancer = Balancer(model, optimizer, None, policy, every=EVERY, refresh=REFRESH)
+
+    def after_step(self, record: dict) -> None:
+        """After the optimizer step: the balancer's step (timed into ``time_s``, its
+        decisions into ``record["decisions"]``), then the global batch's loss over dp."""
+        if self.balancer is not None:
+            start = time.perf_counter()
+            done = self.balancer.step(record["step"])
+            record["time_s"] += time.perf_counter() - start
+            if done:
+                record["decisions"] = [d.to_json() for d in done]
+        if self.dp_group is not None:
+            loss = torch.tensor([record["loss"]], dtype=torch.float64, device=self._device())
+            dist.all_reduce(loss, group=self.dp_group)
+            record["loss"] = float(loss) / self.layout.dp
+
+    def _device(self):
+        if dist.get_backend(self.dp_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def report(self, result: dict, steps: int) -> dict:
+        """``result`` with the placement, what each parallel layer did, and the balancer's
+        decisions, final plans and measured compute."""
+        hosts = self.cfg.extra.get("hosts", 0)
+        result["placement"] = placement_line(self.layout, hosts)
+        result["parallel"] = getattr(self.tp_model, "_plait_parallel", "")
+        result["notes"] = list(getattr(self.tp_model, "_plait_notes", ()))
+        if self.mesh is not None:
+            result["parallel"] += f"; {self.dp_kind} over {self.layout.dp} replicas"
+        if self.balancer is not None:
+            monitor = self.balancer.monitor
+            result["balance"] = {"policy": self.cfg.balance,
+                                 "decisions": [d.to_json() for d in self.balancer.log],
+                                 "final_state": self.balancer.state(),
+                                 "compute_s_per_step": monitor.compute_s / max(steps, 1),
+                                 "monitor_s": monitor.overhead_s}
+        return result
