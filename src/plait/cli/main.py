@@ -59,7 +59,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, cluster, demo, simulate, train
+    from . import bench, cluster, demo, elastic, simulate, train
 
     parser = _Parser(
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on a failure, the full traceback (and the failed rank's) after the "
                              "one-line message (also PLAIT_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, bench, cluster, simulate, train):
+    for module in (demo, bench, cluster, simulate, train, elastic):
         module.register(sub)
     return parser
 

@@ -68,6 +68,8 @@ class ElasticConfig:
     lr: float = field(default=3e-3, metadata=_h("peak learning rate"))
     eval_batches: int = field(default=8, metadata=_h("held-out batches at the end"))
     seed: int = field(default=0, metadata=_h("seed of the weights and the data"))
+    chunks: str = field(default="2", metadata=_h(
+        "pieces per fused operator, or auto (which calibrates the group at every restart)"))
     timeout_s: float = field(default=30.0, metadata=_h("every collective's limit (s)"))
     deadline_s: float = field(default=600.0, metadata=_h("stop everything after this long (s)"))
 
@@ -105,7 +107,8 @@ class ElasticConfig:
                 "--n-head", str(self.n_head), "--n-embd", str(self.n_embd),
                 "--seq-len", str(self.seq_len), "--batch-size", str(self.batch_size),
                 "--lr", repr(self.lr), "--eval-batches", str(self.eval_batches),
-                "--seed", str(self.seed), "--timeout", repr(self.timeout_s)]
+                "--seed", str(self.seed), "--chunks", self.chunks,
+                "--timeout", repr(self.timeout_s)]
 
 
 def _agent_command(cfg: ElasticConfig, host: Host, rdzv: str, run_id: str,

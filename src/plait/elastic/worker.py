@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunks", default="2", help="pieces per fused operator, or auto (auto "
+                   "calibrates the group first: about 30 s a restart on a loaded 2-core machine)")
     p.add_argument("--timeout", type=float, default=30.0, help="every collective's limit (s)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.checkpoint_every < 1:
@@ -62,7 +64,8 @@ def train_config(args: argparse.Namespace, world: int):
 
     base = TrainConfig(model="gpt", steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                        seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                       n_embd=args.n_embd, eval_batches=args.eval_batches, seed=args.seed)
+                       n_embd=args.n_embd, eval_batches=args.eval_batches, seed=args.seed,
+                       chunks=args.chunks)
     if world == 1:
         return base
     speeds = [1.0] * world
