@@ -35,6 +35,8 @@ from .plan import ShardPlan
 from .train_hf import (HF_MODELS, HF_PLAN_KINDS, build_hf, check_hf_plans, check_hf_sizes,
                        hf_logits_loss, hf_loss, require_transformers)
 from .train_parallel import RankParallel, check_parallel, mesh_layout
+from .train_resume import (SeededStream, check_checkpoint_flags, checkpoint_after,
+                           checkpoint_note, resume_run)
 
 __all__ = ["TrainConfig", "build_gpt", "build_dlrm", "build_hf", "train_steps", "gpt_loss",
            "dlrm_loss", "hf_loss", "evaluate_gpt", "evaluate_dlrm", "train_rank", "train"]
@@ -97,6 +99,12 @@ class TrainConfig:
     balance: str = field(default="even", metadata=_h(
         "balancing policy run in the loop: even (no balancer), resize, migrate, semi "
         "(gpt, hf-llama; --dp 1)"))
+    checkpoint_dir: str | None = field(default=None, metadata=_h(
+        "save checkpoints (model, optimizer, step, data position, RNG states) under DIR"))
+    checkpoint_every: int = field(default=50, metadata=_h("steps between checkpoints"))
+    checkpoint_keep: int = field(default=2, metadata=_h("newest checkpoints kept"))
+    resume: bool = field(default=False, metadata=_h(
+        "continue from the newest checkpoint in --checkpoint-dir (none there: from step 0)"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
 
     def __post_init__(self) -> None:
@@ -130,6 +138,7 @@ class TrainConfig:
             raise ValueError(f"--microbatches {self.microbatches} applies to --model gpt, fused "
                              "(not --no-overlap) and not --sequence-parallel")
         check_parallel(self)
+        check_checkpoint_flags(self)
         self.shard_plans()  # refuse a malformed --plans now
         if hf:
             check_hf_sizes(self)
@@ -213,8 +222,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 10) -> float:
 
 def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator,
                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], steps: int, *,
-                peak_lr: float | None = None,
-                on_step: Callable[[dict], None] | None = None) -> list[dict]:
+                peak_lr: float | None = None, on_step: Callable[[dict], None] | None = None,
+                start: int = 0) -> list[dict]:
     """``steps`` optimizer steps; per step ``{"step", "loss", "time_s", "lr"}``.
 
     ``loss_fn(model, batch)`` returns the (replicated) loss. ``time_s`` is this
@@ -226,7 +235,7 @@ def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batche
     straggler = rank_context().straggler if dist.is_initialized() else None
     model.train()
     history = []
-    for step in range(steps):
+    for step in range(start, steps):  # a resumed run starts where its checkpoint left off
         batch = next(batches)
         if peak_lr is not None:
             for g in optimizer.param_groups:
@@ -307,18 +316,23 @@ def train_rank(cfg: TrainConfig) -> dict:
         dlrm_cfg = DLRMConfig()
         model = run.wrap(build_dlrm(cfg, dlrm=dlrm_cfg))
         log = ClickLog(dlrm_cfg.table_sizes, dlrm_cfg.dense_features, seed=cfg.seed)
-        batches = log.batches(cfg.batch_size, seed=cfg.seed + 1)
+        stream = SeededStream(lambda gen: log.sample(cfg.batch_size, gen), cfg.seed + 1)
+        batches = stream
         loss_fn, unit = dlrm_loss, "samples"
         per_step = cfg.batch_size
     else:
         corpus = CharCorpus.load()
         build, loss_fn = (build_hf, hf_loss) if cfg.model in HF_MODELS else (build_gpt, gpt_loss)
         model = run.wrap(build(cfg, run.tp_group, vocab_size=corpus.vocab_size))
-        batches = run.replica_rows(corpus.batches("train", cfg.batch_size, cfg.seq_len,
-                                                  seed=cfg.seed + 1))
+        stream = SeededStream(lambda gen: corpus.batch("train", cfg.batch_size, cfg.seq_len,
+                                                       gen), cfg.seed + 1)
+        batches = run.replica_rows(stream)
         unit, per_step = "tokens", cfg.batch_size * cfg.seq_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     run.attach(model, optimizer)
+    ckpt, first_step, done, resumed = resume_run(cfg, model, optimizer, stream)
+    if resumed is not None and rank == 0:
+        report({"note": resumed, "step": first_step})
 
     def on_step(record: dict) -> None:
         run.after_step(record)  # the balancer's step; the global batch's loss over dp
@@ -328,8 +342,12 @@ def train_rank(cfg: TrainConfig) -> dict:
                     "rate": record[f"{unit}_per_s"], "unit": unit})
 
     start = time.perf_counter()
+    if ckpt is not None:
+        on_step = checkpoint_after(on_step, cfg, ckpt, model, optimizer, stream, done)
     history = train_steps(model, optimizer, batches, loss_fn, cfg.steps, peak_lr=cfg.lr,
-                          on_step=on_step)
+                          on_step=on_step, start=first_step)
+    if ckpt is not None:
+        ckpt.wait()  # the last asynchronous save published (or its error raised) before exit
     train_s = time.perf_counter() - start
     if cfg.model == "dlrm":
         final = evaluate_dlrm(model, log, cfg)
@@ -337,7 +355,8 @@ def train_rank(cfg: TrainConfig) -> dict:
         final = evaluate_gpt(model, corpus, cfg)
     params = sum(p.numel() for p in model.parameters())  # this rank's share
     paths = explain() if dist.is_initialized() else "one process: no collectives"
-    return run.report({"records": history, "eval": final, "train_s": train_s, "unit": unit,
+    return run.report({"records": done + history, "resumed": resumed, "eval": final,
+                       "train_s": train_s, "unit": unit,
                        "params_rank": params, "paths": paths.splitlines()}, cfg.steps)
 
 
@@ -349,5 +368,6 @@ def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None 
 
     cfg = replace(cfg)  # validated
     cfg.check_plans(mesh_layout(cfg, ranks).tp)
+    checkpoint_note(cfg)  # refuses a --checkpoint-dir that holds another run's checkpoints
     return run_placed(train_rank, cfg, ranks=ranks, hosts=hosts, link=link or "1gbit",
                       timeout_s=timeout_s, on_progress=on_progress, slow=slow)

@@ -36,6 +36,8 @@ def write_train_report(result: dict, cfg, out: str | Path, where: str, wall_s: f
                "placement": result.get("placement", "")}
     if "balance" in result:  # --balance: the policy, every decision, the plans at the end
         summary["balance"] = result["balance"]
+    if result.get("resumed"):  # --resume: the checkpoint, and what was resharded
+        summary["resumed"] = result["resumed"]
     config = {k: v for k, v in asdict(cfg).items()}
     write_json(out / "log.json", records, {"command": "train", "config": config, "summary": summary})
     _plot(out / "loss.png", records, result["eval"], cfg, where)

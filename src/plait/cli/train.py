@@ -9,6 +9,7 @@ from ..bench.report import console, progress_bar
 from ..train import TrainConfig, train
 from ..train_parallel import mesh_layout, placement_line
 from ..train_report import write_train_report
+from ..train_resume import checkpoint_note
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement
 
@@ -41,12 +42,19 @@ def run_train(args: argparse.Namespace) -> int:
     layout = mesh_layout(cfg, ranks)
     cfg.check_plans(layout.tp)  # a refused run prints nothing before its one line
     console.print(f"placement: {placement_line(layout, hosts)}")
+    note = checkpoint_note(cfg)  # refuses a DIR with another run's checkpoints, before work
+    if note:
+        console.print(note, markup=False)
     out = args.out or f"reports/train/{cfg.model}"
     made = check_writable(out, "--out", directory=True)
     start = time.perf_counter()
     try:
         with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
             def on_progress(rank, p):
+                if "note" in p:  # resumed: what was restored and resharded, and from which step
+                    console.print(p["note"], markup=False)
+                    advance(p["step"])
+                    return
                 advance(note=f"loss {p['loss']:.3f}  {p['rate']:,.0f} {p['unit']}/s")
             result, where = train(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
                                   on_progress=on_progress, slow=getattr(args, "slow_specs", ()))
