@@ -1,9 +1,8 @@
 """The balancer on grouped-query attention: a transformers Llama (8 query heads over 4 KV
 heads, 2 layers, width 64, float64) made parallel by ``plait.parallelize`` on 2 ranks, whose
 layer-0 attention dim (q, k, v and o projections, one plan in KV-head groups: a group is 2
-query heads in q and o, 1 head in k and v) is given to ``Balancer`` by hand.
-(``plait.parallelize`` leaves such dims out of ``model._plait_dims``: a note says the balancer
-does not move them; the line that drops them is in ``plait.parallel.apply``.)
+query heads in q and o, 1 head in k and v), as ``plait.parallelize`` hands it to the
+``Balancer`` in ``model._plait_dims``.
 
 - resizing keeps the same KV-head groups in all four layers: q and o keep both query heads
   of each kept group, k and v its K/V head;
@@ -52,8 +51,7 @@ def _gqa_dim():
     runs = {}
     for moved in (False, True):
         par = plait.parallelize(copy.deepcopy(ref), "auto", chunks=2)
-        assert ATTN not in par._plait_dims  # parallelize leaves GQA dims out (see above)
-        par._plait_dims = {ATTN: LAYERS}
+        assert set(par._plait_dims[ATTN]) == set(LAYERS)  # the GQA dim, as parallelize found it
         opt = torch.optim.AdamW(par.parameters(), lr=3e-3)
         balancer = Balancer(par, opt, None, PolicyConfig(name="even"), warmup=0)
         layers = {n: par.get_submodule(n) for n in LAYERS}

@@ -367,11 +367,9 @@ class _Run:
         for dim in self.dims:
             if not (dim.cols and dim.rows) or dim.groups_local is not None:
                 continue
-            if len({(c.unit, c.copies) for c in dim.cuts.values()}) == 1:
-                dims[dim.name] = tuple(dim.cols + dim.rows)
-            else:
-                self._note(dim.name, "grouped-query heads (q and k/v count heads in different "
-                           "units): the balancer does not move them yet")
+            # grouped-query heads too: q and o count 2+ heads a KV group, k and v one, and the
+            # balancer resizes and migrates whole groups (tests/balance/test_balancer_gqa.py)
+            dims[dim.name] = tuple(dim.cols + dim.rows)
         self.model._plait_dims = {**kept, **dims}
         self.model._plait_tp_group = self.group  # plait.parallel.data: the replicas' check
         kinds = {kind: sum(d.kind == kind for d in self.dims) for kind in _KIND_NAMES}

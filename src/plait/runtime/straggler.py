@@ -25,10 +25,21 @@ __all__ = ["SlowSpec", "parse_slow", "validate_slow", "Straggler", "compute_cloc
 
 def compute_clock(device: torch.device | None = None):
     """The clock compute is measured by: this thread's CPU time on a one-thread CPU rank (what
-    the compute cost, whoever else shares the core), wall time otherwise."""
+    the compute cost, whoever else shares the core), wall time otherwise, and wall time on a
+    host with a CPU budget (``--host-cpu``): time spent throttled by the kernel is not CPU
+    time, so a rank on a half-core host would read as full speed by its CPU time."""
+    if _on_cpu_budget():
+        return time.perf_counter
     if (device is None or device.type == "cpu") and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
+
+
+def _on_cpu_budget() -> bool:
+    from . import context  # the rank's context, where one is set (not made here)
+
+    ctx = context._current
+    return ctx is not None and getattr(ctx.host, "cgroup", None) is not None
 
 _SLOW_RE = re.compile(r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+)?(?:-(\d+)?)?)?$")
 
