@@ -36,6 +36,8 @@ def register(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if args.ranks is None and args.tp is not None:  # --dp 2 --tp 2 --hosts 2: 4 ranks
+        args.ranks = (args.dp or 1) * args.tp
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(TrainConfig, args)
     cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
