@@ -93,11 +93,11 @@ def _summary(cfg: ElasticConfig, result: dict, reference: dict | None, how: str)
     return out
 
 
-def _fmt(value, unit: str = "") -> str:
+def _fmt(value, unit: str = "", digits: int = 1) -> str:
     if value is None:
         return "—"
     if isinstance(value, float):
-        return f"{value:.4g}{unit}"
+        return f"{value:.{digits}f}{unit}"
     return f"{value}{unit}"
 
 
@@ -107,13 +107,13 @@ def _print(s: dict) -> None:
             ("last step before the kill", _fmt(s["last_step_before_kill"])),
             ("resumed from checkpoint", _fmt(s["resumed_from"])),
             ("steps lost", _fmt(s["steps_lost"])),
-            ("kill → workers restarted", _fmt(s["restart_s"], " s")),
-            ("kill → first step on survivors", _fmt(s["recovery_s"], " s")),
-            ("held-out loss", _fmt(s["heldout_loss"]))]
+            ("kill → survivors resumed (checkpoint loaded)", _fmt(s["restart_s"], " s")),
+            ("kill → first step done on survivors", _fmt(s["recovery_s"], " s")),
+            ("held-out loss", _fmt(s["heldout_loss"], digits=4))]
     if "reference_heldout_loss" in s:
         diff = s["heldout_loss_diff"]
         rows += [(f"held-out loss, uninterrupted ({s['reference']})",
-                  _fmt(s["reference_heldout_loss"])),
-                 ("difference", "—" if diff is None else f"{100 * diff:+.2f} %")]
+                  _fmt(s["reference_heldout_loss"], digits=4)),
+                 ("difference", "—" if diff is None else f"{100 * diff:+.3f} %")]
     print_table(f"plait elastic: {s['where']}", ["", "value"], rows)
-    console.print(f"{s['wall_s']:.1f} s in all")
+    console.print(f"{s['wall_s']:.1f} s the run with the kill (without the reference)")

@@ -64,7 +64,7 @@ def summarize(incarnations: list[list[dict]], kill_time: float | None = None) ->
 
 
 def _last_loss_per_step(steps: list[dict]) -> dict[int, float]:
-    """Step → loss of the last incarnation that did it (a step redone after a kill counts once)."""
+    """Step → loss of the last incarnation that did it (a step redone after a kill: once)."""
     losses: dict[int, float] = {}
     for record in steps:
         losses[record["step"]] = record["loss"]
