@@ -6,7 +6,14 @@ with exactly the losses of a run never stopped; a resume on another number of ra
    with ``--resume``. The resumed run's ``log.json`` holds the whole trajectory (the
    steps before the checkpoint come from the checkpoint); every step's loss and learning
    rate must equal, bit for bit, those of a run never stopped (the CLI's float32, on CPU).
-   Nothing of the killed run (its ranks, its forkserver) may be left running.
+   Nothing of the killed run (its ranks, its forkserver) may be left running 10 s after
+   the kill, and the resume starts only then. Measured: they do not die with it. Each
+   rank holds the write end of the forkserver's "alive" pipe (CPython's forkserver hands
+   it to every child), so the forkserver never sees the launcher go and the ranks'
+   PR_SET_PDEATHSIG (tied to the forkserver) never fires: the ranks go on until they
+   fail on the dead launcher's pipe or finish (7.2 s here; 60 s for a 400-step run). The
+   fix belongs in plait.runtime.launch (not this test's to make): whatever remains after
+   10 s is killed here, and the test fails.
 2. A 2-rank checkpoint resumed on 3 ranks under an uneven plan (float64): the steps after
    it agree with the 2-rank run within 1e-10 (tensor parallelism sums in another order on
    3 ranks, so not bitwise), and the run says what it resharded.
@@ -29,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.checkpoint import SeededStream, rng_state, set_rng_state
 from plait.cli.main import main as plait_main
 from plait.runtime.errors import RankError
 from plait.runtime.testing import run_ranks
@@ -92,12 +100,17 @@ def test_sigkill_then_resume_continues_bit_identically(tmp_path):
             assert time.monotonic() < end, f"no step-{target} within {RUN_LIMIT_S} s"
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere in the steps after it
+        running = _session_processes(killed.pid)  # it, its forkserver, 2 ranks at least
         os.kill(killed.pid, signal.SIGKILL)
+        assert len(running) >= 4, running  # so the scan below does see ranks
     finally:
         if killed.poll() is None:
             os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
+    killed_at = time.monotonic()
     left = _wait_gone(killed.pid, 10.0)
+    print(f"SIGKILL after step-{target} was published; {len(running)} processes in its session "
+          f"before, {len(left)} left {time.monotonic() - killed_at:.1f} s after")
     for line in left:  # never leave them running, whatever the outcome
         os.kill(int(line.split()[0]), signal.SIGKILL)
     assert not left, f"the SIGKILLed plait train left processes running: {left}"
@@ -105,6 +118,7 @@ def test_sigkill_then_resume_continues_bit_identically(tmp_path):
     assert not (tmp_path / "killed" / "log.json").exists(), "it finished before the kill"
     newest = max(int(p.name.split("-")[1]) for p in ckpt.glob("step-*"))
     assert target <= newest < CLI_STEPS
+    print(f"resuming from step-{newest}")
 
     resumed = subprocess.run(_cli(["--checkpoint-dir", str(ckpt), "--checkpoint-every",
                                    str(CLI_EVERY), "--resume", "--out", str(tmp_path / "res")]),
@@ -162,6 +176,8 @@ def test_resume_on_three_ranks_reshards(two_rank_run, tmp_path):
     old, new = before["records"], after["records"]
     assert [r["step"] for r in new] == list(range(STEPS))
     assert [r["loss"] for r in new[:6]] == [r["loss"] for r in old[:6]]  # from the checkpoint
+    print("3 ranks against 2, relative difference of the losses after step 6:",
+          [abs(b["loss"] - a["loss"]) / abs(a["loss"]) for a, b in zip(old[6:], new[6:])])
     for a, b in zip(old[6:], new[6:]):  # computed on 3 ranks: sums in another order
         assert a["lr"] == b["lr"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-10, abs=0.0)
@@ -186,7 +202,8 @@ def test_checkpoint_of_another_model_is_refused(two_rank_run, tmp_path):
 def test_refused_in_one_line(argv, says, tmp_path, two_rank_run, capsys):
     ckpt = _copy(two_rank_run, tmp_path)
     argv = [a.format(tmp=tmp_path, full=ckpt) for a in argv]
-    assert plait_main(["train", *TINY, "--out", str(tmp_path / "out"), *argv]) == 2
+    assert plait_main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "out"),
+                       *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "out").exists()
@@ -197,3 +214,18 @@ def test_resume_from_an_empty_directory_starts_at_step_0(tmp_path):
     assert checkpoint_note(cfg) == f"no checkpoint in {tmp_path}: starting at step 0"
     missing = TrainConfig(**SIZES, checkpoint_dir=str(tmp_path / "not-yet"), resume=True)
     assert checkpoint_note(missing) == f"no checkpoint in {tmp_path}/not-yet: starting at step 0"
+
+
+def test_rng_states_and_the_data_stream_come_back():
+    import numpy as np
+
+    stream = SeededStream(lambda gen: torch.randint(0, 1000, (4,), generator=gen), seed=3)
+    next(stream)
+    saved, position = rng_state(), stream.state_dict()
+    draws = (torch.rand(3), random.random(), np.random.rand(), next(stream))
+    torch.manual_seed(99), random.seed(99), np.random.seed(99), next(stream)
+    set_rng_state(saved)
+    stream.load_state_dict(position)
+    again = (torch.rand(3), random.random(), np.random.rand(), next(stream))
+    assert torch.equal(draws[0], again[0]) and draws[1:3] == again[1:3]
+    assert torch.equal(draws[3], again[3]) and stream.drawn == 2
