@@ -11,6 +11,10 @@ The transformers models (``hf-llama``, ``hf-mixtral``; :mod:`plait.train_hf`) ar
 made parallel by ``plait.parallelize(model, plan="auto")`` instead, and train on the
 GPT's data with the GPT's loss.
 
+``--dp N --tp M`` and ``--balance`` (:mod:`plait.train_parallel`): tensor parallelism
+on each tp group of a ``dp × tp`` mesh, PyTorch's data parallelism across them, each
+replica on its share of the batch's rows; the balancer stepped after every update.
+
 Building blocks for benchmarks: ``build_gpt(cfg, group)`` (a plait-TP GPT or
 MoE-GPT), ``train_steps(...)`` (N steps → per-step times and losses),
 ``evaluate_gpt`` / ``evaluate_dlrm`` (held-out loss and accuracy).
