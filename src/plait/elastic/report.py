@@ -36,7 +36,7 @@ def summarize(incarnations: list[list[dict]], kill_time: float | None = None) ->
     ``last_step_before_kill``, ``resumed_from`` (the checkpoint the first incarnation
     after the kill loaded), ``steps_lost`` (their difference: steps done twice),
     ``restart_s`` (kill → that incarnation's log opened: the agents noticed, re-formed
-    the world and the workers started), ``recovery_s`` (kill → its first step done)."""
+    the world, the workers started and loaded the checkpoint), ``recovery_s`` (kill → its first step done)."""
     starts = [recs[0] for recs in incarnations if recs[0].get("event") == "start"]
     steps = [r for recs in incarnations for r in recs if r.get("event") == "step"]
     ends = [r for recs in incarnations for r in recs if r.get("event") == "end"]
