@@ -151,3 +151,56 @@ def test_progress_reports_reach_the_caller():
     seen = []
     assert launch(_progress_and_return, 2, on_progress=lambda r, p: seen.append((r, p))) == [0, 1]
     assert sorted(seen) == [(0, {"step": 0}), (1, {"step": 1})]
+
+
+_LAUNCHER = """
+import os, sys, time
+from plait.runtime import launch
+
+def work(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    launch(work, 2, args=(sys.argv[1],), timeout_s=200)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead rank its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigkilled_launcher_takes_its_ranks_with_it(tmp_path):
+    """The ranks' parent is the forkserver, which outlives a SIGKILLed launcher (each rank
+    holds its alive pipe): before each rank watched the launcher's pid, a killed `plait
+    train` left its ranks training for a minute."""
+    import subprocess
+    import sys
+
+    script, folder = tmp_path / "launcher.py", tmp_path / "pids"
+    script.write_text(_LAUNCHER)
+    folder.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(folder)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(folder)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        ranks = [int(p) for p in os.listdir(folder)]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in ranks if _running(p)]
+    finally:
+        proc.kill()
+        for pid in [int(p) for p in os.listdir(folder)]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"

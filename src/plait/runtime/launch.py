@@ -28,9 +28,11 @@ import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import select
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -71,8 +73,9 @@ def _enter_netns(name: str) -> None:
 def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: dict,
                store_path: str, host: Host, link: str, backend: str, timeout_s: float,
                threads: int, env: dict, slow: Sequence[SlowSpec], board: ProgressBoard,
-               conn) -> None:
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+               conn, launcher: int) -> None:
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the forkserver's death, not the launcher's
+    _exit_with(launcher)
     try:
         if host.cgroup is not None:  # the host's CPU budget, before any of fn's work
             join_cgroup(host.cgroup)
@@ -107,6 +110,41 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
         conn.send_bytes(payload)
     finally:
         conn.close()
+
+
+def _exit_with(pid: int) -> None:
+    """End this rank when the launcher ``pid`` ends, however it ends (SIGKILL included).
+
+    A rank's parent is the forkserver, not the launcher, and every rank inherits the write
+    end of the forkserver's "alive" pipe, so a SIGKILLed launcher left its ranks (and the
+    forkserver) running: a 400-step ``plait train`` went on for a minute after its kill. A
+    thread waits on the launcher's pidfd and exits the process when it becomes readable."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # already gone
+    except (AttributeError, OSError):  # no pidfd (kernel < 5.3): poll the pid instead
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(pid):
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="plait-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _InitError(RuntimeError):
@@ -193,7 +231,7 @@ def _launch_once(fn, world_size, args, kwargs, hosts, link, backend, timeout_s, 
                 target=_rank_main, name=f"plait-rank{rank}", daemon=True,
                 args=(rank, world_size, fn, args, kwargs, os.path.join(workdir, "store"),
                       hosts[rank], link, backend, timeout_s, threads, env, slow, board,
-                      child_conn))
+                      child_conn, os.getpid()))
             proc.start()
             child_conn.close()
             procs.append(proc)
