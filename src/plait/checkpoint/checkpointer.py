@@ -297,7 +297,8 @@ def load_verified(path: Path, model, optimizer, ckpt: Checkpointer) -> Loaded:
     manifest, problems = verify_problems(path, model, optimizer, ckpt.rank, ckpt.world)
     first = ckpt._agree(problems)
     if first is not None:
-        raise CheckpointError(f"refusing to load {path}: {first}")
+        # a problem of the checkpoint as a whole names it already: name it once
+        raise CheckpointError(f"refusing to load {path}: {first.removeprefix(f'{path}: ')}")
     state = destinations(model, manifest, optimizer, ckpt.rank)
     try:
         with quiet(ckpt.distributed):
