@@ -504,6 +504,12 @@ HEADLINE = [
     ("The demo: plait (fused, `semi`) against plain TP with a straggler, step speed",
      "demo", lambda r: next(x for x in r.data["summary"] if x["system"] == "plait")["speedup_vs_plain"],
      ".2f", "×", "benchmarks.md#the-demo-plait-demo"),
+    ("Elastic: 3 hosts, host 2 killed at step 20 of 60: kill → first step on the 2 survivors",
+     "elastic-kill", lambda r: r.data["meta"]["summary"]["recovery_s"], ".1f", "s", "elastic.md"),
+    ("… steps lost (checkpoint every 5), and held-out loss against the uninterrupted run",
+     "elastic-kill", lambda r: (f'{r.data["meta"]["summary"]["steps_lost"]} lost, '
+                                f'{100 * r.data["meta"]["summary"]["heldout_loss_diff"]:+.2f} %'),
+     "", "", "elastic.md"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
      "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
     ("Model: median error against this machine's measurements",

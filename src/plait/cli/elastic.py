@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 
-from ..bench.report import console, print_table
+from ..bench.report import console, print_table, write_json
 from ..elastic import ElasticConfig, run_elastic, run_reference
 from .args import add_dataclass_args, dataclass_from_args
+from .common import check_writable
 
 __all__ = ["register", "run_elastic_command", "parse_kill"]
 
@@ -43,7 +43,10 @@ def register(subparsers) -> None:
                              "kill (default), one process (the plain model), or none")
     parser.add_argument("--keep", metavar="DIR", default=None,
                         help="copy the workers' JSONL logs and the agents' output here")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="write the figures as JSON (as every bench command does)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no line per step (the table at the end stays)")
     parser.set_defaults(func=run_elastic_command)
 
 
@@ -51,7 +54,9 @@ def run_elastic_command(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(ElasticConfig, args)
     if args.kill is not None:
         cfg = replace(cfg, kill_host=args.kill[0], kill_at=args.kill[1])
-    quiet = args.json
+    if args.json:
+        check_writable(args.json, "--json")
+    quiet = args.no_progress
 
     def on_event(kind: str, record: dict) -> None:
         if quiet:
@@ -72,10 +77,10 @@ def run_elastic_command(args: argparse.Namespace) -> int:
     elif args.reference == "process":
         reference = run_reference(cfg)
     summary = _summary(cfg, result, reference, args.reference)
-    if quiet:
-        print(json.dumps(summary, indent=1))
-    else:
-        _print(summary)
+    _print(summary)
+    if args.json:
+        write_json(args.json, [summary], {"command": "elastic", "summary": summary})
+        console.print(f"wrote {args.json}")
     return 0
 
 
