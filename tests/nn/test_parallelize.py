@@ -311,6 +311,7 @@ def _mistakes():
         "twice": par(_toy(), {"blocks.*.attn.q_proj": "colwise",
                               "blocks.0.attn.q_proj": "rowwise"}),
         "plan": par(_toy(), "mine"),
+        "empty": par(_toy(), {}),
         "dp_kind": par(_toy(), _plan("strings"), dp_kind="zero3"),
     })
 
@@ -336,6 +337,7 @@ def test_mistakes_are_refused_naming_the_module():
         or "embed.weight and head.weight are one tied parameter" in seen["tied"], seen["tied"]
     assert "blocks.0.attn.q_proj is matched by plan entries" in seen["twice"]
     assert "plan must be 'auto' or a dict" in seen["plan"]
+    assert "the plan names no module to split" in seen["empty"]
     assert "dp_kind must be one of auto, fsdp, ddp or None, got 'zero3'" in seen["dp_kind"]
 
 

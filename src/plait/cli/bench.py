@@ -91,8 +91,10 @@ def run_collectives(args: argparse.Namespace) -> int:
     print_table(f"collectives on {ranks} ranks ({records[0]['link'] if records else ''})",
                 columns, rows,
                 caption="median over timed iterations; each iteration's time is the slowest "
-                        "rank's; link share = busbw / link rate; in flight: the largest message "
-                        "as that many calls at once, each a piece of it")
+                        "rank's; link share = busbw / link rate (over 100 % at small sizes: "
+                        "the token bucket's burst, max(1 ms of line rate, 64 KiB), passes at "
+                        "once); in flight: the largest message as that many calls at once, each "
+                        "a piece of it")
     notes = shortfalls(records)
     for name, note in notes.items():
         console.print(f"[yellow]{name}[/yellow] under {LINK_SHARE_OK:.0%} of the link: {note}")
@@ -161,8 +163,10 @@ def run_ops(args: argparse.Namespace) -> int:
              f"{r['best_fixed_chunks']}: {_ms(r['t_best_fixed_s'])}" if r["best_fixed_chunks"] else "–",
              "yes" if r["correct"] else "[red]NO[/red]"] for r in records]
     kind = records[0]["limit_kind"] if records else "measured"
-    limit_text = ("limit = max(compute, bytes over the busiest link ÷ link rate)" if kind == "link"
-                  else "limit = max(compute, comm) as measured (loopback: no link rate)")
+    # a lower bound: its measured terms are their fastest round (the columns are medians)
+    limit_text = ("limit = max(compute's fastest round, bytes over the busiest link ÷ link rate)"
+                  if kind == "link" else
+                  "limit = max(compute, comm), each its fastest round (loopback: no link rate)")
     print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}), ms",
                 ["op", "shape", "compute", "comm", "unfused 1 call", "unfused pieces", "fused",
                  f"limit ({kind})", "beside", "path/pieces", "speedup", "vs 1 call", "effic.",
@@ -225,14 +229,14 @@ def _print_tp(records: list[dict], ranks: int, cfg) -> None:
         print_table(f"tensor parallelism on {ranks} ranks ({link}): {_dense_title(gpt[0])}, "
                     f"batch {m['batch_size']}×{m['seq_len']}, {gpt[0]['optimizer']}",
                     ["system", "step (ms)", "tokens/s", "× pytorch-tp",
-                     f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
+                     f"max |Δloss|, first {cfg.compare_steps} steps", "loss first → last"],
                     _tp_rows(gpt, "speedup_vs_pytorch_tp"), caption=caption + wire_note)
     if emb:
         m = emb[0]["model"]
         print_table(f"DLRM embeddings on {ranks} ranks ({link}): {m['tables']} tables × "
                     f"{m['rows']:,} × {m['dim']}, batch {m['batch']}, pool {m['pool']}",
                     ["system", "step (ms)", "samples/s", "× torchrec",
-                     f"max |Δloss|, {cfg.compare_steps} steps", "loss first → last"],
+                     f"max |Δloss|, first {cfg.compare_steps} steps", "loss first → last"],
                     _tp_rows(emb, "speedup_vs_torchrec"), caption=caption)
     for r in records:
         if r.get("skipped"):

@@ -87,6 +87,10 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
         raise TypeError(f"plan must be 'auto' or a dict of module path → style, got "
                         f"{type(raw).__name__}")
     styles, shard_plans = split_shards(raw, shards)
+    if not styles:
+        raise ValueError("the plan names no module to split: an empty plan would leave every "
+                         "rank a whole copy of the model (give plan='auto' or module path → "
+                         "style entries)")
     run = _Run(model, group, info, shard_plans, overlap, chunks)
     run.resolve(expand(model, styles, strict=not auto))
     built = run.build()
