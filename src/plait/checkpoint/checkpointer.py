@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import store
 from .layout import module_plans
 from .pieces import LoadPlanner, SavePlanner, Staged
+from .replicas import unwrap
 from .state import (apply, destinations, model_shapes, model_tensors, optimizer_index,
                     snapshot, unpack)
 from .writer import Writer
@@ -202,7 +203,7 @@ class Checkpointer:
         return {"format": store.FORMAT, "plait_version": __version__,
                 "torch_version": torch.__version__, "step": step, "world_size": self.world,
                 "params": {k: {"shape": v, "dtype": dtypes.get(k)} for k, v in shapes.items()},
-                "aliases": aliases, "plans": module_plans(model),
+                "aliases": aliases, "plans": module_plans(unwrap(model)[0]),
                 "optimizer": None if optimizer is None else dict(sorted(index.items())),
                 "param_groups": None if optimizer is None else len(optimizer.param_groups),
                 "rank_states": self.world if rank_states else 0}

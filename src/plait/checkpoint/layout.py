@@ -27,14 +27,14 @@ holds it whole (DCP keeps one copy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
 from ..plan import ShardPlan
 
-__all__ = ["Layout", "model_layouts", "global_shapes", "module_plans"]
+__all__ = ["Layout", "model_layouts", "global_shapes", "module_plans", "rows_of"]
 
 
 @dataclass(frozen=True)
@@ -43,23 +43,46 @@ class Layout:
 
     ``pieces``: ``(local_start, global_start, length, write)``; ``write`` is False for a
     piece another piece (on this or another rank) already holds (a copied KV head): it is
-    read on load but not written."""
+    read on load but not written. ``rows``: ``(first, count)`` of dim 0 when ``dim`` is not
+    0 and the local tensor holds only those rows (a data-parallel shard); None: all."""
 
     global_shape: tuple[int, ...]
     dim: int
     pieces: tuple[tuple[int, int, int, bool], ...]
+    rows: tuple[int, int] | None = None
 
     def boxes(self, written: bool) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``(offsets, sizes, local_start)`` of each piece (those written, if ``written``)."""
         out = []
+        if self.rows is not None and self.rows[1] == 0:
+            return out
         for local, start, length, write in self.pieces:
             if written and not write:
                 continue
             offsets = [0] * len(self.global_shape)
             sizes = list(self.global_shape)
+            if self.rows is not None:
+                offsets[0], sizes[0] = self.rows
             offsets[self.dim], sizes[self.dim] = start, length
             out.append((tuple(offsets), tuple(sizes), local))
         return out
+
+
+def rows_of(layout: Layout | None, shape: tuple[int, ...], first: int, rows: int) -> Layout:
+    """``layout`` (None: a tensor of ``shape`` held whole) as held by a local tensor of only
+    rows ``[first, first + rows)`` of dim 0 (FSDP2's dp shard of it): a dim-0 layout's pieces
+    cut to those rows, another's boxes narrowed to them along dim 0."""
+    if layout is None:
+        return Layout(tuple(shape), 0, ((0, first, rows, True),) if rows else ())
+    if layout.dim != 0:
+        assert layout.rows is None, layout
+        return replace(layout, rows=(first, rows))
+    pieces = []
+    for local, start, length, write in layout.pieces:
+        lo, hi = max(local, first), min(local + length, first + rows)
+        if lo < hi:
+            pieces.append((lo - first, start + lo - local, hi - lo, write))
+    return Layout(layout.global_shape, 0, tuple(pieces))
 
 
 def _blocked(plan: ShardPlan, rank: int, blocks: int, unit: int) -> list[tuple]:

@@ -6,7 +6,8 @@ cut like their parameter, and its scalar ``step``), ``optim_groups`` (the param 
 hyper-parameters, pickled), ``extra`` (the caller's plain state, from rank 0) and
 ``rank_state.<r>`` (a rank's own plain state). A sharded tensor is a
 :class:`~plait.checkpoint.pieces.Pieces`; a replicated one a plain tensor (DCP writes one
-copy).
+copy). A data-parallel model (DDP's wrapper, FSDP2's DTensors) is saved and loaded as
+its plain model's names and full tensors: see :mod:`plait.checkpoint.replicas`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn as nn
 
 from .layout import Layout, global_shapes, model_layouts
 from .pieces import Pieces
+from .replicas import dp_layout, is_dtensor, local, unwrap
 
 __all__ = ["model_tensors", "model_shapes", "snapshot", "optimizer_index", "destinations",
            "apply", "pack", "unpack"]
@@ -26,6 +28,7 @@ __all__ = ["model_tensors", "model_shapes", "snapshot", "optimizer_index", "dest
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``({name: tensor}, {alias: name})``: the state_dict's tensors, each object once."""
+    model, _ = unwrap(model)
     seen: dict[int, str] = {}
     tensors, aliases = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -40,7 +43,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
     """Every tensor's full shape by name, a tied tensor under its first name only."""
     _, aliases = model_tensors(model)
-    return {k: v for k, v in global_shapes(model).items() if k not in aliases}
+    return {k: v for k, v in global_shapes(unwrap(model)[0]).items() if k not in aliases}
 
 
 def pack(value: Any) -> bytes:
@@ -54,8 +57,16 @@ def unpack(data: bytes) -> Any:
 
 
 def _copy(t: torch.Tensor, layout: Layout | None):
-    local = t.detach().to("cpu", copy=True).contiguous()
-    return local if layout is None else Pieces(local, layout)
+    held = local(t.detach()).to("cpu", copy=True).contiguous()
+    return held if layout is None else Pieces(held, layout)
+
+
+def _held_layouts(model: nn.Module, tensors: dict[str, torch.Tensor],
+                  writes: bool) -> dict[str, Layout]:
+    """Every tensor's layout as this rank holds it (tp pieces, cut to its dp shard)."""
+    layouts = model_layouts(model)
+    out = {k: dp_layout(t, layouts.get(k), writes) for k, t in tensors.items()}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -92,8 +103,9 @@ def optimizer_index(model: nn.Module, optimizer) -> dict[str, dict[str, dict]]:
 def snapshot(model: nn.Module, optimizer=None, extra_state: Any = None,
              rank_state: Any = None, rank: int = 0) -> dict[str, Any]:
     """Copies (on the CPU) of everything a checkpoint holds, as DCP's flat state."""
-    layouts = model_layouts(model)
+    model, writes = unwrap(model)
     tensors, _ = model_tensors(model)
+    layouts = _held_layouts(model, tensors, writes)
     state: dict[str, Any] = {f"model.{k}": _copy(t, layouts.get(k)) for k, t in tensors.items()}
     if optimizer is not None:
         by_id = {id(t): k for k, t in tensors.items()}
@@ -125,12 +137,13 @@ def destinations(model: nn.Module, manifest: dict, optimizer=None,
                  rank: int = 0) -> dict[str, Any]:
     """Fresh CPU tensors (wrapped as this model's pieces) for DCP to load into: nothing
     the model or optimizer holds is touched until :func:`apply`."""
-    layouts = model_layouts(model)
+    model, writes = unwrap(model)
     tensors, _ = model_tensors(model)
+    layouts = _held_layouts(model, tensors, writes)
     state: dict[str, Any] = {}
     for k, t in tensors.items():
-        local = torch.empty(t.shape, dtype=t.dtype)
-        state[f"model.{k}"] = Pieces(local, layouts[k]) if k in layouts else local
+        held = torch.empty(local(t).shape, dtype=t.dtype)
+        state[f"model.{k}"] = Pieces(held, layouts[k]) if k in layouts else held
     if optimizer is not None:
         for name, entry in manifest["optimizer"].items():
             t = tensors.get(name)
@@ -138,8 +151,8 @@ def destinations(model: nn.Module, manifest: dict, optimizer=None,
                 continue  # a table another rank holds
             for key, spec in entry.items():
                 if spec["kind"] == "param":
-                    local = torch.empty(t.shape, dtype=_DTYPES[spec["dtype"]])
-                    value = Pieces(local, layouts[name]) if name in layouts else local
+                    held = torch.empty(local(t).shape, dtype=_DTYPES[spec["dtype"]])
+                    value = Pieces(held, layouts[name]) if name in layouts else held
                 elif spec["kind"] == "tensor":
                     value = torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]])
                 else:
@@ -152,16 +165,27 @@ def destinations(model: nn.Module, manifest: dict, optimizer=None,
     return state
 
 
+def _like(p: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``held`` (this rank's part) on ``p``'s device, a DTensor placed like ``p`` if it is one."""
+    if not is_dtensor(p):
+        return held.to(p.device)
+    out = torch.empty_like(p, dtype=held.dtype)
+    local(out).copy_(held)
+    return out
+
+
 def _plain(value):
     return value.local if isinstance(value, Pieces) else value
 
 
 @torch.no_grad()
 def apply(model: nn.Module, loaded: dict[str, Any], manifest: dict, optimizer=None) -> None:
-    """Copy what DCP loaded into the model's tensors and the optimizer's state."""
+    """Copy what DCP loaded into the model's tensors and the optimizer's state (an FSDP2
+    parameter's moments as DTensors placed like it)."""
+    model, _ = unwrap(model)
     tensors, _ = model_tensors(model)
     for k, t in tensors.items():
-        t.copy_(_plain(loaded[f"model.{k}"]))
+        local(t).copy_(_plain(loaded[f"model.{k}"]))
     if optimizer is None:
         return
     for name, entry in manifest["optimizer"].items():
@@ -171,7 +195,7 @@ def apply(model: nn.Module, loaded: dict[str, Any], manifest: dict, optimizer=No
         state = {}
         for key, spec in entry.items():
             value = _plain(loaded[f"optim.{name}.{key}"])
-            state[key] = value.to(p.device) if spec["kind"] == "param" else value
+            state[key] = _like(p, value) if spec["kind"] == "param" else value
         optimizer.state[p] = state
     for group, saved in zip(optimizer.param_groups, unpack(loaded["optim_groups"])):
         group.update(saved)
