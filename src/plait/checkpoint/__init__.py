@@ -32,6 +32,9 @@ reading torch 2.13's DCP source:
   load. The default planners only look such hooks up on tensors, so two small planner
   subclasses add the lookup (``lookup_object`` / ``lookup_tensor``).
 
+A data-parallel model (DDP's wrapper, or FSDP2's DTensors sharded over dp) is saved and
+loaded under its plain model's names: :mod:`plait.checkpoint.replicas`.
+
 Nothing half-written is ever loaded: a save goes to ``.tmp-step-N``, rank 0 writes a
 manifest (sha256 and size of every file, every tensor's full shape, the plans, plait's
 version) and publishes with one ``os.rename``; a load verifies all of it first, on every
