@@ -43,12 +43,12 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
     layout = mesh_layout(cfg, ranks)
     cfg.check_plans(layout.tp)  # a refused run prints nothing before its one line
-    console.print(f"placement: {placement_line(layout, hosts)}")
     note = checkpoint_note(cfg)  # refuses a DIR with another run's checkpoints, before work
-    if note:
-        console.print(note, markup=False)
     out = args.out or f"reports/train/{cfg.model}"
     made = check_writable(out, "--out", directory=True)
+    console.print(f"placement: {placement_line(layout, hosts)}")  # every refusal is behind
+    if note:
+        console.print(note, markup=False)
     start = time.perf_counter()
     try:
         with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
