@@ -95,7 +95,7 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
     """Rank 1 emulated 3× slower (``SlowSpec``) for the first ``slow_until`` steps, then as
     fast as rank 0; for plans 1:1 and 3:1 (rank 1 with a third of rank 0's work, so its time
     equals rank 0's), plain and fused: after each exchange the speeds, layer 1's speeds and
-    the stragglers; per step the bytes the monitor sent."""
+    the stragglers and the newest 2 readings; per step the bytes the monitor sent."""
     from plait.balance import speed
     from plait.runtime import SlowSpec, Straggler, rank_context, straggler
 
@@ -121,7 +121,7 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
                     before = len(device.sent)
                     if monitor.step():
                         readings.append((monitor.speeds(), monitor.layer_speeds("1"),
-                                         monitor.stragglers()))
+                                         monitor.stragglers(), monitor.recent()))
                     sent.append(device.sent[before:])
             out[sizes, overlap] = readings, sent, monitor.shares
     return out
@@ -131,14 +131,18 @@ def test_monitor_finds_the_slow_rank_whatever_its_share():
     """Rank 1 emulated 3× slower is found at speeds (1, 1/3) exactly, also when a 3:1 plan
     gives it a third of rank 0's work and so the same time (speeds count work); once it is
     fast again its speed is the median of the last 3 readings: 1/3 after one fast reading,
-    1 after two. Every rank holds the same figures, and the monitor sends one all-gather of
-    2 layers × (seconds, work) float64 per 2 steps, nothing in between."""
+    1 after two, while ``recent()`` gives the newest readings themselves (the first fast one
+    reads 1 at once). Every rank holds the same figures, and the monitor sends one all-gather
+    of 2 layers × (seconds, work) float64 per 2 steps, nothing in between."""
     results = run_ranks(_monitor_on_virtual_devices, 2, 2, 12, 8)
     assert results[0] == results[1]  # every rank holds the same figures
     want = [1 / 3] * 4 + [1 / 3, 1]  # exchanges after steps 1, 3, 5, 7 (slow), 9, 11
+    newest = [[1 / 3]] + [[1 / 3, 1 / 3]] * 3 + [[1 / 3, 1], [1, 1]]
     for case, (readings, sent, shares) in results[0].items():
         assert shares == len(readings) == len(want), (case, shares)
-        for (speeds, layer, stragglers), w in zip(readings, want):
+        for (speeds, layer, stragglers, recent), w, n in zip(readings, want, newest):
+            assert [r[0] for r in recent] == [1.0] * len(n), (case, recent)
+            assert [r[1] for r in recent] == pytest.approx(n, rel=1e-9), (case, recent, n)
             assert speeds[0] == 1.0 and layer[0] == 1.0, (case, speeds, layer)
             assert speeds[1] == pytest.approx(w, rel=1e-9), (case, speeds, w)
             assert layer[1] == pytest.approx(w, rel=1e-9), (case, layer, w)

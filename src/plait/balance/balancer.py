@@ -133,7 +133,7 @@ class Balancer:
         speeds, confidence = self.monitor.speeds(), self.monitor.confidence()
         done = []
         for dim, policy in self.policies.items():
-            action = policy.step(speeds, confidence)
+            action = policy.step(speeds, confidence, self.monitor.recent())
             if action.kind != "none":
                 done.append(self._apply(step, dim, action))
         if done:  # the readings so far were taken under the old plans

@@ -179,7 +179,10 @@ class SemiPolicy:
     persist, migrated again; so one imbalance is never both migrated and resized on top.
     An imbalance that has already given back over half its height (in log) is a spike
     ending, not persisting, and is not migrated however long the monitor's window
-    stretches it.
+    stretches it; nor is one that any of the newest readings (``recent``) shows under
+    ``trigger`` or under half its height (in log): the window's mean still holds a spike's
+    readings for ``window`` readings after it ends, and a resize made part-way into the
+    spike records too low a height for the receding test on the window to see it end.
     """
 
     def __init__(self, config: PolicyConfig, total: int, world: int):
@@ -193,6 +196,7 @@ class SemiPolicy:
         self.balanced_steps = 0  # consecutive steps the speeds were balanced
         self.back_steps = 0  # consecutive steps the speeds were back at the plan's basis
         self.peak = self.departure = 1.0  # the departure at its height this episode, and now
+        self.fresh = 1.0  # the smallest departure among the newest readings
         self.done_static = False
         self.cost_steps = config.migrate_cost_steps  # one migration, in steps of compute
         self.log: list[tuple[int, Action]] = []
@@ -204,8 +208,12 @@ class SemiPolicy:
             raise ValueError(f"a migration's cost is a finite number of steps ≥ 0, got {steps}")
         self.cost_steps = steps
 
-    def step(self, speeds: Sequence[float], confidence: float = 1.0) -> Action:
+    def step(self, speeds: Sequence[float], confidence: float = 1.0,
+             recent: Sequence[Sequence[float]] | None = None) -> Action:
+        """``recent``: the newest readings (``SpeedMonitor.recent()``), each one speed per
+        rank; None: ``speeds`` are themselves the newest reading."""
         speeds = check_speeds(speeds, self.world)
+        recent = [speeds] if not recent else [check_speeds(r, self.world) for r in recent]
         cfg = self.config
         if confidence < cfg.min_confidence:  # right after a plan change: wait for readings
             self.steps += 1
@@ -221,6 +229,8 @@ class SemiPolicy:
         self.departure = departure
         self.balanced_steps = self.balanced_steps + 1 if raw < cfg.release else 0
         self.back_steps = self.back_steps + 1 if departure < cfg.release else 0
+        # the window lags: a slowdown that has ended fills it for `window` more readings
+        self.fresh = min(imbalance([s / b for s, b in zip(r, self.basis)]) for r in recent)
         action = self._decide(speeds, raw, on_plan, moved)
         self._apply(action, speeds)
         if action.kind != "none":
@@ -252,6 +262,9 @@ class SemiPolicy:
         # one that persists: the monitor's window only makes it look long
         receding = math.log(self.departure) < 0.5 * math.log(self.peak)
         persisted = name == "semi" and self.imbalanced_steps >= cfg.spike_steps and not receding
+        if persisted and (self.fresh < cfg.trigger or  # a newest reading says it is over
+                          math.log(self.fresh) < 0.5 * math.log(self.peak)):
+            persisted, figures = False, f"{figures}; newest readings depart {self.fresh:.2f}"
         if out and persisted:
             pays, why = self._pays(speeds)
             persisted, figures = pays, f"{figures}; {why}"

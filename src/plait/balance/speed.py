@@ -135,7 +135,7 @@ class SpeedMonitor:
     ``attach(model)`` once; ``step()`` at the end of every training step (every
     rank: every ``every``-th call is a collective); ``restart()`` (every rank) after the
     plan changes; read ``speeds()``, ``layer_speeds(name)``, ``confidence()``,
-    ``stragglers()`` and ``step_seconds(keys)``.
+    ``stragglers()``, ``recent(n)`` and ``step_seconds(keys)``.
     """
 
     def __init__(self, group=None, *, every: int = 10, window: int = 5):
@@ -266,6 +266,16 @@ class SpeedMonitor:
         if key not in self._seconds:
             raise ValueError(f"no layer {key!r} is timed; timed: {self.keys}")
         return self._speeds(key)
+
+    def recent(self, n: int = 2) -> list[tuple[float, ...]]:
+        """The newest ``n`` readings over all layers, oldest first, each scaled so its fastest
+        rank is 1: what the window's mean lags behind (a slowdown that has just ended still
+        fills the window for ``window`` readings). As many as every rank has, up to ``n``."""
+        ranks = self._readings.get("")
+        if ranks is None or n < 1:
+            return []
+        count = min(n, min(len(q) for q in ranks))
+        return [relative_speeds([q[len(q) - count + i] for q in ranks]) for i in range(count)]
 
     def confidence(self) -> float:
         """How full the window is, for the rank with fewest readings since the last
