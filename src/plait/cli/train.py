@@ -36,6 +36,9 @@ def register(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    for flag, value in (("--dp", args.dp), ("--tp", args.tp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.ranks is None and args.tp is not None:  # --dp 2 --tp 2 --hosts 2: 4 ranks
         args.ranks = (args.dp or 1) * args.tp
     ranks, hosts, link = resolve_placement(args)

@@ -75,7 +75,7 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         for name in ("hosts", "steps", "checkpoint_every", "n_layer", "n_head", "n_embd",
-                     "seq_len", "batch_size"):
+                     "seq_len", "batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_restarts < 0:
@@ -93,7 +93,7 @@ class ElasticConfig:
                 raise ValueError(f"kill step {self.kill_at} must be in 1..{self.steps - 1}")
         low = self.nnodes_min
         if not 1 <= low <= self.hosts:
-            raise ValueError(f"min hosts {low} must be in 1..{self.hosts}")
+            raise ValueError(f"min_hosts (--nnodes MIN) must be in 1..{self.hosts}, got {low}")
 
     @property
     def nnodes_min(self) -> int:
