@@ -507,7 +507,7 @@ HEADLINE = [
     ("Elastic: 3 hosts, host 2 killed at step 20 of 60: kill → first step on the 2 survivors",
      "elastic-kill", lambda r: r.data["meta"]["summary"]["recovery_s"], ".1f", "s", "elastic.md"),
     ("… steps lost (checkpoint every 5), and held-out loss against the uninterrupted run",
-     "elastic-kill", lambda r: (f'{r.data["meta"]["summary"]["steps_lost"]} lost, '
+     "elastic-kill", lambda r: (f'{r.data["meta"]["summary"]["steps_lost"]} lost; '
                                 f'{100 * r.data["meta"]["summary"]["heldout_loss_diff"]:+.2f} %'),
      "", "", "elastic.md"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
