@@ -265,12 +265,13 @@ def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
           f"{', '.join(f'{h:.2f}' for h in shares)}; {len(unloaded)} rounds unloaded; the "
           f"neighbour used {neighbour_s:.2f} CPU s")
     assert inside and neighbour_s >= 0.1, (inside, neighbour_s)
-    assert statistics.median(shares[5:]) <= 0.6, shares  # the neighbour has half the core
+    # the neighbour takes its part of the core (about half: CI runs measured 0.42-0.65)
+    assert statistics.median(shares[5:]) <= 0.8, shares
     if alone:
         assert 0.75 <= statistics.median(alone) <= 1.3, ratios
     if shared:  # slowed, about 2x: a clean-clone CI run on a quiet machine measured 1.4-3.1
         # (median 2.62) as the kernel's 10 ms quota periods fall unevenly between the two
-        assert 1.5 <= statistics.median(shared) <= 4.0, ratios
+        assert 1.3 <= statistics.median(shared) <= 4.0, ratios
     assert _ours(tag) == []
 
 
