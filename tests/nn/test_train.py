@@ -47,6 +47,21 @@ def _train_on_rank(cfg: TrainConfig, dtype: torch.dtype) -> dict:
     return train_rank(cfg)
 
 
+def fit(model, optimizer, loss_fn, batches, cfg: TrainConfig) -> list[float]:
+    """``cfg.steps`` plain steps in this process, at train's learning-rate schedule: the
+    one-process reference every train test compares with."""
+    losses = []
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.steps, cfg.lr)
+        loss = loss_fn(model, next(batches))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _reference(cfg: TrainConfig, dtype: torch.dtype) -> tuple[list[float], dict]:
     """The same training in this process, on the plain single-device model (no plait layer)."""
     previous = torch.get_default_dtype()
@@ -63,15 +78,7 @@ def _reference(cfg: TrainConfig, dtype: torch.dtype) -> tuple[list[float], dict]
             model, loss_fn = GPT(cfg.gpt_config(data.vocab_size)), gpt_loss
             batches = data.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        losses = []
-        for step in range(cfg.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg.steps, cfg.lr)
-            loss = loss_fn(model, next(batches))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = fit(model, optimizer, loss_fn, batches, cfg)
         evaluate = evaluate_dlrm if cfg.model == "dlrm" else evaluate_gpt
         return losses, evaluate(model, data, cfg)
     finally:

@@ -17,8 +17,9 @@ from plait.cli.main import main
 from plait.data import CharCorpus
 from plait.models import GPT
 from plait.runtime.testing import run_ranks
-from plait.train import TrainConfig, evaluate_gpt, gpt_loss, hf_loss, lr_at, train_rank
+from plait.train import TrainConfig, evaluate_gpt, gpt_loss, hf_loss, train_rank
 from plait.train_hf import hf_model
+from test_train import fit
 
 TOL = 1e-9
 SIZES = dict(steps=6, n_layer=1, n_embd=32, seq_len=16, batch_size=8, lr=1e-2,
@@ -46,15 +47,7 @@ def _reference(cfg: TrainConfig) -> tuple[list[float], float]:
             model, loss_fn = hf_model(cfg, corpus.vocab_size), hf_loss
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
-        losses = []
-        for step in range(cfg.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg.steps, cfg.lr)
-            loss = loss_fn(model, next(batches))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = fit(model, optimizer, loss_fn, batches, cfg)
         return losses, evaluate_gpt(model, corpus, cfg)["heldout_loss"]
     finally:
         torch.set_default_dtype(previous)
