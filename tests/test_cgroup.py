@@ -256,9 +256,11 @@ def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
             _in_turns, 2, args=(100, 8, 4), cluster=cluster, threads=1, timeout_s=30)
     ratios = [n[0] / q[0] for q, n in zip(quiet, noisy)]
     shares = [n[1] / n[0] for n in noisy]
-    # unloaded: host 0 got its whole core that round, so host 1 could have too
+    # unloaded: host 0 got its whole core that round, so host 1 could have too; before the
+    # neighbour starts, host 1 must have had its whole core as well (a CI run on a shared
+    # machine measured 1.75 and 1.65 in rounds where only host 0 was left alone)
     unloaded = [i for i, q in enumerate(quiet) if q[1] / q[0] >= 0.9]
-    alone = [ratios[i] for i in unloaded if 1 <= i < 4]
+    alone = [ratios[i] for i in unloaded if 1 <= i < 4 and shares[i] >= 0.9]
     shared = [ratios[i] for i in unloaded if i >= 5]
     print(f"\nhost 1 / host 0 at 1 core each, rounds 1-3 alone, 5-7 with a noisy neighbour on "
           f"host 1: {', '.join(f'{r:.2f}' for r in ratios)}; host 1's CPU share "
