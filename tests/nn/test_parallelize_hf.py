@@ -38,6 +38,7 @@ copy of the reference made parallel on 2 or 3 ranks (one launch per world size).
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
@@ -243,7 +244,31 @@ def _migrated():
     return curves, sorted(dims), err, heads
 
 
-def _run(parity, curves, generate, migrated=False):
+def _all_reduces(overlap):
+    """How many all-reduces (of any piece count: chunks=1) one training step of the small
+    Llama (2 layers, the model's own plan) sends: q/k/v's and gate/up's input grads are
+    summed before one each, so 4 a layer (o, down forward; attention and MLP input grads)
+    and 2 more (the embedding's lookups, the LM head's input grad); DTensor sends 7 a layer."""
+    import torch.distributed as dist
+
+    import plait
+
+    par = plait.parallelize(_model("small", torch.float64), "auto", overlap=overlap, chunks=1)
+    ids = _batch(par.config.vocab_size)
+    calls, real = [], dist.all_reduce
+
+    def counted(tensor, *a, **kw):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *a, **kw)
+    dist.all_reduce = counted
+    try:
+        par(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        dist.all_reduce = real
+    return calls
+
+
+def _run(parity, curves, generate, migrated=False, counted=False):
     from plait.ops import explain
 
     out = {"parity": [_parity(*case) for case in parity]}
@@ -251,6 +276,7 @@ def _run(parity, curves, generate, migrated=False):
     out["curves"] = [_curve(*case) for case in curves]
     out["generate"] = [_generate(name) for name in generate]
     out["migrated"] = _migrated() if migrated else None
+    out["counted"] = [_all_reduces(o) for o in (True, False)] if counted else None  # chunks=1
     return out
 
 
@@ -262,7 +288,7 @@ CASES = {
                     ("mixtral", "auto", None, True, F64), ("mixtral", "moe_tp", None, False, F64),
                     ("mixtral", "auto", None, True, F32)],
             curves=[("mixtral-1", "auto", None, F64)],
-            generate=["small"], migrated=True),
+            generate=["small"], migrated=True, counted=True),
     3: dict(parity=[("llama", "auto", None, True, F64),
                     ("small", "auto", {"heads": (1, 2, 1)}, False, F64),
                     ("small", "sp", {"seq": (7, 4, 5)}, True, F64),
@@ -288,6 +314,12 @@ def test_hf_models_match_one_process(world):
         for want, got in out["generate"]:
             assert got == want and len(got[0]) == 5 + 6, (want, got)
     out = results[0]
+    notes = [n for _, _, ns, _ in out["parity"] for n in ns]
+    for calls in out["counted"] or ():  # fused and plain: 4 a layer + 2 of [B·S, D] or [B, S, D]
+        assert len(calls) == 4 * 2 + 2 and all(math.prod(c) == 2 * 16 * 128 for c in calls), calls
+    if out["counted"] is not None:
+        assert any("q_proj, k_proj, v_proj: their input gradients summed before one fused "
+                   "all-reduce" in n for n in notes), notes
     if out["migrated"] is not None:  # the balancer's dims on a transformers model, moved exactly
         (want, got), dims, err, heads = out["migrated"]
         assert dims == [f"model.layers.{i}.{m}" for i in (0, 1) for m in ("mlp", "self_attn")], dims
@@ -297,7 +329,6 @@ def test_hf_models_match_one_process(world):
     for op in ("matmul_all_reduce", "column_parallel_matmul.dgrad", "all_to_all_matmul",
                "matmul_all_to_all"):
         assert f"{op}: fused" in out["paths"], out["paths"]
-    notes = [n for _, _, ns, _ in out["parity"] for n in ns]
     dims = {d for *_, ds in out["parity"] for d in ds}
     if world == 3:  # 2 KV heads on 3 ranks: each group cut in 2, its K/V head copied
         assert any("2 KV heads cut into 4 sub-groups of 2 query heads" in n for n in notes), notes

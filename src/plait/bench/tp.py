@@ -285,7 +285,7 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
     t_step = median(step_s[cfg.warmup:])
     tokens = cfg.batch_size * cfg.seq_len
     ctx, world = rank_context(), dist.get_world_size()
-    wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size) if cfg.model == "hf-llama"
+    wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size, name) if cfg.model == "hf-llama"
             else _wire(cfg, world, ctx.link))
     sizes = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size")
     model = {"name": cfg.model, **{k: getattr(cfg, k) for k in sizes}}

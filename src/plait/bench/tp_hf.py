@@ -59,10 +59,10 @@ __all__ = ["HF_PLANS", "NOTES", "ffn_width", "padded_vocab", "llama_config", "bu
 HF_PLANS = ("auto", "layers")
 NOTES = {
     "plait": "plait.parallelize(model, plan, overlap=True, chunks='auto'): fused operators "
-             "(matmul_all_reduce for o/down; the q/k/v and gate/up input grads' all-reduces "
-             "in pieces with their dgrad)",
+             "(matmul_all_reduce for o/down; q/k/v's and gate/up's input grads summed, each "
+             "sum all-reduced in pieces with its dgrad)",
     "plait-plain": "plait.parallelize(model, plan, overlap=False): compute, then a blocking "
-                   "collective",
+                   "collective (q/k/v's and gate/up's input grads summed before one each)",
     "pytorch-tp": "parallelize_module with the same plan as ColwiseParallel/RowwiseParallel on "
                   "a 1-D DeviceMesh; DTensor redistributes Partial→Replicate with a blocking "
                   "all-reduce after each row-parallel matmul (forward) and each "
@@ -181,17 +181,19 @@ def llama_loss(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def hf_wire(cfg, world: int, link: str, vocab_size: int) -> dict:
-    """What every system sends per step, as all three run it: per layer 2 all-reduces of
-    [B, S, D] fp32 forward (after o and down) and 5 backward (the input grad of each of q, k,
-    v, gate and up, each its own all-reduce: neither plait nor DTensor sums the siblings'
-    partial grads before reducing); with ``hf_plan="auto"`` also the embedding's all-reduce
-    forward, the LM head's input grad backward and its logits' all-gather ([B, S, V/p] from
-    each rank). The time at the link rate with ring bus factors (2(n−1)/n an all-reduce,
-    (n−1)/n an all-gather) is a lower bound on the communication of these collectives."""
+def hf_wire(cfg, world: int, link: str, vocab_size: int, system: str) -> dict:
+    """What ``system`` sends per step: per layer 2 all-reduces of [B, S, D] fp32 forward
+    (after o and down) and, backward, the input grads of q, k, v, gate and up: DTensor
+    all-reduces each of the five, plait sums q/k/v's partials and gate/up's before one
+    all-reduce each (:mod:`plait.ops.shared_input`), so 7 a layer against 4; with
+    ``hf_plan="auto"`` also the embedding's all-reduce forward, the LM head's input grad
+    backward and its logits' all-gather ([B, S, V/p] from each rank). The time at the link
+    rate with ring bus factors (2(n−1)/n an all-reduce, (n−1)/n an all-gather) is a lower
+    bound on the communication of these collectives."""
     tokens = cfg.batch_size * cfg.seq_len
     buf = tokens * cfg.n_embd * 4
-    count = 7 * cfg.n_layer + (2 if cfg.hf_plan == "auto" else 0)
+    count = (7 if system == "pytorch-tp" else 4) * cfg.n_layer + \
+        (2 if cfg.hf_plan == "auto" else 0)
     gather = tokens * padded_vocab(vocab_size) * 4 if cfg.hf_plan == "auto" else 0
     wire = (count * buf * 2 + gather) * (world - 1) / world
     rate = parse_rate(link)

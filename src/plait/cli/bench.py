@@ -213,6 +213,14 @@ def _dense_title(r: dict) -> str:
     return f"GPT {m['n_layer']}×{m['n_embd']} ({m['n_head']} heads)"
 
 
+def _distinct_wires(records: list[dict]) -> list[dict]:
+    """One record per distinct all-reduce count (plait sums siblings' input grads)."""
+    seen: dict[int, dict] = {}
+    for r in records:
+        seen.setdefault(r["allreduce_per_step"], r)
+    return list(seen.values())
+
+
 def _print_tp(records: list[dict], ranks: int, cfg) -> None:
     gpt = [r for r in records if r["part"] in ("gpt", "hf-llama")]
     emb = [r for r in records if r["part"] == "dlrm" and not r.get("skipped")]
@@ -223,9 +231,12 @@ def _print_tp(records: list[dict], ranks: int, cfg) -> None:
         m, wire = gpt[0]["model"], gpt[0]["t_comm_link_s"]
         gathers = (f" and an all-gather of {human_bytes(gpt[0]['allgather_bytes'])}"
                    if gpt[0].get("allgather_bytes") else "")
-        wire_note = (f"; its {gpt[0]['allreduce_per_step']} all-reduces of "
-                     f"{human_bytes(gpt[0]['allreduce_bytes'])}{gathers} take ≥ {_ms(wire)} ms "
-                     "a step at the link rate" if wire else "")
+        wires = _distinct_wires(gpt)
+        wire_note = "".join(
+            f"; {'its' if len(wires) == 1 else r['system'] + chr(39) + 's'} "
+            f"{r['allreduce_per_step']} all-reduces of "
+            f"{human_bytes(r['allreduce_bytes'])}{gathers} take ≥ {_ms(r['t_comm_link_s'])} ms a "
+            "step at the link rate" for r in wires) if wire else ""
         print_table(f"tensor parallelism on {ranks} ranks ({link}): {_dense_title(gpt[0])}, "
                     f"batch {m['batch_size']}×{m['seq_len']}, {gpt[0]['optimizer']}",
                     ["system", "step (ms)", "tokens/s", "× pytorch-tp",

@@ -71,12 +71,13 @@ import torch.nn.functional as F
 from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
 from ..ops.agree import attempt, refused
 from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
+from ..ops.shared_input import SharedInput
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, pieces,
                      replace_data, resolve_plan, shard_of, straggled, unshard)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "Started", "select_features"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "Started", "select_features", "share_input"]
 
 
 def _full_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype, device):
@@ -369,12 +370,22 @@ class ColumnParallelLinear(_ParallelLinear):
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
                 y = self._region(lambda x: F.linear(x, weight), x)
+        elif self.shared_input is not None:  # one all-reduce of the siblings' summed dx
+            width = sum(s._width() for s in self.siblings)
+            y = self._pieces(lambda x: self.shared_input.matmul(x, w, width=width), x)
         elif self.overlap:
             y = self._pieces(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
         else:
             x = copy_to_region(x, self.group)
             y = self._region(lambda x: F.linear(x, weight), x)
         return self._impute(y if bias is None else y + bias, rows)
+
+    shared_input = None  # a plait.ops.SharedInput, set by share_input
+    siblings: tuple = ()
+
+    def _width(self) -> int:
+        """The output features computed now (all, or the kept ones when resized)."""
+        return self.weight.shape[0] if self._kept is None else len(self._rows())
 
     def _rows(self) -> torch.Tensor | None:
         """The weight rows of the kept features, in every block; None when not resized."""
@@ -473,3 +484,21 @@ class Started:
     def finish(self) -> torch.Tensor:
         y = self._flight.wait()
         return y if self._bias is None else y + self._bias
+
+
+def share_input(layers, group=None, *, overlap: bool = True, chunks="auto") -> SharedInput | None:
+    """Column-parallel ``layers`` that read one replicated input (q/k/v; gate/up): their
+    input gradients' partial sums are added before one all-reduce, fused when ``overlap``
+    (:mod:`plait.ops.shared_input`), instead of one all-reduce each. A layer still reading
+    another tensor gets its own all-reduce. None (nothing shared) for fewer than two
+    layers, one rank, or sequence-parallel layers (their input is gathered, not copied)."""
+    layers = tuple(layers)
+    if any(not isinstance(l, ColumnParallelLinear) for l in layers):
+        raise TypeError("share_input takes ColumnParallelLinear layers, got "
+                        f"{[type(l).__name__ for l in layers]}")
+    if len(layers) < 2 or any(l.sequence_parallel or l.info.world == 1 for l in layers):
+        return None
+    shared = SharedInput(group, overlap=overlap, chunks=chunks)
+    for layer in layers:
+        layer.shared_input, layer.siblings = shared, layers
+    return shared

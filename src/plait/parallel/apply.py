@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate
 
 from ..nn._shard import GroupInfo, mark_partial_grad
 from ..nn.embedding import ShardedEmbeddingBag
-from ..nn.linear import ColumnParallelLinear, RowParallelLinear
+from ..nn.linear import ColumnParallelLinear, RowParallelLinear, share_input
 from ..nn.moe import MoE
 from ..ops.context import get_context
 from ..ops.regions import gather_from_region, scatter_to_region
@@ -279,6 +279,7 @@ class _Run:
                        "vocabulary rows")
         for dim in self.dims:
             self._hook_dim(dim, modules)
+            self._share_inputs(dim, modules)
         for path, style in self.styles.items():
             self._hook(path, style, modules[path])
         self._record(modules)
@@ -305,6 +306,22 @@ class _Run:
                 self._note(path, f"{'column' if dim.cols else 'row'}-parallel without a "
                            f"{'row' if dim.cols else 'column'}-parallel partner under its module: "
                            "its features stay split as an even cut")
+
+    def _share_inputs(self, dim: Dim, modules: dict) -> None:
+        """Column-parallel siblings under one module (q/k/v, gate/up) sum their input
+        gradients before one all-reduce; one that reads another tensor keeps its own."""
+        by_parent: dict[str, list[str]] = {}
+        for path in dim.cols:
+            style = self.styles[path]
+            if style.input == Replicate() and isinstance(modules[path], ColumnParallelLinear):
+                by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+        for paths in by_parent.values():
+            if share_input([modules[p] for p in paths], self.group, overlap=self.overlap,
+                           chunks=self.chunks) is not None:
+                names = ", ".join(p.rpartition(".")[2] for p in paths)
+                self._note(paths[0].rpartition(".")[0] or paths[0],
+                           f"{names}: their input gradients summed before one "
+                           f"{'fused' if self.overlap else 'plain'} all-reduce")
 
     def _hook(self, path: str, style, module: nn.Module) -> None:
         group = self.group

@@ -1,0 +1,185 @@
+"""Column-parallel matmuls that read one replicated input, with one input-gradient all-reduce.
+
+Attention's q, k and v projections read the same ``x``, as an MLP's gate and
+up do. Each rank's input gradient is then ``dx_r = Σ_j dy_j,r @ w_j,rᵀ``, and
+the whole one ``dx = Σ_r dx_r``: the siblings' partial sums can be added
+before one all-reduce (Megatron's "f" operator placed once before all of
+them), instead of each layer all-reducing its own ``[M, K]`` (three
+all-reduces for q/k/v, two for gate/up, as ``column_parallel_matmul`` and
+DTensor's ``ColwiseParallel`` do).
+
+==========  ==========================  ==========================================
+tensor      shape on rank r             note
+==========  ==========================  ==========================================
+x           [..., K]                    replicated: the same on every rank
+w_j         [K, N_j,r]                  sibling j's column shard (N_j,r may differ)
+y_j         [..., N_j,r]                local: ``x @ w_j``
+dx          [..., K]                    ``all_reduce(Σ_j dy_j @ w_jᵀ)``
+dw_j        [K, N_j,r]                  ``xᵀ @ dy_j``, local, returned by sibling j
+==========  ==========================  ==========================================
+
+The input enters once per forward (``SharedInput.matmul``: the first sibling
+to read a tensor wraps it; the others that read the *same* tensor reuse the
+wrap). Each sibling's backward computes its weight gradient and leaves its
+``(dy_j, w_j)`` with the wrap; the wrap's backward (after every sibling's,
+as autograd orders it) runs the summed dgrad as one fused ``matmul_all_reduce``
+over the concatenated ``[dy_0 | dy_1 | …] @ [w_0 | w_1 | …]ᵀ``: each piece of
+rows on the wire as soon as it is computed, with any weight gradient a
+row-parallel layer deferred (:mod:`plait.ops.deferred`) run under the last
+pieces. ``overlap=False`` is the plain path: one ``copy_to_region`` shared by
+the siblings (autograd adds their ``dx`` partials, then one blocking
+all-reduce).
+
+The wire schedule (dtype, M, K, piece count) is checked across ranks in the
+forward, once per wrap, its small gather travelling under the first GEMM, as
+``column_parallel_matmul`` does. Every rank runs the same model code, so the
+same siblings share the same tensors on every rank; a model whose ranks run
+different code would already disagree on every collective.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .agree import attempt
+from .compute import compute_region, current_region, piece
+from .context import OpsContext, get_context
+from .deferred import run_deferred
+from .matmul_all_reduce import DGRAD, _decide, _dgrad_row, _fused_forward, _same_dgrad
+from .pieces import as_rows
+from .regions import copy_to_region
+
+__all__ = ["SharedInput"]
+
+
+class _Wrap:
+    """One input, wrapped once: the siblings' (dy_j, w_jᵀ) as their backwards leave them."""
+
+    def __init__(self, x: torch.Tensor, agreed=None):
+        self.x, self.version, self.agreed = weakref.ref(x), x._version, agreed
+        self.metas, self.parts, self.done = None, [], False
+        self.tensor = lambda: None  # the wrapped input (weakly: autograd's graph holds it)
+
+    def holds(self, x: torch.Tensor):
+        """The wrapped tensor if ``x`` is the tensor wrapped (unchanged, backward not yet
+        run), else None."""
+        if self.done or self.x() is not x or x._version != self.version:
+            return None
+        return self.tensor()
+
+    def agree(self) -> None:
+        """The backward's schedule, checked on every rank (once, after the first GEMM)."""
+        if self.metas is None and self.agreed is not None:
+            self.metas = self.agreed()
+            _same_dgrad(self.metas)
+
+
+class _Enter(torch.autograd.Function):
+    """Identity forward; backward: the siblings' summed dgrad, all-reduced in pieces."""
+
+    @staticmethod
+    def forward(ctx, x2, wrap, group, chunks, ops_ctx):
+        ctx.set_materialize_grads(False)  # the siblings leave their dy with the wrap
+        ctx.wrap, ctx.group, ctx.chunks, ctx.ops_ctx = wrap, group, chunks, ops_ctx
+        ctx.region = current_region()
+        return x2.view_as(x2)
+
+    @staticmethod
+    def backward(ctx, _none):
+        wrap = ctx.wrap
+        wrap.done, parts, wrap.parts = True, wrap.parts, []
+        if not parts:  # no sibling's output reached the loss (the same on every rank)
+            return None, None, None, None, None
+        dy = torch.cat([d for d, _ in parts], dim=1) if len(parts) > 1 else parts[0][0]
+        w = torch.cat([v for _, v in parts], dim=0) if len(parts) > 1 else parts[0][1]
+        with compute_region(ctx.region):
+            decision, transposed = _decide(DGRAD, wrap.metas, dy.element_size(), ctx.chunks,
+                                           ctx.ops_ctx)
+            dx = _fused_forward(dy.contiguous(), w, ctx.group, decision, transposed,
+                                meanwhile=run_deferred)  # [M, K], Σ_r Σ_j dy_j @ w_jᵀ
+        return dx, None, None, None, None
+
+
+class _Sibling(torch.autograd.Function):
+    """``x @ w`` on the wrapped input; backward: dw here, (dy, wᵀ) left with the wrap."""
+
+    @staticmethod
+    def forward(ctx, xs, w, wrap):
+        ctx.save_for_backward(xs, w)
+        ctx.wrap, ctx.region = wrap, current_region()
+        with piece():
+            y = xs @ w  # [M, N_j]
+        wrap.agree()  # its gather travelled under the GEMM
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xs, w = ctx.saved_tensors
+        dw = None
+        with compute_region(ctx.region):
+            if ctx.needs_input_grad[0]:
+                ctx.wrap.parts.append((dy, w.t()))  # [M, N_j], [N_j, K]
+            if ctx.needs_input_grad[1]:
+                with piece():
+                    dw = xs.t() @ dy  # [K, N_j]
+        return None, dw, None
+
+
+class SharedInput:
+    """The column-parallel layers of one group that read one replicated input (q/k/v, or
+    gate/up): ``matmul(x, w, width=…)`` is ``x @ w`` whose input gradient is summed with
+    the other siblings' before one all-reduce (see the module docstring).
+
+    ``overlap``: the summed dgrad runs fused (pieces on the wire as they are computed,
+    ``chunks`` of them or ``"auto"``) or plain (one shared ``copy_to_region``).
+    """
+
+    def __init__(self, group=None, *, overlap: bool = True, chunks="auto",
+                 ctx: OpsContext | None = None):
+        self.group, self.overlap, self.chunks, self._ctx = group, overlap, chunks, ctx
+        self._wrap = _Wrap(torch.empty(0))
+        self.wraps = 0  # inputs wrapped so far: one backward all-reduce each
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, *, width: int | None = None
+               ) -> torch.Tensor:
+        """``x @ w`` (x [..., K] replicated, w [K, N_r]). ``width``: every sibling's N_r
+        summed (the backward's piece-count model; default this w's). Under
+        ``torch.no_grad()``, or for an x that needs no gradient: a local matmul, no
+        all-reduce."""
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            with piece():
+                return x @ w
+        xs = self._wrap.holds(x)  # [M, K], wrapped
+        if xs is None:
+            xs = self._enter(x, w, width or w.shape[1])
+        if self.overlap:
+            out = _Sibling.apply(xs, w, self._wrap)
+        else:
+            with piece():
+                out = xs @ w  # [M, N_j]; autograd adds the siblings' dx before the all-reduce
+        return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
+
+    def _enter(self, x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tensor:
+        """Wrap ``x`` as [M, K] (what every sibling's backward saves, so the weak reference
+        lives as long as the graph does): the backward's all-reduce is agreed here."""
+        self.wraps += 1
+        x2 = as_rows(x) if x.dim() != 2 else x  # [M, K]
+        if not self.overlap:
+            self._wrap = _Wrap(x)
+            xs = copy_to_region(x2, self.group)
+        else:
+            ctx = self._ctx or get_context(self.group)
+
+            def row():  # the dgrad [M, Σ N_j] @ [Σ N_j, K], row-major
+                own = _dgrad_row(x2, w, self.chunks, True)
+                return (*own[:4], width, 0, own[6])
+            mine, problem = attempt(row)
+            agreed = ctx.start_meta(DGRAD, 7, mine, problem)
+            if problem is not None:
+                agreed()  # raises on every rank
+            self._wrap = _Wrap(x, agreed)
+            xs = _Enter.apply(x2, self._wrap, self.group, self.chunks, ctx)
+        self._wrap.tensor = weakref.ref(xs)
+        return xs

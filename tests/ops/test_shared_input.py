@@ -1,0 +1,112 @@
+"""Column-parallel siblings reading one input (q/k/v; gate/up): one input-gradient
+all-reduce instead of one each, fused and plain, on 2 and 3 ranks with uneven shards,
+against a single-process reference (float64, |error| ≤ 1e-10)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.ops import explain
+from plait.ops.shared_input import SharedInput
+from plait.runtime.testing import run_ranks
+
+TOL = 1e-10
+
+
+def _full(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _cut(sizes, rank):
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def _err(a, b):
+    return float((a.detach() - b).abs().max()) if a.numel() else 0.0
+
+
+def _siblings_case(shards, overlap, chunks, other):
+    """x [2, 6, K] read by len(shards) siblings (sibling j's columns split ``shards[j]``);
+    ``other``: one more sibling call on another tensor (2·x), which needs its own wrap."""
+    r, k = dist.get_rank(), 5
+    X = _full(1, 2, 6, k)
+    Ws = [_full(10 + j, k, sum(s)) for j, s in enumerate(shards)]
+    Gs = [_full(20 + j, 2, 6, sum(s)) for j, s in enumerate(shards)]
+    x = X.clone().requires_grad_()
+    ws = [W[:, _cut(s, r)].clone().requires_grad_() for W, s in zip(Ws, shards)]
+    shared = SharedInput(overlap=overlap, chunks=chunks)
+    width = sum(w.shape[1] for w in ws)
+    h = x * 1.0  # a non-leaf, as a layer's input is
+    ys = [shared.matmul(h, w, width=width) for w in ws]
+    outs, grads = list(ys), [G[..., _cut(s, r)] for G, s in zip(Gs, shards)]
+    if other:
+        outs.append(shared.matmul(2 * h, ws[0], width=width))
+        grads.append(grads[0])
+    calls = []
+    real = dist.all_reduce
+
+    def counted(tensor, *a, **kw):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *a, **kw)
+    dist.all_reduce = counted
+    try:
+        torch.autograd.backward(outs, grads)
+    finally:
+        dist.all_reduce = real
+    dx = sum(G @ W.T for G, W in zip(Gs, Ws)) * 1.0
+    if other:
+        dx = dx + 2 * (Gs[0] @ Ws[0].T)
+    dws = [(X.flatten(0, 1).T @ G.flatten(0, 1)) for G in Gs]
+    if other:
+        dws[0] = dws[0] + (2 * X).flatten(0, 1).T @ Gs[0].flatten(0, 1)
+    err = {"dx": _err(x.grad, dx)}
+    err.update({f"y{j}": _err(y, (X @ W)[..., _cut(s, r)])
+                for j, (y, W, s) in enumerate(zip(ys, Ws, shards))})
+    err.update({f"dw{j}": _err(w.grad, dW[:, _cut(s, r)])
+                for j, (w, dW, s) in enumerate(zip(ws, dws, shards))})
+    path = explain("column_parallel_matmul.dgrad") if overlap else None
+    return err, calls, shared.wraps, path
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_siblings_sum_their_input_grads_before_one_all_reduce(world, overlap):
+    # q/k/v-like: three siblings, uneven and one empty share on 3 ranks
+    shards = [[4, 2, 3][:world], [1, 3, 0][:world], [2, 2, 2][:world]]
+    for chunks in (1, 3):
+        for err, calls, wraps, path in run_ranks(_siblings_case, world, shards, overlap, chunks,
+                                                 False):
+            assert max(err.values()) < TOL, err
+            assert wraps == 1
+            # one [M, K] all-reduce (in pieces when fused), not one per sibling
+            assert sum(c[0] for c in calls) == 12 and all(c[1] == 5 for c in calls), calls
+            if overlap:
+                assert len(calls) == chunks and path.startswith(
+                    f"column_parallel_matmul.dgrad: {'fused' if chunks > 1 else 'fallback'} "
+                    f"({chunks} piece"), (calls, path)
+            else:
+                assert len(calls) == 1, calls
+
+
+def test_a_sibling_reading_another_tensor_has_its_own_all_reduce():
+    for overlap in (True, False):
+        for err, calls, wraps, _ in run_ranks(_siblings_case, 2, [[3, 2], [2, 4]], overlap, 1,
+                                              True):
+            assert max(err.values()) < TOL, err
+            assert wraps == 2 and len(calls) == 2, (wraps, calls)
+
+
+def _no_grad_case():
+    shared = SharedInput(chunks=1)
+    x = _full(1, 4, 3).requires_grad_()
+    w = _full(2, 3, 2)
+    with torch.no_grad():
+        y = shared.matmul(x, w)
+    z = shared.matmul(x.detach(), w)  # x needs no gradient: nothing to reduce
+    return _err(y, x.detach() @ w), _err(z, x.detach() @ w), shared.wraps
+
+
+def test_no_gradient_means_no_wrap_and_no_collective():
+    for y, z, wraps in run_ranks(_no_grad_case, 2):
+        assert y == 0 and z == 0 and wraps == 0
