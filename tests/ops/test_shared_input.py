@@ -26,22 +26,27 @@ def _err(a, b):
     return float((a.detach() - b).abs().max()) if a.numel() else 0.0
 
 
-def _siblings_case(shards, overlap, chunks, other):
+def _siblings_case(shards, overlap, chunks, other, into=False):
     """x [2, 6, K] read by len(shards) siblings (sibling j's columns split ``shards[j]``);
-    ``other``: one more sibling call on another tensor (2·x), which needs its own wrap."""
+    ``other``: one more sibling call on another tensor (2·x), which needs its own wrap;
+    ``into``: each weight a parameter p [N_j, K] passed as p.t() with ``wgrad_into=p``."""
+    from plait.ops import deferred
+
     r, k = dist.get_rank(), 5
     X = _full(1, 2, 6, k)
     Ws = [_full(10 + j, k, sum(s)) for j, s in enumerate(shards)]
     Gs = [_full(20 + j, 2, 6, sum(s)) for j, s in enumerate(shards)]
     x = X.clone().requires_grad_()
-    ws = [W[:, _cut(s, r)].clone().requires_grad_() for W, s in zip(Ws, shards)]
+    ps = [W[:, _cut(s, r)].t().contiguous().requires_grad_() for W, s in zip(Ws, shards)]
+    ws = [p.t() for p in ps]
     shared = SharedInput(overlap=overlap, chunks=chunks)
     width = sum(w.shape[1] for w in ws)
     h = x * 1.0  # a non-leaf, as a layer's input is
-    ys = [shared.matmul(h, w, width=width) for w in ws]
+    ys = [shared.matmul(h, w, width=width, wgrad_into=p if into else None)
+          for w, p in zip(ws, ps)]
     outs, grads = list(ys), [G[..., _cut(s, r)] for G, s in zip(Gs, shards)]
     if other:
-        outs.append(shared.matmul(2 * h, ws[0], width=width))
+        outs.append(shared.matmul(2 * h, ws[0], width=width, wgrad_into=ps[0] if into else None))
         grads.append(grads[0])
     calls = []
     real = dist.all_reduce
@@ -63,8 +68,9 @@ def _siblings_case(shards, overlap, chunks, other):
     err = {"dx": _err(x.grad, dx)}
     err.update({f"y{j}": _err(y, (X @ W)[..., _cut(s, r)])
                 for j, (y, W, s) in enumerate(zip(ys, Ws, shards))})
-    err.update({f"dw{j}": _err(w.grad, dW[:, _cut(s, r)])
-                for j, (w, dW, s) in enumerate(zip(ws, dws, shards))})
+    err.update({f"dw{j}": _err(p.grad.t(), dW[:, _cut(s, r)])
+                for j, (p, dW, s) in enumerate(zip(ps, dws, shards))})
+    err["pending"] = deferred.pending()
     path = explain("column_parallel_matmul.dgrad") if overlap else None
     return err, calls, shared.wraps, path
 
@@ -74,9 +80,9 @@ def _siblings_case(shards, overlap, chunks, other):
 def test_siblings_sum_their_input_grads_before_one_all_reduce(world, overlap):
     # q/k/v-like: three siblings, uneven and one empty share on 3 ranks
     shards = [[4, 2, 3][:world], [1, 3, 0][:world], [2, 2, 2][:world]]
-    for chunks in (1, 3):
+    for chunks, into in ((1, False), (3, True)):
         for err, calls, wraps, path in run_ranks(_siblings_case, world, shards, overlap, chunks,
-                                                 False):
+                                                 False, into):
             assert max(err.values()) < TOL, err
             assert wraps == 1
             # one [M, K] all-reduce (in pieces when fused), not one per sibling
@@ -92,7 +98,7 @@ def test_siblings_sum_their_input_grads_before_one_all_reduce(world, overlap):
 def test_a_sibling_reading_another_tensor_has_its_own_all_reduce():
     for overlap in (True, False):
         for err, calls, wraps, _ in run_ranks(_siblings_case, 2, [[3, 2], [2, 4]], overlap, 1,
-                                              True):
+                                              True, True):
             assert max(err.values()) < TOL, err
             assert wraps == 2 and len(calls) == 2, (wraps, calls)
 

@@ -372,7 +372,10 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = self._region(lambda x: F.linear(x, weight), x)
         elif self.shared_input is not None:  # one all-reduce of the siblings' summed dx
             width = sum(s._width() for s in self.siblings)
-            y = self._pieces(lambda x: self.shared_input.matmul(x, w, width=width), x)
+            # a resized weight is a copy; a hooked one must get its gradient through autograd
+            into = self.weight if self._kept is None and self.defer_wgrad else None
+            y = self._pieces(lambda x: self.shared_input.matmul(x, w, width=width,
+                                                                wgrad_into=into), x)
         elif self.overlap:
             y = self._pieces(lambda x: column_parallel_matmul(x, w, self.group, chunks=self.chunks), x)
         else:
@@ -382,6 +385,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     shared_input = None  # a plait.ops.SharedInput, set by share_input
     siblings: tuple = ()
+    defer_wgrad = True  # sharing its input, the weight gradient runs under the all-reduce
 
     def _width(self) -> int:
         """The output features computed now (all, or the kept ones when resized)."""

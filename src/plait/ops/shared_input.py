@@ -15,20 +15,21 @@ x           [..., K]                    replicated: the same on every rank
 w_j         [K, N_j,r]                  sibling j's column shard (N_j,r may differ)
 y_j         [..., N_j,r]                local: ``x @ w_j``
 dx          [..., K]                    ``all_reduce(Σ_j dy_j @ w_jᵀ)``
-dw_j        [K, N_j,r]                  ``xᵀ @ dy_j``, local, returned by sibling j
+dw_j        [K, N_j,r]                  ``xᵀ @ dy_j``, local
 ==========  ==========================  ==========================================
 
 The input enters once per forward (``SharedInput.matmul``: the first sibling
 to read a tensor wraps it; the others that read the *same* tensor reuse the
-wrap). Each sibling's backward computes its weight gradient and leaves its
-``(dy_j, w_j)`` with the wrap; the wrap's backward (after every sibling's,
-as autograd orders it) runs the summed dgrad as one fused ``matmul_all_reduce``
-over the concatenated ``[dy_0 | dy_1 | …] @ [w_0 | w_1 | …]ᵀ``: each piece of
-rows on the wire as soon as it is computed, with any weight gradient a
-row-parallel layer deferred (:mod:`plait.ops.deferred`) run under the last
-pieces. ``overlap=False`` is the plain path: one ``copy_to_region`` shared by
-the siblings (autograd adds their ``dx`` partials, then one blocking
-all-reduce).
+wrap). Each sibling's backward leaves its ``(dy_j, w_j)`` with the wrap; the
+wrap's backward (after every sibling's, as autograd orders it) runs the summed
+dgrad as one fused ``matmul_all_reduce`` over the concatenated
+``[dy_0 | dy_1 | …] @ [w_0 | w_1 | …]ᵀ``: each piece of rows on the wire as
+soon as it is computed, and the weight gradients under the last pieces: the
+siblings' own (given ``wgrad_into``, deferred there as a row-parallel layer's
+are, :mod:`plait.ops.deferred`; else computed in each sibling's backward) and
+any a row-parallel layer deferred. ``overlap=False`` is the plain path: one
+``copy_to_region`` shared by the siblings (autograd adds their ``dx``
+partials, then one blocking all-reduce).
 
 The wire schedule (dtype, M, K, piece count) is checked across ranks in the
 forward, once per wrap, its small gather travelling under the first GEMM, as
@@ -46,7 +47,7 @@ import torch
 from .agree import attempt
 from .compute import compute_region, current_region, piece
 from .context import OpsContext, get_context
-from .deferred import run_deferred
+from .deferred import accumulate, defer, run_deferred
 from .matmul_all_reduce import DGRAD, _decide, _dgrad_row, _fused_forward, _same_dgrad
 from .pieces import as_rows
 from .regions import copy_to_region
@@ -103,12 +104,13 @@ class _Enter(torch.autograd.Function):
 
 
 class _Sibling(torch.autograd.Function):
-    """``x @ w`` on the wrapped input; backward: dw here, (dy, wᵀ) left with the wrap."""
+    """``x @ w`` on the wrapped input; backward: (dy, wᵀ) left with the wrap, dw here or,
+    given ``into``, deferred to run under the wrap's all-reduce."""
 
     @staticmethod
-    def forward(ctx, xs, w, wrap):
+    def forward(ctx, xs, w, wrap, into):
         ctx.save_for_backward(xs, w)
-        ctx.wrap, ctx.region = wrap, current_region()
+        ctx.wrap, ctx.region, ctx.into = wrap, current_region(), into
         with piece():
             y = xs @ w  # [M, N_j]
         wrap.agree()  # its gather travelled under the GEMM
@@ -118,13 +120,19 @@ class _Sibling(torch.autograd.Function):
     def backward(ctx, dy):
         xs, w = ctx.saved_tensors
         dw = None
-        with compute_region(ctx.region):
-            if ctx.needs_input_grad[0]:
-                ctx.wrap.parts.append((dy, w.t()))  # [M, N_j], [N_j, K]
-            if ctx.needs_input_grad[1]:
-                with piece():
-                    dw = xs.t() @ dy  # [K, N_j]
-        return None, dw, None
+        if ctx.needs_input_grad[0]:
+            ctx.wrap.parts.append((dy, w.t()))  # [M, N_j], [N_j, K]
+        if ctx.needs_input_grad[1] and ctx.into is not None:
+            param, region = ctx.into, ctx.region
+
+            def wgrad():  # in the parameter's [N_j, K] layout
+                with compute_region(region), piece():
+                    accumulate(param, dy.t() @ xs)
+            defer(wgrad)
+        elif ctx.needs_input_grad[1]:
+            with compute_region(ctx.region), piece():
+                dw = xs.t() @ dy  # [K, N_j]
+        return None, dw, None, None
 
 
 class SharedInput:
@@ -142,12 +150,18 @@ class SharedInput:
         self._wrap = _Wrap(torch.empty(0))
         self.wraps = 0  # inputs wrapped so far: one backward all-reduce each
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor, *, width: int | None = None
-               ) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, *, width: int | None = None,
+               wgrad_into: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ w`` (x [..., K] replicated, w [K, N_r]). ``width``: every sibling's N_r
-        summed (the backward's piece-count model; default this w's). Under
+        summed (the backward's piece-count model; default this w's). ``wgrad_into``: the
+        parameter ``p`` with ``w = p.t()``: the weight gradient is then deferred to run under
+        the siblings' all-reduce and added to ``p.grad`` (fused path only; as
+        ``matmul_all_reduce(wgrad_into=)``: ``torch.autograd.grad`` does not see it). Under
         ``torch.no_grad()``, or for an x that needs no gradient: a local matmul, no
         all-reduce."""
+        if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
+            raise ValueError(f"SharedInput.matmul: wgrad_into {tuple(wgrad_into.shape)} is not "
+                             f"the transposed shape of w {tuple(w.shape)}")
         if not (torch.is_grad_enabled() and x.requires_grad):
             with piece():
                 return x @ w
@@ -155,7 +169,7 @@ class SharedInput:
         if xs is None:
             xs = self._enter(x, w, width or w.shape[1])
         if self.overlap:
-            out = _Sibling.apply(xs, w, self._wrap)
+            out = _Sibling.apply(xs, w, self._wrap, wgrad_into)
         else:
             with piece():
                 out = xs @ w  # [M, N_j]; autograd adds the siblings' dx before the all-reduce

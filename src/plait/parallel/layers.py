@@ -51,6 +51,8 @@ __all__ = ["CopiedHeadsLinear", "VocabParallelEmbedding", "shard_experts_ffn", "
 class CopiedHeadsLinear(ColumnParallelLinear):
     """A K/V projection whose heads are copied into ``copies`` sub-groups; see the module doc."""
 
+    defer_wgrad = False  # its gradient hook sums the copies: the gradient goes through autograd
+
     @classmethod
     def from_module(cls, linear: nn.Linear, group=None, *, plan: ShardPlan | None = None,
                     copies: int = 1, unit: int = 1, **kw):
