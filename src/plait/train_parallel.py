@@ -13,9 +13,15 @@ equal in number and length, so it is the global batch's mean loss.
 Balancing: ``plait.balance.Balancer`` (the API ``bench hetero``'s ``BalancedRun``
 drives) steps after every optimizer step; its time is added to the step's
 time (as ``BalancedRun`` times it), its decisions go into the step's record and
-the run's result. With ``dp > 1`` it is refused: a decision changes one tp
-group's ``ShardPlan``, and data parallelism needs every replica in a tp
-position to hold the same shapes; plans agreed across dp are not built yet.
+the run's result. With ``dp > 1`` data parallelism needs every replica in a tp position to
+hold the same shapes, so the plans are agreed across dp: the balancer runs on each rank's tp
+group with its dp group beside it, every speed reading is its tp position's slowest
+replica's (``plait.balance.ReplicaMonitor``), and every replica takes the same decisions.
+After a migration DDP's reducer is rebuilt for the new shapes
+(``plait.parallel.data.replanned``, which checks the replicas first). A balanced run with
+``dp > 1`` is data-parallel by DDP: FSDP2's sharding is not rebuilt after a migration. DDP
+does not see the weight gradients fused row-parallel layers add outside autograd, so it
+needs ``--no-overlap`` (refused without, in one line).
 """
 
 from __future__ import annotations
@@ -72,10 +78,11 @@ def check_parallel(cfg) -> None:
         raise ValueError(f"--balance {cfg.balance} applies to --model "
                          f"{' and '.join(BALANCED_MODELS)}, not to {cfg.model} (its experts or "
                          "tables are not balanced yet)")
-    if cfg.balance != "even" and cfg.dp > 1:
-        raise ValueError(f"--balance {cfg.balance} needs --dp 1: a decision re-cuts one tp "
-                         "group's shards, and data parallelism needs every replica to hold the "
-                         "same shapes (plans agreed across dp are not built yet)")
+    if cfg.balance != "even" and cfg.dp > 1 and cfg.overlap and not cfg.sequence_parallel:
+        raise ValueError(f"--balance {cfg.balance} with --dp {cfg.dp} needs --no-overlap: after "
+                         "a migration data parallelism is rebuilt by DDP (FSDP2's re-sharding "
+                         "is not built), and DDP does not see the weight gradients fused "
+                         "row-parallel layers add outside autograd")
 
 
 def placement_line(layout: MeshLayout, hosts: int) -> str:
@@ -100,19 +107,21 @@ class RankParallel:
         self.dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
         self.replica = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
         self.balancer = None
-        self.tp_model = None
+        self.tp_model = self.model = None
         self.dp_kind = ""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The tensor-parallel ``model`` made data-parallel over dp (unchanged at dp 1)."""
-        self.tp_model = model
+        self.tp_model = self.model = model
         if self.mesh is None:
             return model
         from .parallel.data import data_parallel
 
-        wrapped = data_parallel(model, self.mesh)
-        self.dp_kind = "DDP" if wrapped is not model else "FSDP2"  # fully_shard: in place
-        return wrapped
+        # a balanced run re-applies data parallelism after a migration: DDP only (see above)
+        kind = "auto" if self.cfg.balance == "even" else "ddp"
+        self.model = data_parallel(model, self.mesh, kind=kind)
+        self.dp_kind = "DDP" if self.model is not model else "FSDP2"  # fully_shard: in place
+        return self.model
 
     def replica_rows(self, batches: Iterator) -> Iterator:
         """This replica's rows of every global batch (tensors whose first dim is the batch)."""
@@ -126,14 +135,18 @@ class RankParallel:
             yield tuple(t[share] for t in batch)
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Start the balancer (``--balance`` other than even) on the tensor-parallel model."""
+        """Start the balancer (``--balance`` other than even) on the tensor-parallel model
+        (``model``, or the one ``wrap`` made data-parallel), over its tp group, its speeds
+        agreed over its dp group."""
         if self.cfg.balance == "even":
             return
         from .balance import Balancer, PolicyConfig
 
         policy = PolicyConfig(name=self.cfg.balance, confirm_steps=CONFIRM_STEPS,
                               spike_steps=SPIKE_STEPS)
-        self.balancer = Balancer(model, optimizer, None, policy, every=EVERY, refresh=REFRESH)
+        tp_model = self.tp_model if self.tp_model is not None else model
+        self.balancer = Balancer(tp_model, optimizer, self.tp_group, policy, every=EVERY,
+                                 refresh=REFRESH, dp_group=self.dp_group)
 
     def after_step(self, record: dict) -> None:
         """After the optimizer step: the balancer's step (timed into ``time_s``, its
@@ -141,6 +154,10 @@ class RankParallel:
         if self.balancer is not None:
             start = time.perf_counter()
             done = self.balancer.step(record["step"])
+            if self.mesh is not None and any(d.kind == "migrate" for d in done):
+                from .parallel.data import replanned
+
+                replanned(self.model, self.mesh)  # DDP's reducer for the new shapes
             record["time_s"] += time.perf_counter() - start
             if done:
                 record["decisions"] = [d.to_json() for d in done]
@@ -165,7 +182,7 @@ class RankParallel:
             result["parallel"] += f"; {self.dp_kind} over {self.layout.dp} replicas"
         if self.balancer is not None:
             monitor = self.balancer.monitor
-            result["balance"] = {"policy": self.cfg.balance,
+            result["balance"] = {"policy": self.cfg.balance, "replicas": self.layout.dp,
                                  "decisions": [d.to_json() for d in self.balancer.log],
                                  "final_state": self.balancer.state(),
                                  "compute_s_per_step": monitor.compute_s / max(steps, 1),

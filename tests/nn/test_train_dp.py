@@ -7,7 +7,8 @@ groups across hosts (``--tp-across-hosts``: [0, 2], [1, 3]), one launch: every s
 loss (the replicas' mean, each replica on half the rows) and the held-out loss equal the one
 process's within 1e-9, and every rank logs the same. Refused in one line, exit status 2,
 before anything starts: --dp × --tp that is not the number of ranks; --dp 2 with a model
-it is not built for; --balance with --dp 2.
+it is not built for; --balance with --dp 2 and fused layers (a balanced run is data-parallel
+by DDP, which needs --no-overlap; the balancer under dp 2 is tests/balance/test_balance_dp.py).
 """
 
 import pytest
@@ -74,7 +75,9 @@ def test_dp2_tp2_matches_one_process_on_the_global_batch():
     (["--dp", "3", "--batch-size", "12"], "--dp 3 does not divide 4 ranks"),
     (["--dp", "2", "--model", "dlrm"], "--dp 2 applies to --model gpt and hf-llama, not to "
                                        "dlrm"),
-    (["--dp", "2", "--balance", "semi"], "--balance semi needs --dp 1: a decision re-cuts"),
+    (["--dp", "2", "--balance", "semi"], "--balance semi with --dp 2 needs --no-overlap: "
+                                         "after a migration data parallelism is rebuilt by "
+                                         "DDP (FSDP2's re-sharding is not built)"),
 ])
 def test_refused_in_one_line(flags, line, tmp_path, capsys):
     out = tmp_path / "out"

@@ -18,13 +18,24 @@ its actions are applied at the step boundary:
 After every applied decision the speed monitor restarts (its readings were taken under the
 old plans) and the policies wait for new ones; a migration's cost (the slowest rank's seconds
 over the dim's compute per step) is what the dim's policy weighs the next one by. The first
-``warmup`` steps are not measured (first calls allocate and warm
-caches on some ranks more than others). Every decision and its reason is kept in ``log`` (rank 0 also logs it at INFO
-on ``plait.balance``). Every ``refresh`` steps the layers refresh the priority
-scores ZERO-resizing uses, and a resized dim chooses its features anew (so
-skipped ones return once the kept ones settle). The speeds are identical on every rank after each
-exchange and the policies are deterministic, so every rank takes the same
-decision without another collective.
+``warmup`` steps are not measured (first calls allocate and warm caches on some ranks more
+than others). Every decision and its reason is kept in ``log`` (rank 0 also logs it at INFO
+on ``plait.balance``). Every ``refresh`` steps the layers refresh the priority scores
+ZERO-resizing uses, and a resized dim chooses its features anew (so skipped ones return
+once the kept ones settle). The speeds are identical on every rank after each exchange and
+the policies are deterministic, so every rank takes the same decision without another
+collective.
+
+Under data parallelism (``dp_group``: the ranks in this rank's tp position, one per replica)
+every replica of a tp group must hold the same plans, or data parallelism cannot reduce
+their gradients. So each exchange's table (every tp rank's seconds and work per layer) is
+combined over the dp group before anything is read from it: each figure the largest over
+the replicas (one float64 ``all_reduce(MAX)``, exact, so every replica holds the same bits),
+and a migration's cost likewise. A tp position is then as fast as its slowest replica, every
+replica feeds its policies the same numbers and takes the same decisions. Resizing chooses
+its features from the weights, which data parallelism keeps equal on every replica. After a
+migration the caller re-applies data parallelism to the new shapes
+(``plait.parallel.data.replanned``).
 """
 
 from __future__ import annotations
@@ -33,13 +44,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..nn.linear import select_features
 from .migrate import MigrationReport, migrate
 from .policy import Action, PolicyConfig, SemiPolicy
 from .speed import SpeedMonitor
 
-__all__ = ["Balancer", "Decision"]
+__all__ = ["Balancer", "Decision", "ReplicaMonitor"]
 
 log = logging.getLogger("plait.balance")
 
@@ -73,7 +85,7 @@ class Balancer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  group=None, config: PolicyConfig | None = None, *, every: int = 2,
-                 window: int = 5, refresh: int = 200, warmup: int = 3):
+                 window: int = 5, refresh: int = 200, warmup: int = 3, dp_group=None):
         if not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 1:
             raise ValueError(f"refresh must be a positive number of steps, got {refresh!r}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
@@ -90,9 +102,13 @@ class Balancer:
         modules = dict(model.named_modules())
         self.dims = {dim: [modules[name] for name in names] for dim, names in dims.items()}
         self.names = dict(dims)
-        self.monitor = SpeedMonitor(group, every=every, window=window)
+        self.dp_group = dp_group if _size(dp_group) > 1 else None
+        self.monitor = (SpeedMonitor(group, every=every, window=window) if self.dp_group is None
+                        else ReplicaMonitor(group, self.dp_group, every=every, window=window))
         self.monitor.attach(model)
         self.rank, self.world = self.monitor.rank, self.monitor.world
+        replica = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+        self.logs = self.rank == 0 and replica == 0  # one rank of the whole job logs
         self.policies: dict[str, SemiPolicy] = {}
         for dim, layers in self.dims.items():
             plans = {layer.plan for layer in layers}
@@ -152,22 +168,20 @@ class Balancer:
         decision = Decision(step, dim, action.kind, action.reason, layers[0].plan.sizes,
                             action.fractions, report)
         self.log.append(decision)
-        if self.rank == 0:
+        if self.logs:  # every replica took the same decision
             log.info("step %d %s: %s %s", step, dim, action.kind, action.reason)
         return decision
 
     def _note_cost(self, dim: str, seconds: float, compute_s: float) -> None:
         """The dim's policy learns what the migration cost, in steps of the dim's compute:
-        the slowest rank's seconds (one small all_reduce, so every rank holds the same
-        figure and keeps deciding alike)."""
+        the slowest rank's seconds (one small all_reduce over the tp group and one over the
+        dp group, so every rank of every replica holds the same figure and keeps deciding
+        alike)."""
         cost = torch.tensor([seconds], dtype=torch.float64)
         if self.world > 1:
-            device = "cpu"
-            if torch.distributed.get_backend(self.group) == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            cost = cost.to(device)
-            torch.distributed.all_reduce(cost, op=torch.distributed.ReduceOp.MAX,
-                                         group=self.group)
+            cost = _max_over(cost, self.group)
+        if self.dp_group is not None:
+            cost = _max_over(cost, self.dp_group)
         if compute_s > 0:
             self.policies[dim].note_migration_cost(float(cost) / compute_s)
 
@@ -175,6 +189,36 @@ class Balancer:
         """What each dim looks like now: its plan and this rank's kept share."""
         return {dim: {"sizes": list(layers[0].plan.sizes), "keep": layers[0].keep}
                 for dim, layers in self.dims.items()}
+
+
+class ReplicaMonitor(SpeedMonitor):
+    """A :class:`SpeedMonitor` of one tp group whose readings are its tp position's slowest
+    replica's: after the tp group's exchange, each figure of the table (every tp rank's
+    seconds and work per layer) is the largest over ``dp_group`` (the work is equal on
+    every replica of one plan; the seconds are the slowest replica's). One more small
+    collective per exchange."""
+
+    def __init__(self, group, dp_group, *, every: int = 10, window: int = 5):
+        super().__init__(group, every=every, window=window)
+        self.dp_group = dp_group
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        return _max_over(super()._gather(local), self.dp_group)  # [p, 2·L]
+
+
+def _max_over(values: torch.Tensor, group) -> torch.Tensor:
+    """``values`` (float64, CPU) element-wise the largest over ``group``; a max is exact, so
+    every rank gets the same bits."""
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = values.to(device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.cpu()
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def _resize_dim(layers, keep: float) -> None:

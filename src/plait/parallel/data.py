@@ -22,6 +22,10 @@ Replicas in one tp position must hold the same shapes for data parallelism to
 reduce their gradients: :func:`check_replicas` compares every replica's
 ``ShardPlan`` values and parameter shapes and refuses a difference, on every
 rank, before anything is wrapped.
+
+A change of plan (the balancer's migration, agreed across dp) re-cuts parameters to new
+shapes; :func:`replanned` then checks the replicas again and rebuilds DDP's reducer for
+the new shapes. FSDP2's sharding of the old shapes is not rebuilt: it is refused.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ..ops.deferred import run_deferred
 from ..plan import ShardPlan
 
 __all__ = ["MeshLayout", "dp_tp_mesh", "data_parallel", "choose_kind", "unsharded",
-           "check_replicas", "replica_signature", "replica_mismatch", "DP_KINDS"]
+           "check_replicas", "replica_signature", "replica_mismatch", "replanned", "DP_KINDS"]
 
 log = logging.getLogger("plait.parallel")
 
@@ -214,6 +218,51 @@ def data_parallel(model: nn.Module, mesh, *, kind: str = "auto", **kwargs) -> nn
                  "FSDP2 (fully_shard)" if kind == "fsdp" else "DDP", dp,
                  dist.get_process_group_ranks(dp_group))
     return wrapped
+
+
+def replanned(model: nn.Module, mesh) -> None:
+    """Data parallelism brought to the parameters' shapes after a change of plan (a migration
+    that re-cut them, the same on every replica); every rank of the mesh calls it, after the
+    same decisions. ``model``: what :func:`data_parallel` returned.
+
+    The replicas are checked first (:func:`check_replicas`: a replica that holds another plan
+    is refused on every rank, naming the layer). DDP: its reducer was built for the old
+    shapes (buckets sized by them, hooks on the gradient accumulators the re-cut dropped), so
+    it is built anew for the parameters as they are now, the way DDP rebuilds it when
+    unpickled, with every setting it was made with; no value is broadcast (the replicas hold
+    the same ones). FSDP2: ``ValueError`` (its sharding of each parameter over dp is not
+    rebuilt). A model that is not data-parallel: only the check."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = isinstance(model, DistributedDataParallel)
+    inner = model.module if ddp else model
+    if any(isinstance(m, FSDPModule) for m in inner.modules()):
+        raise ValueError("a change of plan under FSDP2 is not supported: fully_shard's "
+                         "sharding of the old shapes is not rebuilt; use DDP "
+                         "(data_parallel(kind='ddp')) to balance with data parallelism")
+    check_replicas(inner, mesh)
+    if ddp:
+        _rebuild_reducer(model)
+
+
+def _rebuild_reducer(ddp) -> None:
+    """A new ``Reducer`` for the DDP wrapper's parameters as they are now (what DDP's own
+    ``__setstate__`` does); the old one, freed, takes its hooks with it."""
+    unusual = [what for what, on in (("mixed_precision", ddp.mixed_precision is not None),
+                                     ("a python reducer", ddp._use_python_reducer),
+                                     ("delayed all-reduce", bool(ddp._delay_all_reduce_params)))
+               if on]
+    if unusual:
+        raise ValueError(f"cannot rebuild DDP's reducer after a change of plan with "
+                         f"{', '.join(unusual)}; wrap with DDP's defaults for these")
+    parameters, sparse = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, sparse, names, ddp.static_graph)
+    ddp._has_rebuilt_buckets = False
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
 
 
 @contextlib.contextmanager

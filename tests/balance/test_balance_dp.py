@@ -1,0 +1,131 @@
+"""The balancer under data parallelism: dp 2 × tp 2 (4 ranks, tp groups [0, 1] and [2, 3]),
+plait's GPT in float64, the loop ``plait train --dp 2 --tp 2 --balance POLICY --no-overlap``
+runs (``plait.train_parallel.RankParallel``: DDP over dp, the balancer on each tp group with
+its speeds agreed over dp), rank 1 (replica 0, tp position 1) made 3 × slower at compute.
+
+- ``migrate``: after every step, both replicas hold the same plans (every ``ShardPlan`` of the
+  model; gathered from the ranks), at least one migration happens, and every step's loss
+  equals a single process's on the global batch (the plain GPT, the same loop, AdamW and
+  schedule) within 1e-9: migration is exact, and DDP reduces the new shapes after it.
+- ``semi``: after every step, both replicas hold the same plans and the same resizing (each
+  dim's kept share and the very features kept), and the balancer acted at least once.
+
+Replica 1 is not slowed: without the agreement over dp it would see balanced speeds and act
+otherwise than replica 0.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.data import CharCorpus
+from plait.models import GPT
+from plait.parallel.data import replica_signature
+from plait.runtime import rank_context
+from plait.runtime.straggler import SlowSpec, Straggler
+from plait.runtime.testing import run_ranks
+from plait.train import TrainConfig, build_gpt, gpt_loss, train_steps
+from plait.train_parallel import RankParallel
+
+TOL = 1e-9
+SLOW, FACTOR = 1, 3.0
+SIZES = dict(model="gpt", n_layer=1, n_head=4, n_embd=32, seq_len=16, batch_size=8, lr=1e-2,
+             eval_batches=0, dp=2, tp=2, overlap=False)
+
+
+def _config(policy: str, steps: int) -> TrainConfig:
+    return TrainConfig(balance=policy, steps=steps, **SIZES)
+
+
+def _state(run: RankParallel) -> dict:
+    """What both replicas must hold alike: every plan of the model, and per dim each layer's
+    kept share and kept features (None: all)."""
+    out = {"plans": replica_signature(run.tp_model)["plans"]}
+    for dim, layers in run.balancer.dims.items():
+        out[dim] = [(layer.keep, None if layer._kept is None else layer._kept.tolist())
+                    for layer in layers]
+    return out
+
+
+def _train(cfg: TrainConfig) -> dict:
+    torch.set_default_dtype(torch.float64)
+    rank = dist.get_rank()
+    rank_context().straggler = Straggler([SlowSpec(rank=SLOW, factor=FACTOR)], rank)
+    run = RankParallel(cfg)
+    corpus = CharCorpus.load()
+    model = run.wrap(build_gpt(cfg, run.tp_group, vocab_size=corpus.vocab_size))
+    batches = run.replica_rows(corpus.batches("train", cfg.batch_size, cfg.seq_len,
+                                              seed=cfg.seed + 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    run.attach(model, optimizer)
+    states = []
+
+    def on_step(record: dict) -> None:
+        run.after_step(record)  # the balancer's step (DDP rebuilt after a migration), the loss
+        states.append(_state(run))
+
+    history = train_steps(model, optimizer, batches, gpt_loss, cfg.steps, peak_lr=cfg.lr,
+                          on_step=on_step)
+    return {"losses": [r["loss"] for r in history], "states": states,
+            "decisions": [d.to_json() for d in run.balancer.log], "replica": run.replica,
+            "kind": run.dp_kind}
+
+
+def _reference(cfg: TrainConfig) -> list[float]:
+    """Every step's loss of the plain GPT (no plait layer) in this process on the global batch,
+    float64, through the same loop (one process: no straggler, no balancer)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        corpus = CharCorpus.load()
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg.gpt_config(corpus.vocab_size))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+        history = train_steps(model, optimizer, batches, gpt_loss, cfg.steps, peak_lr=cfg.lr)
+        return [r["loss"] for r in history]
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _same_on_both_replicas(results: list[dict]) -> None:
+    assert [r["replica"] for r in results] == [0, 0, 1, 1]
+    assert {r["kind"] for r in results} == {"DDP"}
+    for tp_rank in range(2):
+        ours, theirs = results[tp_rank]["states"], results[2 + tp_rank]["states"]
+        assert len(ours) == len(theirs)
+        for step, (a, b) in enumerate(zip(ours, theirs)):
+            assert a == b, (tp_rank, step, a, b)
+        # the same decisions, for the same reasons (a migration's own seconds differ)
+        assert _decided(results[tp_rank]) == _decided(results[2 + tp_rank])
+
+
+def _show(results: list[dict]) -> None:
+    for d in results[0]["decisions"]:
+        print(f"step {d['step']} {d['dim']}: {d['kind']} → {d['sizes']} {d.get('fractions', '')}")
+
+
+def _decided(result: dict) -> list[dict]:
+    return [{k: v for k, v in d.items() if k != "migration"} for d in result["decisions"]]
+
+
+def test_migrate_agrees_across_replicas_and_matches_one_process():
+    cfg = _config("migrate", steps=24)
+    results = run_ranks(_train, 4, cfg, timeout_s=60)
+    _show(results)
+    _same_on_both_replicas(results)
+    kinds = [d["kind"] for d in results[0]["decisions"]]
+    assert "migrate" in kinds, results[0]["decisions"]
+    final = results[0]["states"][-1]["plans"]
+    assert any(len(set(sizes)) > 1 for sizes in final.values()), final  # left uneven
+    want = _reference(cfg)
+    for rank, out in enumerate(results):
+        assert out["losses"] == pytest.approx(want, rel=0, abs=TOL), (rank, out["losses"], want)
+
+
+def test_semi_agrees_across_replicas():
+    cfg = _config("semi", steps=36)
+    results = run_ranks(_train, 4, cfg, timeout_s=60)
+    _show(results)
+    _same_on_both_replicas(results)
+    assert results[0]["decisions"], "the balancer never acted on a 3 × slower rank"
