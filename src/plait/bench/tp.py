@@ -30,11 +30,16 @@ wq/wk/wv, each rank must own whole heads of q, k and v: the rows are reordered
 to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | …]`` (per rank, its heads of each) before
 ``parallelize_module``. The same function of the same weights; the GPT's
 forward reads its head count from the local shape, as torchtitan's does.
+
+With ``dp`` above 1 (``--dp 2 --tp 2``) the bench compares placements instead:
+plait's tensor parallelism on the tp groups, PyTorch's data parallelism across
+them, tp inside a host against tp across hosts, each beside the performance
+model's prediction (:mod:`plait.bench.tp_dp`, :mod:`plait.perf.placement`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -51,10 +56,11 @@ from ..train import TrainConfig, build_gpt, gpt_loss
 from . import tp_hf
 from .tp_dlrm import EMB_SYSTEMS, PLAIT_EMB_SYSTEMS, EmbBenchConfig, run_emb_bench, torchrec_missing
 
-__all__ = ["TPBenchConfig", "SYSTEMS", "QUICK_TP", "bench_tp", "run_tp_bench",
+__all__ = ["TPBenchConfig", "SYSTEMS", "DP_SYSTEMS", "QUICK_TP", "bench_tp", "run_tp_bench",
            "parallelize_torch_tp", "heads_contiguous_qkv", "summarize_tp"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp")
+DP_SYSTEMS = ("plait", "plait-plain")  # under --dp above 1
 MODELS = ("gpt", "hf-llama")
 # per model where they differ: the GPT bench's sizes; the Llama of issue 23 (4 layers of
 # width 256), whose all-reduces are a larger share of a step than the 2 × 512 GPT's
@@ -118,6 +124,13 @@ class TPBenchConfig:
         "DLRM: SGD learning rate (the loss is a mean over batch × tables × dim elements)"))
     emb_chunks: int = field(default=0, metadata=_h(
         "DLRM: plait-emb's pieces (0: auto, the cost model's choice)"))
+    dp: int = field(default=1, metadata=_h(
+        "data-parallel replicas (PyTorch's DDP or FSDP2 around plait's TP); above 1 the bench "
+        "trains plait's fused path (--systems plait, plait-plain) under both placements, tp "
+        "inside a host and tp across hosts, and prints each beside the simulator's prediction"))
+    tp: int | None = field(default=None, metadata=_h(
+        "ranks in one tensor-parallel group; --dp × --tp must be the ranks (default: ranks / "
+        "--dp)"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
 
     def __post_init__(self) -> None:
@@ -144,8 +157,35 @@ class TPBenchConfig:
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         self.train_config().gpt_config(97)  # refuse n_embd not divisible by n_head now
+        self._check_mesh()
         if self.model == "hf-llama":
             self._check_hf()
+
+    def _check_mesh(self) -> None:
+        for name in ("dp", "tp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+        if self.dp == 1:
+            return
+        if self.systems == SYSTEMS:  # the default: the placements of plait's fused path
+            object.__setattr__(self, "systems", ("plait",))
+        if not set(self.systems) <= set(DP_SYSTEMS):
+            raise ValueError(f"--dp {self.dp} compares placements of {' and '.join(DP_SYSTEMS)}, "
+                             f"not --systems {','.join(self.systems)}")
+        if self.batch_size % self.dp:
+            raise ValueError(f"--batch-size {self.batch_size} does not split evenly over --dp "
+                             f"{self.dp} replicas")
+
+    @property
+    def mesh_ranks(self) -> int | None:
+        """--dp × --tp where --tp is given (the ranks the run needs), else None."""
+        return self.dp * self.tp if self.tp is not None else None
+
+    def resolved(self, world: int) -> "TPBenchConfig":
+        """This config on ``world`` ranks, ``tp`` filled in (checked by :meth:`check_world`)."""
+        self.check_world(world)
+        return replace(self, tp=world // self.dp)
 
     def _check_hf(self) -> None:
         if self.n_head % self.n_kv_head:
@@ -161,7 +201,7 @@ class TPBenchConfig:
 
     @property
     def runs_dlrm(self) -> bool:
-        return self.dlrm and self.model == "gpt"
+        return self.dlrm and self.model == "gpt" and self.dp == 1
 
     @property
     def total_steps(self) -> int:
@@ -179,6 +219,13 @@ class TPBenchConfig:
                               seed=self.seed, chunks=self.emb_chunks or "auto")
 
     def check_world(self, world: int) -> None:
+        tp = self.tp if self.tp is not None else world // self.dp
+        if self.dp * tp != world:
+            raise ValueError(f"--dp {self.dp} × --tp {tp} = {self.dp * tp} ranks, but the run "
+                             f"has {world} (--ranks, or --hosts)")
+        if self.dp > 1:
+            self._check_tp(tp)
+            return
         if self.runs_dlrm and self.emb_tables % world:
             raise ValueError(f"--emb-tables {self.emb_tables} do not split evenly over {world} "
                              "ranks (TorchRec's table-wise plan and plait's are compared as equals)")
@@ -189,6 +236,16 @@ class TPBenchConfig:
             raise ValueError(f"--n-kv-head {self.n_kv_head} does not split over {world} ranks: "
                              "PyTorch TP shards k_proj/v_proj evenly, so the KV-head count "
                              "must be a multiple of the ranks")
+
+
+    def _check_tp(self, tp: int) -> None:
+        if tp < 2:
+            raise ValueError(f"--dp {self.dp} × --tp {tp}: with one rank per tp group both "
+                             "placements are the same; the comparison needs --tp 2 or more")
+        if self.n_head % tp:
+            raise ValueError(f"--n-head {self.n_head} does not split over --tp {tp} ranks")
+        if self.model == "hf-llama" and self.n_kv_head % tp:
+            raise ValueError(f"--n-kv-head {self.n_kv_head} does not split over --tp {tp} ranks")
 
 
 # --- PyTorch tensor parallelism ---------------------------------------------
@@ -287,11 +344,7 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
     ctx, world = rank_context(), dist.get_world_size()
     wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size, name) if cfg.model == "hf-llama"
             else _wire(cfg, world, ctx.link))
-    sizes = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size")
-    model = {"name": cfg.model, **{k: getattr(cfg, k) for k in sizes}}
-    if cfg.model == "hf-llama":
-        model.update(n_kv_head=cfg.n_kv_head, ffn=tp_hf.ffn_width(cfg.n_embd),
-                     vocab=tp_hf.padded_vocab(vocab_size), plan=cfg.hf_plan)
+    model = _model_info(cfg, vocab_size)
     return {"system": name, "part": cfg.model, "t_step_s": t_step,
             "tokens_per_s": tokens / t_step, **wire,
             "max_loss_diff": diff, "loss_diff_vs": ref if diff is not None else None,
@@ -302,6 +355,15 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
             "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
             "note": (tp_hf.NOTES if cfg.model == "hf-llama" else NOTES)[name],
             "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
+
+
+def _model_info(cfg: TPBenchConfig, vocab_size: int) -> dict:
+    sizes = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size")
+    model = {"name": cfg.model, **{k: getattr(cfg, k) for k in sizes}}
+    if cfg.model == "hf-llama":
+        model.update(n_kv_head=cfg.n_kv_head, ffn=tp_hf.ffn_width(cfg.n_embd),
+                     vocab=tp_hf.padded_vocab(vocab_size), plan=cfg.hf_plan)
+    return model
 
 
 def _wire(cfg: TPBenchConfig, world: int, link: str) -> dict:
@@ -318,8 +380,13 @@ def _wire(cfg: TPBenchConfig, world: int, link: str) -> dict:
 
 
 def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
-    """On every rank of an initialised group: build, train interleaved, one record per system."""
-    cfg.check_world(dist.get_world_size())
+    """On every rank of an initialised group: build, train interleaved, one record per system
+    (with ``dp`` above 1, per system and placement: :mod:`plait.bench.tp_dp`)."""
+    cfg = cfg.resolved(dist.get_world_size())
+    if cfg.dp > 1:
+        from .tp_dp import run_placement_bench
+
+        return run_placement_bench(cfg)
     get_context().calibration()  # once, before anything is timed
     corpus = CharCorpus.load()
     stream = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
@@ -371,9 +438,13 @@ def _with_speedups(records: list[dict], reference: str) -> list[dict]:
 
 def summarize_tp(records: list[dict]) -> dict:
     """What the issue asks: plait's speedup over PyTorch TP, and whether the losses agree."""
-    by = {r["system"]: r for r in records if r.get("part") != "dlrm"}
+    by = {r["system"]: r for r in records if r.get("part") not in ("dlrm", "placement")}
     emb = {r["system"]: r for r in records if r.get("part") == "dlrm"}
     out = {}
+    if any(r.get("part") == "placement" for r in records):
+        from .tp_dp import summarize_placements
+
+        out.update(summarize_placements(records))
     if "torchrec" in emb and emb["torchrec"].get("skipped"):
         out["torchrec"] = "skipped: " + emb["torchrec"]["skipped"]
     elif "torchrec" in emb and "plait-emb" in emb:
@@ -403,6 +474,6 @@ def bench_tp(cfg: TPBenchConfig, *, ranks: int, hosts: int = 0, link: str | None
     """The comparison on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback)."""
     from .placement import run_placed
 
-    cfg.check_world(ranks)
+    cfg = cfg.resolved(ranks)
     return run_placed(run_tp_bench, cfg, ranks=ranks, hosts=hosts, link=link,
                       timeout_s=timeout_s, on_progress=on_progress)

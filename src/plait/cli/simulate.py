@@ -1,6 +1,7 @@
 """``plait simulate``: predict step time, exposed communication, and what fusion
 and each balancing policy save; ``--validate`` shows the model beside
-measurements and published figures; ``--calibrate`` fits this machine's profile.
+measurements and published figures; ``--calibrate`` fits this machine's profile;
+``--placements`` predicts the two placements of a ``bench tp --dp N --tp M`` run.
 
 Everything here is a thin shell over plait.perf; nothing is unreachable from Python.
 """
@@ -50,6 +51,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the records as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
     p.add_argument("--list", action="store_true", help="list presets, GPUs and links")
+    p.add_argument("--placements", metavar="PATH",
+                   help="a `plait bench tp --dp N --tp M --json` file: each placement's step "
+                        "predicted (plait.perf.placement) from the figures that run measured, "
+                        "beside its measured step")
+    p.add_argument("--link", metavar="RATE",
+                   help="with --placements: predict at this link rate between hosts instead "
+                        "(e.g. 10gbit)")
     p.set_defaults(func=run)
     return p
 
@@ -65,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
             return _calibrate(args, console)
         if args.validate:
             return _validate(args, console)
+        if args.placements:
+            return _placements(args, console)
         return _simulate(args, console)
     except (ValueError, FileNotFoundError) as e:
         print(f"plait: error: {e}", file=sys.stderr)
@@ -81,7 +91,15 @@ def _check_flags(args) -> None:
     if args.profile and not args.calibrate:
         raise ValueError("--profile names where --calibrate saves the profile; add --calibrate "
                          "(the operators read it from $PLAIT_PROFILE)")
+    if args.placements and (args.calibrate or args.validate):
+        raise ValueError("--placements predicts a bench tp run's placements; run it apart from "
+                         "--calibrate and --validate")
+    if args.link and not args.placements:
+        raise ValueError("--link goes with --placements (the rate between emulated hosts)")
+    if args.placements and args.plot:
+        raise ValueError("--placements prints a table and writes --json, not --plot")
     check_readable(args.config, "--config")
+    check_readable(args.placements, "--placements")
     for path in args.measurements or ():
         check_readable(path, "--measurements")
     check_outputs(args, "json", "plot")
@@ -232,6 +250,44 @@ def _validate(args, console) -> int:
         _plot_validation(args.plot, rows)
         console.print(f"wrote {args.plot}")
     return 1 if failed else 0
+
+
+def _placements(args, console) -> int:
+    """Each placement record of a ``bench tp --dp N --tp M`` JSON predicted again from the
+    figures it recorded (``--link``: at another rate), printed beside its measured step."""
+    from plait.bench.tp_dp import print_placements
+    from plait.perf.placement import Hardware, StepWork, predict_placement
+    from plait.runtime import parse_rate
+
+    try:
+        data = json.loads(Path(args.placements).read_text())
+    except ValueError as e:
+        raise ValueError(f"--placements {args.placements}: not valid JSON ({e})") from None
+    records = [r for r in (data.get("records", []) if isinstance(data, dict) else data)
+               if isinstance(r, dict) and r.get("part") == "placement"]
+    if not records:
+        raise ValueError(f"--placements {args.placements} holds no placement records; write one "
+                         "with `plait bench tp --dp 2 --tp 2 --ranks 4 --hosts 2 --json PATH`")
+    rate = parse_rate(args.link) if args.link else None
+    if args.link and rate is None:
+        raise ValueError(f"--link {args.link}: give a rate (e.g. 1gbit)")
+    for r in records:
+        hw = Hardware(**r["hardware"])
+        if rate is not None:
+            hw = dataclasses.replace(hw, inter_Bps=rate / 8 if hw.hosts > 1 else None)
+            r["link_predicted"] = args.link
+        predicted = predict_placement(StepWork(**r["work"]), hw, r["placement"])
+        r.update(predicted_step_s=predicted.step_s, prediction=predicted.to_dict(),
+                 hardware=dataclasses.asdict(hw), across_hosts=(
+                     predicted.across_hosts if hw.hosts > 1 else r["across_hosts"]))
+    print_placements(records, to=console)
+    if args.link:
+        console.print(f"predicted at --link {args.link}; measured at {records[0]['link']}",
+                      highlight=False)
+    if args.json:
+        _write_json(args.json, {"records": records, "source": str(args.placements)})
+        console.print(f"wrote {args.json}")
+    return 0
 
 
 def _write_json(path: str, data) -> None:
