@@ -237,10 +237,6 @@ def test_cluster_run_hands_on_a_ranks_exit_status(runs):
     assert [e["LOCAL_RANK"] for e in envs] == (["0", "0", "0"] if NETNS else ["0", "1", "2"])
 
 
-@pytest.mark.xfail(strict=True, reason="cluster run stops a rank's own process (SIGKILL) but not "
-                   "the processes it started: a rank that is a shell or a launcher leaves them "
-                   "running (src/plait/cli/cluster.py; a process group per rank would take them "
-                   "along; not this test's file)")
 def test_cluster_run_stops_what_a_stopped_rank_started(runs):
     result, folder, _ = runs["tree"]
     assert result["rc"] == 3 and (folder / "child.started").exists(), result

@@ -52,6 +52,66 @@ def _set_pdeathsig() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+class _Subreaper:
+    """While entered, this process adopts its descendants' orphans (prctl
+    PR_SET_CHILD_SUBREAPER): a rank that exits leaves what it started as our children,
+    not init's, so ``stop`` finds and ends them too. The previous setting comes back after."""
+
+    def __enter__(self) -> "_Subreaper":
+        libc = ctypes.CDLL(None, use_errno=True)
+        was = ctypes.c_int(0)
+        libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was))
+        self._libc, self._was = libc, was.value
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self.before = set(_children_of().get(os.getpid(), ()))  # not ours to stop
+        return self
+
+    def stop(self, procs: list[subprocess.Popen]) -> None:
+        """SIGKILL the ranks, everything they started and every orphan we adopted; reap."""
+        tree = _children_of()
+        roots = [p.pid for p in procs] + \
+            [pid for pid in tree.get(os.getpid(), ()) if pid not in self.before]
+        doomed, todo = set(), list(roots)
+        while todo:
+            pid = todo.pop()
+            if pid not in doomed:
+                doomed.add(pid)
+                todo.extend(tree.get(pid, ()))
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in procs:
+            proc.wait()
+        for pid in doomed - {p.pid for p in procs}:
+            try:  # an adopted orphan is our child now: reap it
+                os.waitpid(pid, 0)
+            except ChildProcessError:  # a grandchild still under its own parent
+                pass
+
+    def __exit__(self, *exc) -> None:
+        self._libc.prctl(PR_SET_CHILD_SUBREAPER, self._was)
+
+
+def _children_of() -> dict[int, list[int]]:
+    """parent pid → its children's pids, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
 def _rank_setup(cgroup: str | None):
     """preexec_fn of a rank: into its host's CPU budget (if any), and die with the launcher."""
     def setup() -> None:
@@ -69,7 +129,8 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
     ``host_cpu``: each host's CPU budget in cores (EmulatedCluster's ``cpu``)."""
     if not cmd:
         raise ValueError("no command given; write: plait cluster run --hosts 2 -- python train.py")
-    with EmulatedCluster(hosts=max(hosts, 1), link=link, cpu=host_cpu) as cluster:
+    with EmulatedCluster(hosts=max(hosts, 1), link=link, cpu=host_cpu) as cluster, \
+            _Subreaper() as reaper:
         print(f"plait: {cluster.describe()}", flush=True)
         procs, where = [], []
         try:
@@ -90,10 +151,7 @@ def run_on_cluster(cmd: list[str], *, ranks: int, hosts: int, link: str | None,
                 where.append(f"host {host.index} ({host.addr})" if host.netns else "loopback")
             return _wait_all(procs, where, deadline_s)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            reaper.stop(procs)  # the ranks and whatever they started, ended or not
 
 
 def _wait_all(procs: list[subprocess.Popen], where: list[str], deadline_s: float | None) -> int:
