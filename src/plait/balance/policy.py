@@ -24,7 +24,7 @@ from typing import Sequence
 from ..plan import ShardPlan
 
 __all__ = ["POLICIES", "PolicyConfig", "Action", "SemiPolicy", "static_plan", "resize_fraction",
-           "resize_fractions", "imbalance", "check_speeds"]
+           "resize_fractions", "imbalance", "check_speeds", "agreement"]
 
 POLICIES = ("even", "static", "resize", "migrate", "semi")  # the names perf.hetero uses too
 
@@ -183,6 +183,11 @@ class SemiPolicy:
     ``trigger`` or under half its height (in log): the window's mean still holds a spike's
     readings for ``window`` readings after it ends, and a resize made part-way into the
     spike records too low a height for the receding test on the window to see it end.
+
+    An imbalance counts (for resizing, migrating and its age) only while each of the newest
+    readings also shows it, between the same two ranks, at ``trigger`` or more
+    (:func:`agreement`): jitter with no persistent straggler pushes the window's mean over the
+    trigger now and then, but seldom every newest reading with it in the same direction.
     """
 
     def __init__(self, config: PolicyConfig, total: int, world: int):
@@ -223,7 +228,10 @@ class SemiPolicy:
         raw = imbalance(speeds)  # the speeds themselves, whatever the plan
         on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
         departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
-        moved = on_plan >= cfg.trigger and departure >= cfg.trigger
+        # every newest reading on its own shows it too, on the same ranks: jitter pushes the
+        # window's mean over the trigger now and then, but seldom each newest reading with it
+        agree = agreement(speeds, recent, self.basis)
+        moved = on_plan >= cfg.trigger and departure >= cfg.trigger and agree >= cfg.trigger
         self.imbalanced_steps = self.imbalanced_steps + 1 if moved else 0
         self.peak = max(self.peak, departure) if moved else 1.0
         self.departure = departure
@@ -327,6 +335,16 @@ class SemiPolicy:
             self.fractions = action.fractions
         elif action.kind == "undo":
             self.fractions = None
+
+
+def agreement(speeds: Sequence[float], recent: Sequence[Sequence[float]],
+              basis: Sequence[float]) -> float:
+    """The smallest departure, among the ``recent`` readings, between the two ranks that the
+    window's ``speeds`` find furthest apart from ``basis`` (under 1 where a reading has them
+    the other way round)."""
+    rel = [s / b for s, b in zip(speeds, basis)]
+    slow, fast = rel.index(min(rel)), rel.index(max(rel))
+    return min((r[fast] / basis[fast]) / (r[slow] / basis[slow]) for r in recent)
 
 
 def _fmt(values: Sequence[float]) -> str:

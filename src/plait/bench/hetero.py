@@ -9,7 +9,19 @@ rank ``F`` × slower sleeps ``(F − 1)`` × each of its compute pieces):
 - ``none``: no straggler, the reference;
 - ``straggler-2x``: the last rank 2 × slower throughout;
 - ``graded``: ranks 4 ×, 2 ×, 1 ×, 1 × slower (on 4 ranks; fewer ranks take the first ones);
-- ``spike``: the last rank 3 × slower for ``spike_len`` steps from ``spike_at``, then normal.
+- ``spike``: the last rank 3 × slower for ``spike_len`` steps from ``spike_at``, then normal;
+- a scenario file (``--scenario-file PATH``, :mod:`plait.runtime.scenario_file`): per-rank
+  slowdowns that change with the step (gradual drift, jitter), run as one more scenario
+  named by the file; every record of it carries the file (``scenario_file``).
+
+On an emulated cluster with equal CPU budgets (``--hosts 4 --host-cpu 0.5``: each host a
+real half core from the kernel, 4 × 0.5 = the 2 cores of the machine, so four ranks do not
+fight over cores) ``graded``'s 4 ×, 2 ×, 1 ×, 1 × stay the sleep emulation on top of the
+budgets, not budgets of 0.125, 0.25, 0.5, 0.5: a budget holds a host for the whole launch,
+and one launch runs the ``none`` reference and every policy interleaved step by step, so
+graded budgets would slow the reference and the ideal with it. On a budgeted host the
+compute is timed by the wall clock (``runtime.straggler.compute_clock``), so a rank ``F`` ×
+slower sleeps ``F − 1`` × its throttled compute: ``F`` × the half-core host.
 
 Per run: every step's time (the slowest rank's: forward, backward, update and
 the balancer's own step, migrations included), the losses, the balancer's
@@ -38,7 +50,8 @@ from ..balance import Balancer, PolicyConfig
 from ..balance.policy import POLICIES
 from ..data import CharCorpus
 from ..runtime import rank_context
-from ..runtime.straggler import SlowSpec, Straggler
+from ..runtime.scenario_file import Scenario, load_scenario
+from ..runtime.straggler import SlowCurve, SlowSpec, Straggler
 from ..runtime.timing import agreed_max, balanced_round
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
@@ -56,7 +69,11 @@ class HeteroBenchConfig:
     """Scenarios, policies, the model and the steps; each field's help is its CLI flag's help."""
 
     scenarios: tuple[str, ...] = field(default=SCENARIOS, metadata=_h(
-        "what to run: " + ", ".join(SCENARIOS)))
+        "what to run: " + ", ".join(SCENARIOS) + " (none: the reference every ratio needs;"
+        " may be empty with --scenario-file)"))
+    scenario_file: str | None = field(default=None, metadata=_h(
+        "a JSON scenario file (per-rank slowdowns by step: drift, jitter; see "
+        "examples/scenarios/), run after --scenarios under its own name"))
     policies: tuple[str, ...] = field(default=POLICIES, metadata=_h(
         "balancing policies: " + ", ".join(POLICIES)))
     steps: int = field(default=100, metadata=_h("training steps per run"))
@@ -83,13 +100,20 @@ class HeteroBenchConfig:
         "are resized, then undone)"))
     eval_batches: int = field(default=8, metadata=_h("held-out batches at the end"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
+    scenario: Scenario | None = field(default=None, init=False, repr=False, compare=False)
+    """The scenario file, read and checked (None without one)."""
 
     def __post_init__(self) -> None:
         for name, known in (("scenarios", SCENARIOS), ("policies", POLICIES)):
             values = getattr(self, name)
             bad = [v for v in values if v not in known]
-            if bad or not values:
+            if bad or not (values or name == "scenarios" and self.scenario_file):
                 raise ValueError(f"--{name} {list(values)}: choose from {list(known)}")
+        scenario = load_scenario(self.scenario_file) if self.scenario_file else None
+        if scenario is not None and scenario.name in SCENARIOS:
+            raise ValueError(f"{self.scenario_file}: name {scenario.name!r} is a built-in "
+                             f"scenario's; choose another")
+        object.__setattr__(self, "scenario", scenario)
         for name in ("steps", "seeds", "spike_len", "n_layer", "n_head", "n_embd", "seq_len",
                      "batch_size", "every", "refresh", "spike_steps", "confirm_steps"):
             if getattr(self, name) < 1:
@@ -115,13 +139,19 @@ class HeteroBenchConfig:
             raise ValueError("bench hetero needs at least 2 ranks (one of them slowed)")
         if self.n_head < world:
             raise ValueError(f"--n-head {self.n_head} gives some of the {world} ranks no head")
+        if self.scenario is not None:
+            self.scenario.specs(world, self.steps)  # refuses a rank the group does not have
+
+    def scenario_names(self) -> tuple[str, ...]:
+        """``scenarios``, then the scenario file's name."""
+        return self.scenarios + ((self.scenario.name,) if self.scenario else ())
 
     def runs(self) -> list[tuple[int, str, str]]:
         """(seed, scenario, policy) in the order they run; ``none`` runs only ``even`` and
         ``semi`` (the reference, and whether the default policy leaves a balanced group be)."""
         out = []
         for seed in range(self.seeds):
-            for scenario in self.scenarios:
+            for scenario in self.scenario_names():
                 for policy in self.policies:
                     if scenario == "none" and policy not in ("even", "semi"):
                         continue
@@ -131,9 +161,12 @@ class HeteroBenchConfig:
         return out
 
 
-def scenario_specs(scenario: str, world: int, cfg: HeteroBenchConfig) -> list[SlowSpec]:
+def scenario_specs(scenario: str, world: int,
+                   cfg: HeteroBenchConfig) -> list[SlowSpec | SlowCurve]:
     """The straggler specs of a scenario on ``world`` ranks."""
     last = world - 1
+    if cfg.scenario is not None and scenario == cfg.scenario.name:
+        return cfg.scenario.specs(world, cfg.steps)
     if scenario == "none":
         return []
     if scenario == "straggler-2x":
@@ -146,11 +179,10 @@ def scenario_specs(scenario: str, world: int, cfg: HeteroBenchConfig) -> list[Sl
     raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 
 
-def factors_at(specs: list[SlowSpec], world: int, step: int) -> list[float]:
+def factors_at(specs: list[SlowSpec | SlowCurve], world: int, step: int) -> list[float]:
     factors = [1.0] * world
     for spec in specs:
-        if spec.active(step):
-            factors[spec.rank] *= spec.factor
+        factors[spec.rank] *= spec.factor_at(step)
     return factors
 
 
@@ -277,6 +309,9 @@ def _record(cfg: HeteroBenchConfig, seed: int, scenario: str, policy: str, specs
             "decisions": result["decisions"], "final_state": result["final_state"],
             "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
             "link": cfg.extra.get("link", "loopback"), "hosts": cfg.extra.get("hosts", 0),
+            "host_cpu": cfg.extra.get("host_cpu"),
+            "scenario_file": (cfg.scenario.to_json() if cfg.scenario is not None
+                              and scenario == cfg.scenario.name else None),
             "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                       "seq_len": cfg.seq_len, "batch_size": cfg.batch_size},
             "overlap": cfg.overlap, "interleaved": True}
@@ -383,8 +418,9 @@ def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
 
 
 def _targets(rows: dict, base: dict | None) -> dict:
-    """Per seed, what issue 22 asks of semi: its ratio on ``straggler-2x`` and the gap to
-    migrate alone there, its gap to resize alone on ``spike``, its decisions on ``none``;
+    """Per seed, what issue 22 asks of semi: its ratio and its decisions in every scenario
+    (none and a jitter file: no decision), the gap to migrate alone on ``straggler-2x`` and
+    to resize alone on ``spike``;
     and per scenario and policy, held-out accuracy below the ``none`` run (pp, the mean)."""
     out: dict = {}
     for scenario, other in (("straggler-2x", "migrate"), ("spike", "resize")):
@@ -394,9 +430,11 @@ def _targets(rows: dict, base: dict | None) -> dict:
             if alone and "ratio_per_seed" in alone:
                 out[f"{scenario}_semi_minus_{other}_per_seed"] = [
                     a - b for a, b in zip(semi["ratio_per_seed"], alone["ratio_per_seed"])]
-    none_semi = rows.get(("none", "semi"))
-    if none_semi:
-        out["none_semi_decisions_per_seed"] = none_semi["decisions_per_seed"]
+    for (scenario, policy), row in rows.items():  # every scenario's semi: drift, jitter, …
+        if policy == "semi":
+            out[f"{scenario}_semi_decisions_per_seed"] = row["decisions_per_seed"]
+            if "ratio_per_seed" in row:
+                out[f"{scenario}_semi_ratio_per_seed"] = row["ratio_per_seed"]
     if base:
         out["acc_loss_pp"] = {f"{sc}/{pol}": round(100 * (base["heldout_acc"] - r["heldout_acc"]),
                                                    3)

@@ -8,10 +8,16 @@ middle of a GEMM, and that wait is not compute a slower device would stretch.
 Giving that rank less work therefore really shortens its delay, as on a slower
 device, which is what the balancer needs to be tested against. The wait is a
 sleep, so the emulated slowness does not steal CPU from other ranks.
+
+A slowdown is a :class:`SlowSpec` (one factor over a window of steps, ``--slow``) or a
+:class:`SlowCurve` (a factor that changes with the step: piecewise-linear drift times
+periodic or seeded random jitter; what a scenario file, :mod:`plait.runtime.scenario_file`,
+becomes). Both answer ``factor_at(step)``; a rank's factors multiply.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from contextlib import contextmanager
@@ -20,7 +26,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["SlowSpec", "parse_slow", "validate_slow", "Straggler", "compute_clock"]
+__all__ = ["SlowSpec", "SlowCurve", "JITTERS", "parse_slow", "validate_slow", "Straggler",
+           "compute_clock"]
 
 
 def compute_clock(device: torch.device | None = None):
@@ -64,6 +71,84 @@ class SlowSpec:
     def active(self, step: int) -> bool:
         return step >= self.from_step and (self.until_step is None or step < self.until_step)
 
+    def factor_at(self, step: int) -> float:
+        return self.factor if self.active(step) else 1.0
+
+
+JITTERS = ("random", "periodic")
+
+
+@dataclass(frozen=True)
+class SlowCurve:
+    """Rank ``rank`` computes ``factor_at(step)`` × slower: the piecewise-linear curve through
+    ``points`` ((step, factor) pairs, steps increasing; flat before the first and after the
+    last) times ``1 + amplitude · u``, u in [−1, 1]. ``jitter="random"``: u is uniform, drawn
+    anew every ``period`` steps from (``seed``, rank, step // period) by a fixed hash, so every
+    process and every call order sees the same draws; ``"periodic"``: u = sin(2π (step +
+    ``phase``) / ``period``)."""
+
+    rank: int
+    points: tuple[tuple[float, float], ...]
+    amplitude: float = 0.0
+    jitter: str = "random"
+    period: int = 1
+    phase: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"a slowed rank must be non-negative, got {self.rank}")
+        steps = [x for x, _ in self.points]
+        if not steps or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"a slowdown curve needs points at increasing steps, got {steps}")
+        lowest = min(f for _, f in self.points)
+        if not all(math.isfinite(v) for p in self.points for v in p) or lowest < 1.0:
+            raise ValueError(f"slowdown factors must be finite and at least 1, got "
+                             f"{[f for _, f in self.points]}")
+        if self.jitter not in JITTERS:
+            raise ValueError(f"jitter {self.jitter!r}: choose from {list(JITTERS)}")
+        if not 0.0 <= self.amplitude < 1.0:
+            raise ValueError(f"jitter amplitude must be in [0, 1), got {self.amplitude}")
+        if lowest * (1.0 - self.amplitude) < 1.0 - 1e-12:
+            raise ValueError(f"jitter ±{self.amplitude:g} takes factor {lowest:g} below 1 "
+                             f"({lowest:g} × {1 - self.amplitude:g}); a sleep cannot speed a "
+                             "rank up")
+        if self.period < (2 if self.jitter == "periodic" else 1):
+            raise ValueError(f"{self.jitter} jitter period must be at least "
+                             f"{2 if self.jitter == 'periodic' else 1} steps, got {self.period}")
+
+    def base_at(self, step: float) -> float:
+        """The curve without jitter: linear between the points, flat outside them."""
+        pts = self.points
+        if step <= pts[0][0]:
+            return pts[0][1]
+        for (x0, f0), (x1, f1) in zip(pts, pts[1:]):
+            if step <= x1:
+                return f0 + (f1 - f0) * (step - x0) / (x1 - x0)
+        return pts[-1][1]
+
+    def factor_at(self, step: int) -> float:
+        base = self.base_at(step)
+        if self.amplitude == 0.0:
+            return base
+        if self.jitter == "periodic":
+            u = math.sin(2.0 * math.pi * (step + self.phase) / self.period)
+        else:
+            u = 2.0 * _unit_hash(self.seed, self.rank, step // self.period) - 1.0
+        return base * (1.0 + self.amplitude * u)
+
+
+def _unit_hash(*keys: int) -> float:
+    """A fixed hash of integers to [0, 1) (splitmix64's mixer): the same on every process,
+    unlike ``hash()``, and cheap enough to call for every compute piece."""
+    mask = (1 << 64) - 1
+    x = 0x9E3779B97F4A7C15
+    for key in keys:
+        x = (x ^ (key & mask)) * 0xBF58476D1CE4E5B9 & mask
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & mask
+        x ^= x >> 29
+    return (x >> 11) / float(1 << 53)
+
 
 def parse_slow(text: str) -> SlowSpec:
     """``"1:2"`` (rank 1, 2 × slower throughout), ``"1:3@10-30"`` (steps 10 to 29), ``"2:4@50"`` (from 50)."""
@@ -77,7 +162,7 @@ def parse_slow(text: str) -> SlowSpec:
                     until_step=int(until) if until else None)
 
 
-def validate_slow(specs: Sequence[SlowSpec], world_size: int) -> None:
+def validate_slow(specs: Sequence[SlowSpec | SlowCurve], world_size: int) -> None:
     """Refuse a ``--slow`` that names a rank which does not exist, before anything starts."""
     for spec in specs:
         if spec.rank >= world_size:
@@ -94,7 +179,7 @@ class Straggler:
     of the device; ``sleep(seconds)`` waits out the delay, default :func:`time.sleep`.
     """
 
-    def __init__(self, specs: Sequence[SlowSpec], rank: int, *,
+    def __init__(self, specs: Sequence[SlowSpec | SlowCurve], rank: int, *,
                  clock: Callable[[], float] | None = None,
                  sleep: Callable[[float], None] = time.sleep):
         self.specs = [s for s in specs if s.rank == rank]
@@ -110,8 +195,7 @@ class Straggler:
         step = self.step if step is None else step
         factor = 1.0
         for spec in self.specs:
-            if spec.active(step):
-                factor *= spec.factor
+            factor *= spec.factor_at(step)
         return factor
 
     @contextmanager
