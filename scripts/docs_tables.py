@@ -450,6 +450,46 @@ def validate_table(res: Results) -> str:
     return provenance(name, runs) + "\n\n" + table(head, rows)
 
 
+# ---------------------------------------------------------------------------- bench checkpoint
+
+
+def _bracketed(run: Run, kind: str, key: str = "stall_s") -> str:
+    """A run's median of one kind, every checkpoint's figure in brackets (ms)."""
+    values = [r[key] * 1e3 for r in run.data["records"] if r["kind"] == kind]
+    return f"{median(values):.0f} [{', '.join(f'{v:.0f}' for v in values)}]"
+
+
+def checkpoint_table(res: Results) -> str:
+    name = "bench-checkpoint"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for r in runs:
+        s = r.data["meta"]["summary"]
+        load = str(r.meta.get("loadavg_before", "?")).split()[0]
+        rows.append([f"{r.k} ({load})", f"{s['plain_step_s'] * 1e3:.0f}",
+                     _bracketed(r, "blocking"), _bracketed(r, "async"),
+                     f"{s['blocking_over_async']:.1f}",
+                     _bracketed(r, "async", "async_wait_s"),
+                     f"{s['blocking_interval_extra_s'] * 1e3:.0f} / "
+                     f"{s['async_interval_extra_s'] * 1e3:.0f}",
+                     f"{s['checkpoint_bytes'] / 1e6:.0f}"])
+    cfg, rec0 = runs[0].data["meta"]["config"], runs[0].data["records"][0]
+    ratio = [r.data["meta"]["summary"]["blocking_over_async"] for r in runs]
+    caption = (f"GPT {cfg['n_layer']} × {cfg['n_embd']} ({cfg['n_head']} heads), batch "
+               f"{cfg['batch_size']} × {cfg['seq_len']}, AdamW, {rec0['world_size']} ranks "
+               f"(link: {rec0['link']}). Blocking and asynchronous checkpoints take turns, "
+               f"{cfg['every']} steps after each. Every figure is the slowest rank's, in ms: "
+               f"the median of the run's {cfg['checkpoints']} checkpoints of each kind, each "
+               "checkpoint's in brackets. The blocking stall over the asynchronous one, run by "
+               f"run: {each(ratio, '.1f')}.")
+    head = ["run (load before)", "plain step", "blocking stall", "asynchronous stall",
+            "blocking / async", f"async write left after {cfg['every']} steps",
+            "interval extra, blocking / async", "checkpoint (MB)"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
 # ---------------------------------------------------------------------------- README's headline
 
 
@@ -483,7 +523,13 @@ def _sim_speed(r):
     return rec[(False, "even")] / rec[(True, "even")]
 
 
-# (what, results folder, how to read a run's figure, format, where the full table is)
+def _checkpoint_stalls(r):
+    s = r.data["meta"]["summary"]
+    return (s["async_stall_s"] * 1e3, s["blocking_stall_s"] * 1e3)
+
+
+# (what, results folder, how to read a run's figure, format, where the full table is); a
+# figure that is a pair (a, b) reads "a vs b", each with its own range
 HEADLINE = [
     ("Fused operators: median speedup over the best compute-then-collective (one call or the "
      "same pieces without overlap), ⚖ shapes (2 ranks, 1 Gbit/s)",
@@ -510,6 +556,9 @@ HEADLINE = [
      "elastic-kill", lambda r: (f'{r.data["meta"]["summary"]["steps_lost"]} lost; '
                                 f'{100 * r.data["meta"]["summary"]["heldout_loss_diff"]:+.2f} %'),
      "", "", "elastic.md"),
+    ("Checkpoint stall, asynchronous vs blocking save (bench tp's GPT; median of 5 "
+     "checkpoints of each kind)", "bench-checkpoint", _checkpoint_stalls, ".0f", "ms",
+     "checkpoints.md#the-stall-measured-plait-bench-checkpoint"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
      "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
     ("Model: median error against this machine's measurements",
@@ -528,6 +577,12 @@ def user_command(cmd: str) -> str:
     return cmd
 
 
+def span(values: list, spec: str) -> str:
+    """The range of ``values``: ``1.01–1.08``, or one figure where the ends agree."""
+    lo, hi = fmt(min(values), spec), fmt(max(values), spec)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def headline_table(res: Results) -> str:
     """One row per headline figure; its value only once two runs have it (before that the row
     says how many runs there are, and the figure stays in docs/ alone)."""
@@ -540,10 +595,13 @@ def headline_table(res: Results) -> str:
             rows.append([f"[{what}]({where})", f"awaiting a second run ({len(vals)} so far)", "–",
                          command, when(runs[-1])[:10] if runs else "–"])
             continue
-        lo, hi = fmt(min(vals), spec), fmt(max(vals), spec)
-        rng = lo if lo == hi else f"{lo}–{hi}"
-        rows.append([f"[{what}]({where})", f"**{rng}{(' ' + unit) if unit else ''}**",
-                     each(vals, spec), command, when(runs[-1])[:10]])
+        unit = f" {unit}" if unit else ""
+        if isinstance(vals[0], tuple):  # a pair: each part's range, "a vs b"
+            rng = " vs ".join(span([v[i] for v in vals], spec) + unit for i in range(2))
+            every = ", ".join(" vs ".join(fmt(x, spec) for x in v) for v in vals)
+        else:
+            rng, every = span(vals, spec) + unit, each(vals, spec)
+        rows.append([f"[{what}]({where})", f"**{rng}**", every, command, when(runs[-1])[:10]])
     return table(["figure", "range", "every run", "command", "date"], rows)
 
 
@@ -559,6 +617,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-tp-quick": tp_table,
     "bench-hetero-quick": hetero_table,
     "demo": demo_table,
+    "bench-checkpoint": checkpoint_table,
     "headline": headline_table,
 }
 

@@ -36,6 +36,8 @@ COMMANDS=(
   "bench-hetero-quick|bench hetero --quick --ranks 2 --scenarios none,straggler-2x --policies even,semi --seeds 1 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
   "elastic-kill|elastic --hosts 3 --link 1gbit --steps 60 --kill-host 2@20 --checkpoint-every 5 --no-progress --json {json}"
+  # ≥ 5 checkpoints of each kind, blocking and asynchronous taking turns (issue 25)
+  "bench-checkpoint|bench checkpoint --hosts 2 --link 1gbit --checkpoints 5 --no-progress --json {json}"
   "simulate-h100-16k|simulate --cluster h100-16k --model llama3-70b --json {json}"
   "simulate-validate|simulate --validate --measurements $RESULTS/bench-collectives-quick/run-{round}.json $RESULTS/bench-ops-quick/run-{round}.json --json {json}"
 )

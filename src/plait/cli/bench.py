@@ -13,6 +13,7 @@ from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_
                             plot_hetero, ratio_cell, summarize_hetero)
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..runtime import parse_rate
+from . import bench_checkpoint
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
                      resolve_placement)
@@ -49,6 +50,7 @@ def register(subparsers) -> None:
          "scenario and policy the median step time, the capacity-proportional ideal, the "
          "no-straggler time and the held-out loss and accuracy.",
          deadline_s=4 * DEFAULT_DEADLINE_S, ranks=4)  # every scenario × policy × seed, one launch
+    bench_checkpoint.register(which)
 
 
 def _add(which, name: str, config: type, func, help_text: str, description: str,
