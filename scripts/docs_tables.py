@@ -477,15 +477,16 @@ def checkpoint_table(res: Results) -> str:
                      f"{s['checkpoint_bytes'] / 1e6:.0f}"])
     cfg, rec0 = runs[0].data["meta"]["config"], runs[0].data["records"][0]
     ratio = [r.data["meta"]["summary"]["blocking_over_async"] for r in runs]
+    steps = f"{cfg['every']} step{'s' if cfg['every'] != 1 else ''}"
     caption = (f"GPT {cfg['n_layer']} × {cfg['n_embd']} ({cfg['n_head']} heads), batch "
                f"{cfg['batch_size']} × {cfg['seq_len']}, AdamW, {rec0['world_size']} ranks "
                f"(link: {rec0['link']}). Blocking and asynchronous checkpoints take turns, "
-               f"{cfg['every']} steps after each. Every figure is the slowest rank's, in ms: "
+               f"{steps} after each. Every figure is the slowest rank's, in ms: "
                f"the median of the run's {cfg['checkpoints']} checkpoints of each kind, each "
                "checkpoint's in brackets. The blocking stall over the asynchronous one, run by "
                f"run: {each(ratio, '.1f')}.")
     head = ["run (load before)", "plain step", "blocking stall", "asynchronous stall",
-            "blocking / async", f"async write left after {cfg['every']} steps",
+            "blocking / async", f"async write left after {steps}",
             "interval extra, blocking / async", "checkpoint (MB)"]
     return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
 

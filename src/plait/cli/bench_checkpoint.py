@@ -47,16 +47,17 @@ def _print(records: list[dict], summary: dict, cfg: CheckpointBenchConfig, ranks
         "blocking_stall_s", "async_stall_s", "async_wait_s", "blocking_interval_extra_s",
         "async_interval_extra_s"))])
     link = records[0]["link"] if records else ""
+    steps = f"{cfg.every} step{'s' if cfg.every != 1 else ''}"
     print_table(f"checkpoint stall on {ranks} ranks ({link}): GPT {cfg.n_layer}×{cfg.n_embd} "
                 f"({cfg.n_head} heads), batch {cfg.batch_size}×{cfg.seq_len}, AdamW; "
                 f"{human_bytes(summary['checkpoint_bytes'])} a checkpoint",
                 ["checkpoint", "blocking stall (ms)", "async stall (ms)",
-                 f"async write left after {cfg.every} steps (ms)",
+                 f"async write left after {steps} (ms)",
                  "blocking interval extra (ms)", "async interval extra (ms)"], rows,
-                caption=f"blocking and asynchronous checkpoints take turns, {cfg.every} steps "
-                        "after each; each figure the slowest rank's; plain step (median of "
+                caption=f"blocking and asynchronous checkpoints take turns, {steps} after "
+                        "each; each figure the slowest rank's; plain step (median of "
                         f"{cfg.plain_steps}): {_ms(summary['plain_step_s'])} ms; interval extra "
-                        f"= stall + the {cfg.every} steps after − {cfg.every} plain steps")
+                        f"= stall + the {steps} after − as many plain steps")
     console.print(f"  the asynchronous save stalls training {summary['blocking_over_async']:.1f} "
                   "× less than the blocking one (medians)")
 
