@@ -22,9 +22,9 @@ are interleaved (step i of each in balanced orders, then step i + 1);
 
 Beside each measurement, ``predicted_step_s``:
 :func:`plait.perf.placement.predict_placement` with this run's figures: its
-FLOPs at the rate a GEMM of the model's shape reaches here while every rank
-runs one (measured before the steps), the link's rate (``--link``) shared by
-the ranks of a host, the bandwidth and latency of an all-reduce between the
+FLOPs at the rate the model's own single-device step reaches here on a
+rank's share of the tokens while every rank runs one (measured before the
+steps), the link's rate (``--link``) shared by the ranks of a host, the bandwidth and latency of an all-reduce between the
 ranks of one host (a line through its times at the tp buffer's size and 8
 times that, measured likewise), and the latency of the ops calibration for a
 collective that crosses hosts.
@@ -116,15 +116,31 @@ def _train(cfg, built: dict, batches: list) -> dict:
     return {"losses": losses, "times": {k: agreed_max(v) for k, v in times.items()}}
 
 
-def _compute_rate(cfg) -> float:
-    """FLOP/s of a GEMM of the model's MLP shape, ``[B/dp·S, D] @ [D, 4D/tp]``, timed on every
-    rank at once (each time the slowest rank's; the median of the rounds)."""
+def _compute_rate(cfg, vocab: int, batch: tuple) -> float:
+    """FLOP/s of this model's own step (forward, backward, update) with no communication: the
+    single-device model on ``B/(dp·tp)`` rows, a rank's share of the tokens, timed on every
+    rank at once (each time the slowest rank's; the median of the rounds), so it holds what
+    a FLOP count leaves out (norms, softmax, the optimizer, Python) and the cores' sharing."""
+    from . import tp_hf
+    from ..models import GPT
+    from .tp import _optimizer, _step
+
     device = rank_context().topology.device
-    m, k, n = cfg.batch_size // cfg.dp * cfg.seq_len, cfg.n_embd, 4 * cfg.n_embd // cfg.tp
-    x, w = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    out = torch.empty(m, n, device=device)
-    times = time_repeated(lambda: torch.matmul(x, w, out=out), TIMING_ROUNDS, device)
-    return 2.0 * m * k * n / median(times)
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "hf-llama":
+        model, loss_fn = tp_hf.build_llama(cfg, vocab).to(device), tp_hf.llama_loss
+    else:
+        model, loss_fn = GPT(cfg.train_config().gpt_config(vocab)).to(device), gpt_loss
+    opt = _optimizer(model, cfg)
+    rows = max(1, cfg.batch_size // (cfg.dp * cfg.tp))
+    share = tuple(t[:rows] for t in batch)
+    _step(model, opt, share, [], loss_fn)  # warm-up
+    times = time_repeated(lambda: _step(model, opt, share, [], loss_fn), TIMING_ROUNDS, device)
+    block, head, _ = _shapes(cfg, vocab, tp=1)
+    flops = transformer_flops(tokens=rows * cfg.seq_len, layers=cfg.n_layer, tp=1,
+                              sharded_weights=block, seq_len=cfg.seq_len, width=cfg.n_embd,
+                              replicated_weights=head)
+    return flops / median(times)
 
 
 def _intra_link(built: dict, nbytes: float) -> tuple[float, float]:
@@ -151,17 +167,9 @@ def _intra_link(built: dict, nbytes: float) -> tuple[float, float]:
 def placement_work(cfg, system: str, params_per_rank: int, dp_kind: str, vocab: int) -> StepWork:
     """What one rank does per step: FLOPs of the sharded block linears, attention and the LM
     head; the tp all-reduces of ``[B/dp, S, D]`` fp32; its gradients over dp."""
-    from . import tp_hf
-
     tokens = cfg.batch_size // cfg.dp * cfg.seq_len
     d = cfg.n_embd
-    if cfg.model == "hf-llama":
-        kv = d // cfg.n_head * cfg.n_kv_head
-        block = 2 * d * d + 2 * d * kv + 3 * d * tp_hf.ffn_width(d)
-        head = d * tp_hf.padded_vocab(vocab) / (cfg.tp if cfg.hf_plan == "auto" else 1)
-        allreduces = 4 * cfg.n_layer + (2 if cfg.hf_plan == "auto" else 0)
-    else:
-        block, head, allreduces = 12 * d * d, d * vocab, 4 * cfg.n_layer
+    block, head, allreduces = _shapes(cfg, vocab, cfg.tp)
     flops = transformer_flops(tokens=tokens, layers=cfg.n_layer, tp=cfg.tp,
                               sharded_weights=block, seq_len=cfg.seq_len, width=d,
                               replicated_weights=head)
@@ -170,6 +178,20 @@ def placement_work(cfg, system: str, params_per_rank: int, dp_kind: str, vocab: 
                     tp_allreduce_bytes=tokens * d * 4, dp_bytes=params_per_rank * 4,
                     dp_kind="fsdp" if dp_kind == "FSDP2" else "ddp",
                     tp_pieces=1 if system == "plait-plain" else _pieces())
+
+
+def _shapes(cfg, vocab: int, tp: int) -> tuple[float, float, int]:
+    """(weight elements of a block, of the LM head on one of ``tp`` ranks, all-reduces a step
+    on the tp axis)."""
+    from . import tp_hf
+
+    d = cfg.n_embd
+    if cfg.model == "hf-llama":
+        kv = d // cfg.n_head * cfg.n_kv_head
+        block = 2 * d * d + 2 * d * kv + 3 * d * tp_hf.ffn_width(d)
+        head = d * tp_hf.padded_vocab(vocab) / (tp if cfg.hf_plan == "auto" else 1)
+        return block, head, 4 * cfg.n_layer + (2 if cfg.hf_plan == "auto" else 0)
+    return 12 * d * d, d * vocab, 4 * cfg.n_layer
 
 
 def _pieces() -> int:
@@ -202,7 +224,7 @@ def run_placement_bench(cfg) -> list[dict]:
     batches = [tuple(t.to(device) for t in next(stream)) for _ in range(cfg.total_steps)]
     built = _copies(cfg, corpus.vocab_size)
     raise_comm_threads()
-    flops_per_s = _compute_rate(cfg)
+    flops_per_s = _compute_rate(cfg, corpus.vocab_size, batches[0])
     tokens = cfg.batch_size // cfg.dp * cfg.seq_len
     intra = _intra_link(built, tokens * cfg.n_embd * 4)
     run = _train(cfg, built, batches)
@@ -313,5 +335,6 @@ def print_placements(records: list[dict], to=None) -> None:
                 caption=(f"median over {first['steps']} timed steps after {first['warmup']} "
                          "warm-up, each step's time the slowest rank's; placements' steps "
                          "interleaved; predicted: plait.perf.placement (compute at the rate "
-                         "measured here for a GEMM of the model's shape, the link's rate "
-                         "shared by a host's ranks); |Δloss| against the other placement"))
+                         "measured here for the model's own step on a rank's share of the "
+                         "tokens, the link's rate shared by a host's ranks); |Δloss| against "
+                         "the other placement"))
