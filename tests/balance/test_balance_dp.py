@@ -11,7 +11,8 @@ its speeds agreed over dp), rank 1 (replica 0, tp position 1) made 3 × slower a
   dim's kept share and the very features kept), and the balancer acted at least once.
 
 Replica 1 is not slowed: without the agreement over dp it would see balanced speeds and act
-otherwise than replica 0.
+otherwise than replica 0. A change of plan under FSDP2 (dp 2 × tp 1) is refused in one line
+on every rank.
 """
 
 import pytest
@@ -20,10 +21,10 @@ import torch.distributed as dist
 
 from plait.data import CharCorpus
 from plait.models import GPT
-from plait.parallel.data import replica_signature
+from plait.parallel.data import data_parallel, dp_tp_mesh, replanned, replica_signature
 from plait.runtime import rank_context
 from plait.runtime.straggler import SlowSpec, Straggler
-from plait.runtime.testing import run_ranks
+from plait.runtime.testing import raised, run_ranks
 from plait.train import TrainConfig, build_gpt, gpt_loss, train_steps
 from plait.train_parallel import RankParallel
 
@@ -129,3 +130,18 @@ def test_semi_agrees_across_replicas():
     _show(results)
     _same_on_both_replicas(results)
     assert results[0]["decisions"], "the balancer never acted on a 3 × slower rank"
+
+
+def _fsdp_refused() -> dict:
+    torch.set_default_dtype(torch.float64)
+    mesh = dp_tp_mesh(dp=2, tp=1)
+    cfg = TrainConfig(balance="even", steps=1, **{**SIZES, "tp": 1})
+    model = data_parallel(build_gpt(cfg, mesh.get_group("tp")), mesh, kind="fsdp")
+    return raised({"replanned": lambda: replanned(model, mesh)})
+
+
+def test_a_change_of_plan_under_fsdp2_is_refused():
+    for seen in run_ranks(_fsdp_refused, 2):
+        line = seen["replanned"]
+        assert line.startswith("ValueError: a change of plan under FSDP2 is not supported"), line
+        assert "\n" not in line
