@@ -341,6 +341,36 @@ def test_mistakes_are_refused_naming_the_module():
     assert "dp_kind must be one of auto, fsdp, ddp or None, got 'zero3'" in seen["dp_kind"]
 
 
+def _one_rank_differs():
+    """Rank 1 alone calls parallelize differently: another plan, weights from another seed, a
+    plan entry that matches nothing; every rank must raise (none may go on to a collective
+    its peers never join)."""
+    import plait
+
+    import torch.distributed as dist
+
+    one = dist.get_rank() == 1
+    good = _plan("strings")
+    fewer = {k: v for k, v in good.items() if "mlp" not in k}
+    return raised({
+        "plan": lambda: plait.parallelize(_toy(), fewer if one else good),
+        "weights": lambda: plait.parallelize(_toy(seed=int(one)), good),
+        "bad": lambda: plait.parallelize(_toy(), {"blocks.*.atn.q_proj": "colwise"} if one
+                                         else good),
+    })
+
+
+def test_a_plan_or_model_that_differs_on_one_rank_is_refused_on_every_rank():
+    for rank, seen in enumerate(run_ranks(_one_rank_differs, 2)):
+        assert seen["plan"].startswith("ValueError: the ranks' plans differ: rank 0 has "
+                                       "blocks.0.mlp"), (rank, seen["plan"])
+        assert seen["weights"].startswith("ValueError: rank 1's weights differ from rank 0's ("
+                                          ), (rank, seen["weights"])
+        assert "build the model from one seed on every rank" in seen["weights"]
+        assert seen["bad"].startswith("ValueError: rank 1: plan entry 'blocks.*.atn.q_proj' "
+                                      "('colwise') matches no module of Toy"), (rank, seen["bad"])
+
+
 def test_without_a_process_group_it_is_an_error_not_a_world_of_one():
     import plait
 

@@ -27,6 +27,7 @@ from ..nn.moe import MoE
 from ..ops.context import get_context
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
+from .agreed import agree, describe
 from .data import DP_KINDS, data_parallel
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
@@ -92,7 +93,12 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
                          "rank a whole copy of the model (give plan='auto' or module path → "
                          "style entries)")
     run = _Run(model, group, info, shard_plans, overlap, chunks)
-    run.resolve(expand(model, styles, strict=not auto))
+    try:
+        run.resolve(expand(model, styles, strict=not auto))
+        problem = None
+    except (ValueError, TypeError) as err:  # raised on every rank, once they have compared
+        problem = err
+    agree(None if problem else describe(model, run.styles, run.dims, run.plans), problem, group)
     built = run.build()
     run.swap(built)
     # the operators' context is made on first use, collectively; made here, eagerly, a
