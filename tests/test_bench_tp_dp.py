@@ -85,6 +85,7 @@ def test_records_carry_the_models_prediction(records):
         assert work.dp_kind == "fsdp"
         predicted = predict_placement(work, hw, r["placement"])
         assert r["predicted_step_s"] == predicted.step_s > 0
+        assert r["prediction"]["tp_groups"] == r["tp_groups"]  # its own placement's
         assert r["prediction"]["compute_s"] == pytest.approx(work.flops / hw.flops_per_s)
     out = Console(file=io.StringIO(), width=250)
     print_placements(records, to=out)
