@@ -334,3 +334,4 @@ def test_hf_models_match_one_process(world):
         assert any("2 KV heads cut into 4 sub-groups of 2 query heads" in n for n in notes), notes
     else:  # 3 KV heads on 2 ranks: whole groups, [2, 1], which the balancer may move
         assert "model.layers.0.self_attn" in dims, dims
+        assert any("self_attn: attention (by heads) split [2, 1]" in n for n in notes), notes

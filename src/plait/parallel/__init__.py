@@ -21,13 +21,13 @@ around the tensor parallelism on a ``dp × tp`` mesh, in :mod:`plait.parallel.da
 """
 
 from ..nn.parallelize import full_state_dict
-from .apply import parallelize
+from .apply import applied, parallelize
 from .data import (MeshLayout, check_replicas, choose_kind, data_parallel, dp_tp_mesh,
                    replica_mismatch, replica_signature, unsharded)
 from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel, VocabParallel)
 
-__all__ = ["parallelize", "full_state_dict", "Colwise", "Rowwise", "VocabParallel",
+__all__ = ["parallelize", "applied", "full_state_dict", "Colwise", "Rowwise", "VocabParallel",
            "SequenceParallel", "Prepare", "Replicated", "ExpertsTP",
            "ExpertsEP", "PlaitMoE", "TableParallel", "BatchParallel",
            "MeshLayout", "dp_tp_mesh", "data_parallel", "choose_kind", "unsharded",

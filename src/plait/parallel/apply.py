@@ -37,12 +37,13 @@ from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel,
                      VocabParallel, layout_name)
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "applied"]
 
 log = logging.getLogger("plait.parallel")
 
 _UNIT_NAMES = {"mlp": "columns", "columns": "columns"}
 _KIND_NAMES = {"heads": "attention (by heads)", "mlp": "MLP (by columns)", "columns": "lone linear"}
+_UNITS = {"heads": "KV-head groups or sub-groups", "mlp": "hidden columns", "columns": "columns"}
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, group=None,
@@ -406,6 +407,10 @@ class _Run:
         line = (f"{type(self.model).__name__} on {self.info.world} ranks: {counted}"
                 f"{'; also ' + ', '.join(others) if others else ''}; "
                 f"{'fused' if self.overlap else 'plain'} path")
+        for dim in self.dims:  # what a user asked unevenly (or 3 heads over 2 ranks) shows
+            if len(set(dim.plan.sizes)) > 1:
+                self._note(dim.name, f"{_KIND_NAMES[dim.kind]} split {list(dim.plan.sizes)} "
+                           f"({_UNITS.get(dim.kind, 'units')} per rank)")
         notes = _grouped(self.notes)
         self.model._plait_parallel = line
         self.model._plait_notes = notes
@@ -432,6 +437,14 @@ class _Mover:
         raise ValueError(f"moving a tensor from {layout_name(have)} to {layout_name(want)} is "
                          "not supported (plait gathers Shard(d) → Replicate() and cuts "
                          "Replicate() → Shard(d))")
+
+
+def applied(model: nn.Module) -> list[str]:
+    """What ``parallelize`` did to ``model``: its one-line summary, then each note (which
+    path runs fused or plain and why, siblings sharing an all-reduce, uneven splits), as
+    logged on rank 0; empty for a model ``parallelize`` never saw."""
+    line = getattr(model, "_plait_parallel", None)
+    return [line, *getattr(model, "_plait_notes", ())] if line else []
 
 
 def _grouped(notes: list[tuple[str, str]]) -> list[str]:
