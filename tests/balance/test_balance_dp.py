@@ -3,10 +3,11 @@ plait's GPT in float64, the loop ``plait train --dp 2 --tp 2 --balance POLICY --
 runs (``plait.train_parallel.RankParallel``: DDP over dp, the balancer on each tp group with
 its speeds agreed over dp), rank 1 (replica 0, tp position 1) made 3 × slower at compute.
 
-- ``migrate``: after every step, both replicas hold the same plans (every ``ShardPlan`` of the
-  model; gathered from the ranks), at least one migration happens, and every step's loss
-  equals a single process's on the global batch (the plain GPT, the same loop, AdamW and
-  schedule) within 1e-9: migration is exact, and DDP reduces the new shapes after it.
+- ``migrate``, on the plain path and on the fused sequence-parallel one: after every step,
+  both replicas hold the same plans (every ``ShardPlan`` of the model; gathered from the
+  ranks), at least one migration happens, and every step's loss equals a single process's
+  on the global batch (the plain GPT, the same loop, AdamW and schedule) within 1e-9
+  (~2e-15 seen): migration is exact, and DDP reduces the new shapes after it.
 - ``semi``: after every step, both replicas hold the same plans and the same resizing (each
   dim's kept share and the very features kept), and the balancer acted at least once.
 
@@ -14,6 +15,8 @@ Replica 1 is not slowed: without the agreement over dp it would see balanced spe
 otherwise than replica 0. A change of plan under FSDP2 (dp 2 × tp 1) is refused in one line
 on every rank.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -110,18 +113,27 @@ def _decided(result: dict) -> list[dict]:
     return [{k: v for k, v in d.items() if k != "migration"} for d in result["decisions"]]
 
 
+def _train_each(cfgs: list[TrainConfig]) -> list[dict]:
+    return [_train(cfg) for cfg in cfgs]
+
+
 def test_migrate_agrees_across_replicas_and_matches_one_process():
-    cfg = _config("migrate", steps=24)
-    results = run_ranks(_train, 4, cfg, timeout_s=60)
-    _show(results)
-    _same_on_both_replicas(results)
-    kinds = [d["kind"] for d in results[0]["decisions"]]
-    assert "migrate" in kinds, results[0]["decisions"]
-    final = results[0]["states"][-1]["plans"]
-    assert any(len(set(sizes)) > 1 for sizes in final.values()), final  # left uneven
-    want = _reference(cfg)
-    for rank, out in enumerate(results):
-        assert out["losses"] == pytest.approx(want, rel=0, abs=TOL), (rank, out["losses"], want)
+    plain = _config("migrate", steps=24)
+    # the fused sequence-parallel path: DDP sees its gradients (plait.parallel.choose_kind)
+    fused_sp = dataclasses.replace(plain, overlap=True, sequence_parallel=True)
+    launched = run_ranks(_train_each, 4, [plain, fused_sp], timeout_s=60)
+    for i, cfg in enumerate((plain, fused_sp)):
+        results = [out[i] for out in launched]
+        _show(results)
+        _same_on_both_replicas(results)
+        kinds = [d["kind"] for d in results[0]["decisions"]]
+        assert "migrate" in kinds, results[0]["decisions"]
+        final = results[0]["states"][-1]["plans"]
+        assert any(len(set(sizes)) > 1 for sizes in final.values()), final  # left uneven
+        want = _reference(cfg)
+        for rank, out in enumerate(results):
+            assert out["losses"] == pytest.approx(want, rel=0, abs=TOL), (cfg, rank,
+                                                                          out["losses"], want)
 
 
 def test_semi_agrees_across_replicas():
