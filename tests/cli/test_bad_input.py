@@ -67,6 +67,8 @@ ROWS = [
     ("ops-iters-zero", ["bench", "ops", "--iters", "0"], "iters", ()),
     ("ops-json-sys", ["bench", "ops", "--json", "/sys/plait.json"], "--json /sys/plait.json", ()),
     ("tp-plot", ["bench", "tp", "--plot", "tp.png"], "--plot tp.png", ()),
+    ("checkpoint-zero", ["bench", "checkpoint", "--checkpoints", "0"], "--checkpoints", ()),
+    ("checkpoint-json-proc", ["bench", "checkpoint", "--json", "/proc/c.json"], "--json", ()),
     ("tp-heads-uneven", ["bench", "tp", "--n-head", "3"], "n_head 3", ()),
     ("hetero-one-rank", ["bench", "hetero", "--ranks", "1"], "at least 2 ranks", ()),
     ("hetero-policy-unknown", ["bench", "hetero", "--policies", "fastest"], "fastest", ()),
