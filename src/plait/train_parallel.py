@@ -16,12 +16,12 @@ time (as ``BalancedRun`` times it), its decisions go into the step's record and
 the run's result. With ``dp > 1`` data parallelism needs every replica in a tp position to
 hold the same shapes, so the plans are agreed across dp: the balancer runs on each rank's tp
 group with its dp group beside it, every speed reading is its tp position's slowest
-replica's (``plait.balance.ReplicaMonitor``), and every replica takes the same decisions.
-After a migration DDP's reducer is rebuilt for the new shapes
+replica's (``plait.balance.balancer.ReplicaMonitor``), and every replica takes the same
+decisions. After a migration DDP's reducer is rebuilt for the new shapes
 (``plait.parallel.data.replanned``, which checks the replicas first). A balanced run with
 ``dp > 1`` is data-parallel by DDP: FSDP2's sharding is not rebuilt after a migration. DDP
 does not see the weight gradients fused row-parallel layers add outside autograd, so it
-needs ``--no-overlap`` (refused without, in one line).
+needs ``--no-overlap`` unless ``--sequence-parallel`` (refused in one line).
 """
 
 from __future__ import annotations
