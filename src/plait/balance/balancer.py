@@ -20,9 +20,9 @@ old plans) and the policies wait for new ones; a migration's cost (the slowest r
 over the dim's compute per step) is what the dim's policy weighs the next one by. The first
 ``warmup`` steps are not measured (first calls allocate and warm caches on some ranks more
 than others). Every decision and its reason is kept in ``log`` (rank 0, of replica 0 under
-data parallelism, also logs it at INFO on ``plait.balance``). Every ``refresh`` steps the layers refresh the priority scores
-ZERO-resizing uses, and a resized dim chooses its features anew (so skipped ones return
-once the kept ones settle). The speeds are identical on every rank after each exchange and
+data parallelism, also logs it at INFO on ``plait.balance``). Every ``refresh`` steps the
+layers refresh the priority scores ZERO-resizing uses, and a resized dim chooses its
+features anew (so skipped ones return once the kept ones settle). The speeds are identical on every rank after each exchange and
 the policies are deterministic, so every rank takes the same decision without another
 collective.
 
