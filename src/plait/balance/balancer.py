@@ -22,9 +22,9 @@ over the dim's compute per step) is what the dim's policy weighs the next one by
 than others). Every decision and its reason is kept in ``log`` (rank 0, of replica 0 under
 data parallelism, also logs it at INFO on ``plait.balance``). Every ``refresh`` steps the
 layers refresh the priority scores ZERO-resizing uses, and a resized dim chooses its
-features anew (so skipped ones return once the kept ones settle). The speeds are identical on every rank after each exchange and
-the policies are deterministic, so every rank takes the same decision without another
-collective.
+features anew (so skipped ones return once the kept ones settle). The speeds are identical
+on every rank after each exchange and the policies are deterministic, so every rank takes
+the same decision without another collective.
 
 Under data parallelism (``dp_group``: the ranks in this rank's tp position, one per replica)
 every replica of a tp group must hold the same plans, or data parallelism cannot reduce
