@@ -319,19 +319,19 @@ def print_placements(records: list[dict], to=None) -> None:
     for r in rows:
         p = r["prediction"]
         rows_out.append([r["system"], r["placement"], r["across_hosts"],
-                         f"{r['tp_groups']}", r["dp_kind"], _ms(r["t_step_s"]),
-                         _ms(r["predicted_step_s"]),
+                         f"{r['tp_groups']}", _ms(r["t_step_s"]),
+                         f"{_ms(r['predicted_step_s'])} = {_ms(p['compute_s'])} + "
+                         f"{_ms(p['tp_part_s'] - p['compute_s'])} + {_ms(p['dp_exposed_s'])}",
                          f"{r['predicted_step_s'] / r['t_step_s']:.2f}",
-                         _ms(p["compute_s"]), _ms(p["tp_part_s"] - p["compute_s"]),
-                         _ms(p["dp_exposed_s"]), f"{r['max_loss_diff_timed']:.1e}"])
+                         f"{r['max_loss_diff_timed']:.1e}"])
     hosts = first.get("hosts", 0)
     where = f"{hosts} hosts, {first['link']}" if hosts else "one machine (loopback)"
     print_table(f"placements of dp {first['dp']} × tp {first['tp']} on {where}: "
                 f"{m['name']} {m['n_layer']}×{m['n_embd']}, batch {m['batch_size']}×"
-                f"{m['seq_len']}, {first['optimizer']}",
-                ["system", "placement", "across hosts", "tp groups", "dp", "step (ms)",
-                 "predicted", "pred/meas", "pred compute", "pred tp comm", "pred dp exposed",
-                 "max |Δloss| timed"], rows_out, labels=5, to=to,
+                f"{m['seq_len']}, {first['optimizer']}, dp by {first['dp_kind']}",
+                ["system", "placement", "across hosts", "tp groups", "step (ms)",
+                 "predicted (ms) = compute + tp comm + dp exposed", "pred / meas",
+                 "max |Δloss| timed"], rows_out, labels=4, to=to,
                 caption=(f"median over {first['steps']} timed steps after {first['warmup']} "
                          "warm-up, each step's time the slowest rank's; placements' steps "
                          "interleaved; predicted: plait.perf.placement (compute at the rate "

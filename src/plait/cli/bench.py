@@ -12,6 +12,7 @@ from ..bench.report import console, human_bytes, print_table, progress_bar, writ
 from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_over_seeds,
                             plot_hetero, ratio_cell, summarize_hetero)
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
+from ..bench.tp_dp import print_placements
 from ..runtime import parse_rate
 from . import bench_checkpoint
 from .args import add_dataclass_args, dataclass_from_args
@@ -259,6 +260,11 @@ def _print_tp(records: list[dict], ranks: int, cfg) -> None:
 def run_tp(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(TPBenchConfig, args, defaults=QUICK_TP if args.quick else None)
+    if args.ranks is None and cfg.mesh_ranks is not None:  # --dp N --tp M: N × M ranks
+        ranks = cfg.mesh_ranks
+        if hosts and ranks % hosts:
+            raise ValueError(f"--dp {cfg.dp} × --tp {cfg.tp} = {ranks} ranks do not divide "
+                             f"over --hosts {hosts}")
     cfg.check_world(ranks)
     if args.plot:
         raise ValueError(f"--plot {args.plot}: bench tp draws no plot (its --json has every step)")
@@ -270,14 +276,18 @@ def run_tp(args: argparse.Namespace) -> int:
                                       note=f"{p.get('part', 'gpt')} step {p['step'] + 1}/{p['of']}"))
     if not where.startswith("loopback (no emulated cluster:"):
         console.print(f"[dim]{where}[/dim]")
-    _print_tp(records, ranks, cfg)
+    if cfg.dp > 1:  # the two placements of one dp × tp mesh, measured and predicted
+        print_placements(records)
+    else:
+        _print_tp(records, ranks, cfg)
     summary = summarize_tp(records)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
     if args.json:
         write_json(args.json, records, {"command": "bench tp", "where": where, "summary": summary})
         console.print(f"wrote {args.json}")
-    return 0 if summary.get("losses_agree_1e-4", True) else 1
+    return 0 if (summary.get("losses_agree_1e-4", True)
+                 and summary.get("placement_losses_agree_1e-5", True)) else 1
 
 
 def run_hetero(args: argparse.Namespace) -> int:
