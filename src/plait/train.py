@@ -102,7 +102,8 @@ class TrainConfig:
         "is consecutive ranks (default: a tp group is consecutive ranks, inside a host)"))
     balance: str = field(default="even", metadata=_h(
         "balancing policy run in the loop: even (no balancer), resize, migrate, semi "
-        "(gpt, hf-llama; --dp 1)"))
+        "(gpt, hf-llama; with --dp > 1 data parallelism is DDP: add --no-overlap unless "
+        "--sequence-parallel)"))
     checkpoint_dir: str | None = field(default=None, metadata=_h(
         "save checkpoints (model, optimizer, step, data position, RNG states) under DIR"))
     checkpoint_every: int = field(default=50, metadata=_h("steps between checkpoints"))

@@ -265,7 +265,12 @@ def _all_reduces(overlap):
         par(input_ids=ids, labels=ids).loss.backward()
     finally:
         dist.all_reduce = real
-    return calls
+    try:  # fused siblings add their weight gradients outside autograd: DDP would lose them
+        plait.parallel.choose_kind(par, "ddp")
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return calls, refused
 
 
 def _run(parity, curves, generate, migrated=False, counted=False):
@@ -315,8 +320,13 @@ def test_hf_models_match_one_process(world):
             assert got == want and len(got[0]) == 5 + 6, (want, got)
     out = results[0]
     notes = [n for _, _, ns, _ in out["parity"] for n in ns]
-    for calls in out["counted"] or ():  # fused and plain: 4 a layer + 2 of [B·S, D] or [B, S, D]
+    for calls, _ in out["counted"] or ():  # fused, plain: 4 a layer + 2 of [B·S, D] or [B, S, D]
         assert len(calls) == 4 * 2 + 2 and all(math.prod(c) == 2 * 16 * 128 for c in calls), calls
+    if out["counted"] is not None:
+        fused, plain = (refused for _, refused in out["counted"])
+        assert "column-parallel siblings sharing a fused all-reduce (model.layers.0.self_attn." \
+            in fused, fused
+        assert plain is None, plain  # the plain path returns every gradient through autograd
     if out["counted"] is not None:
         assert any("q_proj, k_proj, v_proj: their input gradients summed before one fused "
                    "all-reduce" in n for n in notes), notes

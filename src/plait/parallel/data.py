@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..nn.linear import RowParallelLinear
+from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..ops.deferred import run_deferred
 from ..plan import ShardPlan
 
@@ -299,10 +299,16 @@ def choose_kind(model: nn.Module, kind: str = "auto") -> str:
     deferred = [path for path, m in model.named_modules()
                 if isinstance(m, RowParallelLinear) and m.overlap and not m.sequence_parallel
                 and m.info.world > 1]
+    # column-parallel siblings sharing one fused input-grad all-reduce defer theirs too
+    siblings = [path for path, m in model.named_modules()
+                if isinstance(m, ColumnParallelLinear) and m.shared_input is not None
+                and m.shared_input.overlap and m.defer_wgrad]
     summed = [name for name, p in model.named_parameters() if getattr(p, "_plait_partial", 0)]
-    why_not = {"ddp": deferred and (f"fused row-parallel layers ({_few(deferred)}) add their "
-                                    "weight gradients outside autograd, where DDP does not see "
-                                    "them"),
+    layers = " and ".join([f"fused row-parallel layers ({_few(deferred)})"] * bool(deferred) +
+                          [f"column-parallel siblings sharing a fused all-reduce "
+                           f"({_few(siblings)})"] * bool(siblings))
+    why_not = {"ddp": layers and (f"{layers} add their weight gradients outside autograd, where "
+                                  "DDP does not see them"),
                "fsdp": summed and (f"{_few(summed)} have their gradients summed over tp by a "
                                    "hook on the parameter, which fully_shard replaces")}
     if kind == "auto":
