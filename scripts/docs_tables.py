@@ -529,6 +529,47 @@ def _checkpoint_stalls(r):
     return (s["async_stall_s"] * 1e3, s["blocking_stall_s"] * 1e3)
 
 
+def _placements(key):
+    """A bench tp --dp run's (tp inside a host, tp across hosts) figure, in ms."""
+    def get(r):
+        by = {x["placement"]: x[key] for x in r.data["records"] if x.get("part") == "placement"
+              and x["system"] == "plait"}
+        return (by["tp-inside-host"] * 1e3, by["tp-across-hosts"] * 1e3)
+    return get
+
+
+def placement_table(res: Results) -> str:
+    """bench tp --dp 2 --tp 2: each run's two placements, measured and predicted."""
+    name = "bench-tp-dp"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for r in runs:
+        load = str(r.meta.get("loadavg_before", "?")).split()[0]
+        for x in (x for x in r.data["records"] if x.get("part") == "placement"):
+            p = x["prediction"]
+            rows.append([f"{r.k} ({load})", x["system"], x["placement"], f"{x['tp_groups']}",
+                         x["across_hosts"], f"{x['t_step_s'] * 1e3:.0f}",
+                         f"{x['predicted_step_s'] * 1e3:.0f}",
+                         f"{p['compute_s'] * 1e3:.0f} + {(p['tp_part_s'] - p['compute_s']) * 1e3:.0f}"
+                         f" + {p['dp_exposed_s'] * 1e3:.0f}",
+                         f"{x['max_loss_diff_timed']:.1e}"])
+    x = next(x for x in runs[0].data["records"] if x.get("part") == "placement")
+    m = x["model"]
+    caption = (f"GPT {m['n_layer']} × {m['n_embd']} ({m['n_head']} heads), global batch "
+               f"{m['batch_size']} × {m['seq_len']}, dp {x['dp']} × tp {x['tp']} on "
+               f"{x.get('hosts', 0)} emulated hosts ({x['link']}), tp by plait (fused), dp by "
+               f"{x['dp_kind']}; median step over the timed steps, the placements' steps "
+               "interleaved. Predicted: `plait.perf.placement` (`plait simulate --placements "
+               "RUN.json`): compute at the rate measured for the model's step on a rank's "
+               "tokens, tp all-reduces and dp gradient traffic on the links they cross.")
+    head = ["run (load before)", "system", "placement", "tp groups", "across the slow link",
+            "step (ms)", "predicted (ms)", "= compute + tp comm + dp exposed",
+            "max \\|Δloss\\| between placements"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
 # (what, results folder, how to read a run's figure, format, where the full table is); a
 # figure that is a pair (a, b) reads "a vs b", each with its own range
 HEADLINE = [
@@ -560,6 +601,12 @@ HEADLINE = [
     ("Checkpoint stall, asynchronous vs blocking save (bench tp's GPT; median of 5 "
      "checkpoints of each kind)", "bench-checkpoint", _checkpoint_stalls, ".0f", "ms",
      "checkpoints.md#the-stall-measured-plait-bench-checkpoint"),
+    ("dp 2 × tp 2 on 2 hosts: step with tp inside a host vs tp across hosts, measured",
+     "bench-tp-dp", _placements("t_step_s"), ".0f", "ms",
+     "benchmarks.md#two-placements-of-dp--tp-bench-tp---dp-2---tp-2"),
+    ("… the same two placements, predicted by plait's performance model",
+     "bench-tp-dp", _placements("predicted_step_s"), ".0f", "ms",
+     "benchmarks.md#two-placements-of-dp--tp-bench-tp---dp-2---tp-2"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
      "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
     ("Model: median error against this machine's measurements",
@@ -619,6 +666,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-hetero-quick": hetero_table,
     "demo": demo_table,
     "bench-checkpoint": checkpoint_table,
+    "bench-tp-dp": placement_table,
     "headline": headline_table,
 }
 

@@ -32,6 +32,9 @@ COMMANDS=(
   "comm-priority-off|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}|PLAIT_COMM_PRIORITY=off"
   "comm-priority-rt|bench ops --hosts 2 --link 1gbit --quick --no-progress --json {json}|PLAIT_COMM_PRIORITY=rt"
   "bench-tp-quick|bench tp --hosts 2 --link 1gbit --quick --no-progress --json {json}"
+  # width 128: a GPT whose all-reduces weigh against its compute (at 512 the two placements
+  # are within the noise; the model predicts 1.28 x between them at 128)
+  "bench-tp-dp|bench tp --dp 2 --tp 2 --hosts 2 --link 1gbit --quick --n-embd 128 --batch-size 16 --no-progress --json {json}"
   "bench-tp-hf-llama-quick|bench tp --model hf-llama --hosts 2 --link 1gbit --quick --no-progress --json {json}"
   "bench-hetero-quick|bench hetero --quick --ranks 2 --scenarios none,straggler-2x --policies even,semi --seeds 1 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
