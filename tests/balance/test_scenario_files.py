@@ -170,3 +170,20 @@ def test_semi_makes_no_decision_under_jitter_alone_but_does_on_a_2x_straggler(tm
     out = run_ranks(_jitter_run, 2, [JITTER, control])[0]
     assert out["jitter"] == [], out["jitter"]
     assert out["jitter-on-2x"], "semi did not act on a persistent 2 × straggler under jitter"
+
+
+def test_semi_acts_only_when_each_newest_reading_shows_the_windows_imbalance():
+    """The window's mean at 1.25 (over the trigger) after one jittery reading: no resize while
+    a newest reading disagrees (under the trigger, or the other rank slow); a resize once
+    both agree."""
+    from plait.balance.policy import PolicyConfig, SemiPolicy, agreement
+
+    window = (1.0, 0.8)
+    assert agreement(window, [(1.0, 0.95), (1.0, 0.8)], (1.0, 1.0)) == pytest.approx(1 / 0.95)
+    assert agreement(window, [(0.8, 1.0)], (1.0, 1.0)) == pytest.approx(0.8)
+    for recent, acts in (([(1.0, 0.95), (1.0, 0.75)], False),  # one reading under 1.2
+                         ([(0.9, 1.0), (1.0, 0.7)], False),  # rank 0 the slow one there
+                         ([(1.0, 0.8), (1.0, 0.78)], True)):
+        policy = SemiPolicy(PolicyConfig(name="semi", confirm_steps=1), 16, 2)
+        kinds = [policy.step(window, 1.0, recent).kind for _ in range(3)]
+        assert kinds == (["resize", "none", "none"] if acts else ["none"] * 3), (recent, kinds)
