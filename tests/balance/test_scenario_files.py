@@ -146,30 +146,39 @@ def test_bench_hetero_runs_the_file_as_one_more_scenario_and_records_it():
     assert cfg.scenario.to_json()["file"] == json.load(open(DRIFT))
 
 
-def _jitter_run(files):
-    """Rank side: bench hetero's runs (semi only) of each file, a small GPT, 2 ranks."""
+def _jitter_run(jitter, control):
+    """Rank side: bench hetero's runs of a small GPT on 2 ranks: semi on no slowdown and on
+    the jitter file, interleaved step by step (with the even reference), then semi on the
+    control file."""
     from plait.bench.hetero import run_hetero
 
     out = {}
-    for path in files:
-        cfg = HeteroBenchConfig(scenarios=(), scenario_file=path, policies=("semi",), steps=64,
-                                warmup=4, seeds=1, n_layer=1, n_head=8, n_embd=128, seq_len=32,
-                                batch_size=8, eval_batches=1, spike_steps=12, confirm_steps=3)
-        (record,) = run_hetero(cfg)
-        out[record["scenario"]] = record["decisions"]
+    for path, scenarios in ((jitter, ("none",)), (control, ())):
+        cfg = HeteroBenchConfig(scenarios=scenarios, scenario_file=path, policies=("semi",),
+                                steps=64, warmup=4, seeds=1, n_layer=1, n_head=8, n_embd=128,
+                                seq_len=32, batch_size=8, eval_batches=1, spike_steps=12,
+                                confirm_steps=3)
+        for record in run_hetero(cfg):
+            out[record["scenario"], record["policy"]] = record["decisions"]
     return out
 
 
 def test_semi_makes_no_decision_under_jitter_alone_but_does_on_a_2x_straggler(tmp_path):
     """The shipped jitter file (every rank 1.0–1.5 ×, a new draw every step): semi leaves the
-    even plan be. The control: the same jitter on top of a 2 × last rank, where it decides."""
+    even plan be. A busy shared machine can slow one rank for real (a neighbour on its core,
+    seen as a 1.4 × imbalance over ten steps); the run with no slowdown, interleaved step by
+    step with the jitter run, sees the same machine and then decides too: the jitter may add
+    no decision to it (on a quiet machine both make none). The control: the same jitter on
+    top of a 2 × last rank, which semi migrates work away from."""
     data = json.load(open(JITTER))
     data["name"] = "jitter-on-2x"
     data["slow"].append({"rank": "last", "factor": 2.0})
     control = _write(tmp_path, data)
-    out = run_ranks(_jitter_run, 2, [JITTER, control])[0]
-    assert out["jitter"] == [], out["jitter"]
-    assert out["jitter-on-2x"], "semi did not act on a persistent 2 × straggler under jitter"
+    out = run_ranks(_jitter_run, 2, JITTER, control)[0]
+    jitter, none = out["jitter", "semi"], out["none", "semi"]
+    assert len(jitter) <= len(none), (jitter, none)
+    moved = [d["sizes"] for d in out["jitter-on-2x", "semi"] if d["kind"] == "migrate"]
+    assert any(sizes[1] < sizes[0] for sizes in moved), out["jitter-on-2x", "semi"]
 
 
 def test_semi_acts_only_when_each_newest_reading_shows_the_windows_imbalance():
