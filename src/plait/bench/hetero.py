@@ -21,7 +21,10 @@ budgets, not budgets of 0.125, 0.25, 0.5, 0.5: a budget holds a host for the who
 and one launch runs the ``none`` reference and every policy interleaved step by step, so
 graded budgets would slow the reference and the ideal with it. On a budgeted host the
 compute is timed by the wall clock (``runtime.straggler.compute_clock``), so a rank ``F`` ×
-slower sleeps ``F − 1`` × its throttled compute: ``F`` × the half-core host.
+slower sleeps ``F − 1`` × its throttled compute. Measured once (``--quick``, one seed): the
+speed monitor read the 4 × and 2 × ranks at 0.14 and 0.32 of the fastest, not 0.25 and
+0.50, so sleeps and throttling do not simply multiply there, and the ideal (from the
+nominal factors) is faster than those hosts' real capacity.
 
 Per run: every step's time (the slowest rank's: forward, backward, update and
 the balancer's own step, migrations included), the losses, the balancer's
