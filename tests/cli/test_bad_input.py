@@ -24,6 +24,8 @@ ROWS = [
     ("train-out-proc", ["train", "--out", "/proc/plait-out"], "--out /proc/plait-out", ()),
     ("train-out-is-a-file", ["train", "--out", "taken"], "--out taken", ("taken",)),
     ("train-ranks-zero", ["train", "--ranks", "0"], "--ranks", ()),
+    ("train-slow-file-missing", ["train", "--slow-file", "nosuch.json"], "nosuch.json", ()),
+    ("train-slow-file-not-json", ["train", "--slow-file", "taken"], "taken", ("taken",)),
     ("train-ranks-negative", ["train", "--ranks", "-3"], "--ranks", ()),
     ("train-ranks-huge", ["train", "--ranks", "100000"], "--ranks", ()),
     ("train-ranks-word", ["train", "--ranks", "two"], "--ranks", ()),

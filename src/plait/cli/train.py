@@ -10,6 +10,7 @@ from ..train import TrainConfig, train
 from ..train_parallel import mesh_layout, placement_line
 from ..train_report import write_train_report
 from ..train_resume import checkpoint_note
+from ..runtime.scenario_file import load_scenario
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement
 
@@ -29,6 +30,9 @@ def register(subparsers) -> None:
     add_dataclass_args(parser, TrainConfig)
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@FROM[-UNTIL]]",
                         help="make a rank FACTOR × slower at compute (repeatable)")
+    parser.add_argument("--slow-file", default=None, metavar="PATH",
+                        help="a scenario file: per-rank slowdowns by step, drift or jitter "
+                             "(examples/scenarios/, format in docs/balancing.md)")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="where loss.png and log.json go (default reports/train/MODEL)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -44,6 +48,13 @@ def run_train(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(TrainConfig, args)
     cfg = TrainConfig(**{**cfg.__dict__, "extra": {"ranks": ranks}})
+    slow = list(getattr(args, "slow_specs", ()))
+    if args.slow_file:  # read and checked before anything starts
+        try:
+            scenario = load_scenario(args.slow_file)
+        except OSError as err:
+            raise ValueError(f"--slow-file {args.slow_file}: {err.strerror or err}") from None
+        slow += scenario.specs(ranks, cfg.steps)
     layout = mesh_layout(cfg, ranks)
     cfg.check_plans(layout.tp)  # a refused run prints nothing before its one line
     note = checkpoint_note(cfg)  # refuses a DIR with another run's checkpoints, before work
@@ -62,7 +73,7 @@ def run_train(args: argparse.Namespace) -> int:
                     return
                 advance(note=f"loss {p['loss']:.3f}  {p['rate']:,.0f} {p['unit']}/s")
             result, where = train(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
-                                  on_progress=on_progress, slow=getattr(args, "slow_specs", ()))
+                                  on_progress=on_progress, slow=slow)
     except BaseException:
         remove_empty_folders(made)  # a refused or failed run leaves no empty report folder
         raise
