@@ -31,10 +31,15 @@ def describe(model: nn.Module, styles: dict, dims: list, plans: dict) -> list[st
     lines += [f"{dim.name}: shares {list(dim.plan.sizes)}" for dim in dims]
     lines += [f"{path}: shares {list(plan.sizes)}" for path, plan in sorted(plans.items())
               if plan is not None]
-    with torch.no_grad():
-        lines += [f"weights {name}: {tuple(p.shape)}, sum {float(p.double().sum())!r}"
+    with torch.no_grad():  # compared as text: NaN sums compare equal too
+        lines += [f"weights {name}: {tuple(p.shape)}, sum {_sum(p)}"
                   for name, p in model.named_parameters()]
     return lines
+
+
+def _sum(p: torch.Tensor) -> str:
+    """The parameter's float64 sum as text; a meta tensor (no values yet) only says so."""
+    return "meta" if p.is_meta else repr(float(p.detach().double().sum()))
 
 
 def agree(mine: list[str] | None, problem: Exception | None, group) -> None:
