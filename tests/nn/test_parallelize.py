@@ -357,6 +357,10 @@ def _one_rank_differs():
         "weights": lambda: plait.parallelize(_toy(seed=int(one)), good),
         "bad": lambda: plait.parallelize(_toy(), {"blocks.*.atn.q_proj": "colwise"} if one
                                          else good),
+        # a second call on a model split in part: its shards differ by design, not a mistake
+        "twice": lambda: plait.parallelize(plait.parallelize(_toy(), {
+            k: v for k, v in good.items() if "mlp" in k}), {
+            k: v for k, v in good.items() if "mlp" not in k}),
     })
 
 
@@ -367,6 +371,7 @@ def test_a_plan_or_model_that_differs_on_one_rank_is_refused_on_every_rank():
         assert seen["weights"].startswith("ValueError: rank 1's weights differ from rank 0's ("
                                           ), (rank, seen["weights"])
         assert "build the model from one seed on every rank" in seen["weights"]
+        assert seen["twice"] is None, (rank, seen["twice"])
         assert seen["bad"].startswith("ValueError: rank 1: plan entry 'blocks.*.atn.q_proj' "
                                       "('colwise') matches no module of Toy"), (rank, seen["bad"])
 

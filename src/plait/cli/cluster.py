@@ -72,8 +72,10 @@ class _Subreaper:
     def stop(self, procs: list[subprocess.Popen]) -> None:
         """SIGKILL the ranks, everything they started and every orphan we adopted; reap."""
         tree = _children_of()
-        roots = [p.pid for p in procs] + \
-            [pid for pid in tree.get(os.getpid(), ()) if pid not in self.before]
+        # a rank already reaped (poll) gave its pid back: it may be another process's now
+        roots = [p.pid for p in procs if p.poll() is None] + \
+            [pid for pid in tree.get(os.getpid(), ()) if pid not in self.before
+             and pid not in {p.pid for p in procs}]
         doomed, todo = set(), list(roots)
         while todo:
             pid = todo.pop()
@@ -83,7 +85,7 @@ class _Subreaper:
         for pid in doomed:
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):  # gone, or not ours after all
                 pass
         for proc in procs:
             proc.wait()

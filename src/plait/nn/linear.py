@@ -373,7 +373,10 @@ class ColumnParallelLinear(_ParallelLinear):
         elif self.shared_input is not None:  # one all-reduce of the siblings' summed dx
             width = sum(s._width() for s in self.siblings)
             # a resized weight is a copy; a hooked one must get its gradient through autograd
-            into = self.weight if self._kept is None and self.defer_wgrad else None
+            hooked = self.weight._backward_hooks or \
+                getattr(self.weight, "_post_accumulate_grad_hooks", None)
+            into = self.weight if self._kept is None and self.defer_wgrad and not hooked \
+                else None
             y = self._pieces(lambda x: self.shared_input.matmul(x, w, width=width,
                                                                 wgrad_into=into), x)
         elif self.overlap:

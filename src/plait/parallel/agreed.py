@@ -12,8 +12,10 @@ between two ranks' plans or weights is a ``ValueError`` on every rank naming
 the first entry that differs.
 
 What is compared (``describe``): each split module's style, each dim's shares,
-each one-module style's shares, and every parameter's shape and float64 sum
-(a fingerprint of the weights every rank cuts its shard from).
+each one-module style's shares, and the shape and a fingerprint (the sum of its
+bits as integers, exact in any order) of every parameter of the modules the plan
+splits: the weights every rank cuts its shard from. Within the group (the tp
+group on a dp × tp mesh); a group of one compares nothing.
 """
 
 from __future__ import annotations
@@ -26,20 +28,37 @@ __all__ = ["describe", "agree"]
 
 
 def describe(model: nn.Module, styles: dict, dims: list, plans: dict) -> list[str]:
-    """The resolved plan and the weights' fingerprint, one line an entry, in a fixed order."""
+    """The resolved plan and a fingerprint of the weights it cuts, one line an entry, in a
+    fixed order. Only the modules this plan splits are fingerprinted: a module an earlier
+    ``parallelize`` call split holds a different shard on every rank by design."""
     lines = [f"{path}: {style!r}" for path, style in sorted(styles.items())]
     lines += [f"{dim.name}: shares {list(dim.plan.sizes)}" for dim in dims]
     lines += [f"{path}: shares {list(plan.sizes)}" for path, plan in sorted(plans.items())
               if plan is not None]
-    with torch.no_grad():  # compared as text: NaN sums compare equal too
-        lines += [f"weights {name}: {tuple(p.shape)}, sum {_sum(p)}"
-                  for name, p in model.named_parameters()]
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for path in sorted(styles):
+            for name, p in modules[path].named_parameters():
+                lines.append(f"weights {path}.{name}: {tuple(p.shape)}, {_fingerprint(p)}")
     return lines
 
 
-def _sum(p: torch.Tensor) -> str:
-    """The parameter's float64 sum as text; a meta tensor (no values yet) only says so."""
-    return "meta" if p.is_meta else repr(float(p.detach().double().sum()))
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+_CHUNK = 1 << 24  # elements summed at a time: the int64 copy stays small
+
+
+def _fingerprint(p: torch.Tensor) -> str:
+    """The sum of the parameter's bits read as integers: exact and in any order the same
+    (a float sum's rounding depends on the thread count: measured, 4M float32 values summed
+    to different last digits on 1 and 2 threads); a meta tensor only says so."""
+    if p.is_meta:
+        return "meta"
+    flat = p.detach().contiguous().view(-1)
+    bits = flat.view(torch.uint8).view(_INTS[flat.element_size()]) if flat.numel() else flat
+    total = 0
+    for lo in range(0, bits.numel(), _CHUNK):
+        total += int(bits[lo:lo + _CHUNK].to(torch.int64).sum())
+    return f"bits {total}"
 
 
 def agree(mine: list[str] | None, problem: Exception | None, group) -> None:
@@ -73,10 +92,9 @@ def _difference(ours: list[str], theirs: list[str], rank: int) -> str:
     for a, b in zip(ours, theirs):
         if a != b:
             if a.startswith("weights ") and b.startswith("weights "):
-                return (f"rank {rank}'s weights differ from rank 0's ({a.split(':')[0][8:]}: "
-                        f"{a.split(': ', 1)[1]} on rank 0, {b.split(': ', 1)[1]} on rank "
-                        f"{rank}): build the model from one seed on every rank, or load the "
-                        "same checkpoint")
+                return (f"rank {rank}'s weights differ from rank 0's ({a.split(':')[0][8:]}): "
+                        "build the model from one seed on every rank, or load the same "
+                        "checkpoint")
             return (f"the ranks' plans differ: rank 0 has {a}, rank {rank} has {b} (every "
                     "rank must call parallelize with the same plan on the same model)")
     longer, which = (ours, 0) if len(ours) > len(theirs) else (theirs, rank)

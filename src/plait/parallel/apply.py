@@ -94,12 +94,14 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
                          "rank a whole copy of the model (give plan='auto' or module path → "
                          "style entries)")
     run = _Run(model, group, info, shard_plans, overlap, chunks)
+    mine = problem = None
     try:
         run.resolve(expand(model, styles, strict=not auto))
-        problem = None
-    except (ValueError, TypeError) as err:  # raised on every rank, once they have compared
+        if info.world > 1:
+            mine = describe(model, run.styles, run.dims, run.plans)
+    except (ValueError, TypeError, RuntimeError) as err:  # raised on every rank, once compared
         problem = err
-    agree(None if problem else describe(model, run.styles, run.dims, run.plans), problem, group)
+    agree(mine, problem, group)
     built = run.build()
     run.swap(built)
     # the operators' context is made on first use, collectively; made here, eagerly, a
