@@ -84,6 +84,7 @@ def test_training_survives_losing_a_host():
     cfg = ElasticConfig(hosts=3, link="1gbit", steps=12, checkpoint_every=4, kill_host=2,
                         kill_at=5, n_embd=32, seq_len=32, batch_size=8, eval_batches=4,
                         deadline_s=400)
+    elastic_before = set(_torchelastic())
     result = run_elastic(cfg)
     assert result["worlds"][0] == 3 and result["final_world_size"] == 2, result
     assert result["steps"] == 12
@@ -96,3 +97,8 @@ def test_training_survives_losing_a_host():
     assert result["heldout_loss"] == pytest.approx(reference["heldout_loss"], rel=0.02)
     assert all(not _alive(pid) for pid in result["killed_pids"])
     assert _leftovers(os.getpid()) == ([], [], [])
+    assert set(_torchelastic()) - elastic_before == set()  # torchrun's log folders went too
+
+
+def _torchelastic() -> list[str]:
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("torchelastic_")]

@@ -123,8 +123,14 @@ def _agent_command(cfg: ElasticConfig, host: Host, rdzv: str, run_id: str,
     return (["ip", "netns", "exec", host.netns] if host.netns else []) + command
 
 
-def _env(host: Host, cfg: ElasticConfig) -> dict[str, str]:
+def _env(host: Host, cfg: ElasticConfig, work: Path) -> dict[str, str]:
     env = dict(os.environ)
+    # torchrun's agent makes a torchelastic_* log folder in the temporary directory and
+    # leaves it (measured: 141 left in /tmp by test runs); inside the run's own folder it
+    # goes with the run
+    tmp = work / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     env.update(GLOO_SOCKET_IFNAME=host.ifname, PLAIT_TIMEOUT_S=f"{cfg.timeout_s:g}",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                LOGLEVEL=os.environ.get("PLAIT_ELASTIC_LOGLEVEL", "WARNING"))
@@ -214,7 +220,7 @@ def run_elastic(cfg: ElasticConfig, *, on_event: Callable[[str, dict], None] | N
             for host in cluster.hosts:
                 out = open(work / f"agent-{host.index}.log", "w")
                 agents.append((subprocess.Popen(
-                    _agent_command(cfg, host, rdzv, run_id, work), env=_env(host, cfg),
+                    _agent_command(cfg, host, rdzv, run_id, work), env=_env(host, cfg, work),
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True), host))
                 out.close()
