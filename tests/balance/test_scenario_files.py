@@ -1,6 +1,6 @@
 """Scenario files (``plait bench hetero --scenario-file``): the format, the factors it gives
-step by step, and semi under the shipped jitter file (no decision) against the same jitter on
-a persistent 2 × straggler (decisions)."""
+step by step, and a real run of the shipped jitter file on a persistent 2 × straggler (semi
+migrates). Semi under the jitter alone: tests/balance/test_policy.py."""
 
 import json
 import os
@@ -146,53 +146,25 @@ def test_bench_hetero_runs_the_file_as_one_more_scenario_and_records_it():
     assert cfg.scenario.to_json()["file"] == json.load(open(DRIFT))
 
 
-def _jitter_run(jitter, control):
-    """Rank side: bench hetero's runs of a small GPT on 2 ranks: semi on no slowdown and on
-    the jitter file, interleaved step by step (with the even reference), then semi on the
-    control file."""
+def _control_run(control):
+    """Rank side: bench hetero's run of a small GPT on 2 ranks: semi on the control file."""
     from plait.bench.hetero import run_hetero
 
-    out = {}
-    for path, scenarios in ((jitter, ("none",)), (control, ())):
-        cfg = HeteroBenchConfig(scenarios=scenarios, scenario_file=path, policies=("semi",),
-                                steps=64, warmup=4, seeds=1, n_layer=1, n_head=8, n_embd=128,
-                                seq_len=32, batch_size=8, eval_batches=1, spike_steps=12,
-                                confirm_steps=3)
-        for record in run_hetero(cfg):
-            out[record["scenario"], record["policy"]] = record["decisions"]
-    return out
+    cfg = HeteroBenchConfig(scenarios=(), scenario_file=control, policies=("semi",), steps=64,
+                            warmup=4, seeds=1, n_layer=1, n_head=8, n_embd=128, seq_len=32,
+                            batch_size=8, eval_batches=1, spike_steps=12, confirm_steps=3)
+    return {record["scenario"]: record["decisions"] for record in run_hetero(cfg)}
 
 
-def test_semi_makes_no_decision_under_jitter_alone_but_does_on_a_2x_straggler(tmp_path):
-    """The shipped jitter file (every rank 1.0–1.5 ×, a new draw every step): semi leaves the
-    even plan be. A busy shared machine can slow one rank for real (a neighbour on its core,
-    seen as a 1.4 × imbalance over ten steps); the run with no slowdown, interleaved step by
-    step with the jitter run, sees the same machine and then decides too: the jitter may add
-    no decision to it (on a quiet machine both make none). The control: the same jitter on
-    top of a 2 × last rank, which semi migrates work away from."""
+def test_the_jitter_file_on_a_2x_straggler_is_migrated_in_a_real_run(tmp_path):
+    """The shipped jitter file on top of a 2 × last rank, run through ``bench hetero``: semi
+    migrates work away from the last rank. That semi makes no decision under the jitter
+    alone is judged on the file's draws through the monitor's model
+    (tests/balance/test_policy.py), not in a run on a shared machine, whose real load can be
+    a real imbalance (a CI run: 1.42 × on one rank, bridged by two resizes)."""
     data = json.load(open(JITTER))
     data["name"] = "jitter-on-2x"
     data["slow"].append({"rank": "last", "factor": 2.0})
-    control = _write(tmp_path, data)
-    out = run_ranks(_jitter_run, 2, JITTER, control)[0]
-    jitter, none = out["jitter", "semi"], out["none", "semi"]
-    assert len(jitter) <= len(none), (jitter, none)
-    moved = [d["sizes"] for d in out["jitter-on-2x", "semi"] if d["kind"] == "migrate"]
-    assert any(sizes[1] < sizes[0] for sizes in moved), out["jitter-on-2x", "semi"]
-
-
-def test_semi_acts_only_when_each_newest_reading_shows_the_windows_imbalance():
-    """The window's mean at 1.25 (over the trigger) after one jittery reading: no resize while
-    a newest reading disagrees (under the trigger, or the other rank slow); a resize once
-    both agree."""
-    from plait.balance.policy import PolicyConfig, SemiPolicy, agreement
-
-    window = (1.0, 0.8)
-    assert agreement(window, [(1.0, 0.95), (1.0, 0.8)], (1.0, 1.0)) == pytest.approx(1 / 0.95)
-    assert agreement(window, [(0.8, 1.0)], (1.0, 1.0)) == pytest.approx(0.8)
-    for recent, acts in (([(1.0, 0.95), (1.0, 0.75)], False),  # one reading under 1.2
-                         ([(0.9, 1.0), (1.0, 0.7)], False),  # rank 0 the slow one there
-                         ([(1.0, 0.8), (1.0, 0.78)], True)):
-        policy = SemiPolicy(PolicyConfig(name="semi", confirm_steps=1), 16, 2)
-        kinds = [policy.step(window, 1.0, recent).kind for _ in range(3)]
-        assert kinds == (["resize", "none", "none"] if acts else ["none"] * 3), (recent, kinds)
+    decisions = run_ranks(_control_run, 2, _write(tmp_path, data))[0]["jitter-on-2x"]
+    moved = [d["sizes"] for d in decisions if d["kind"] == "migrate"]
+    assert any(sizes[1] < sizes[0] for sizes in moved), decisions
