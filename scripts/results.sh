@@ -37,6 +37,8 @@ COMMANDS=(
   "bench-tp-dp|bench tp --dp 2 --tp 2 --hosts 2 --link 1gbit --quick --n-embd 128 --batch-size 16 --no-progress --json {json}"
   "bench-tp-hf-llama-quick|bench tp --model hf-llama --hosts 2 --link 1gbit --quick --no-progress --json {json}"
   "bench-hetero-quick|bench hetero --quick --ranks 2 --scenarios none,straggler-2x --policies even,semi --seeds 1 --no-progress --json {json}"
+  # issue 22's command in full: 3 seeds, every policy, the spike beside the straggler
+  "bench-hetero|bench hetero --quick --ranks 2 --scenarios none,straggler-2x,spike --policies even,resize,migrate,semi --seeds 3 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
   "elastic-kill|elastic --hosts 3 --link 1gbit --steps 60 --kill-host 2@20 --checkpoint-every 5 --no-progress --json {json}"
   # ≥ 5 checkpoints of each kind, blocking and asynchronous taking turns (issue 25)
