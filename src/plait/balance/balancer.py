@@ -40,13 +40,16 @@ migration the caller re-applies data parallelism to the new shapes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..nn.linear import select_features
+from ..plan import ShardPlan
 from .migrate import MigrationReport, migrate
 from .policy import Action, PolicyConfig, SemiPolicy
 from .speed import SpeedMonitor
@@ -190,6 +193,57 @@ class Balancer:
         return {dim: {"sizes": list(layers[0].plan.sizes), "keep": layers[0].keep}
                 for dim, layers in self.dims.items()}
 
+    # --- checkpoints (DCP's Stateful protocol) ----------------------------------
+    def state_dict(self) -> dict:
+        """This rank's balancer as plain values and CPU tensors: each dim's policy (plan,
+        resizing, counters, log), each of its layers' ZERO-resizing (the kept features, the
+        priority scores and the weight snapshot they are measured from), the speed monitor's
+        readings, the step count and the decisions taken. Every rank saves its own: the kept
+        features and snapshots differ per rank."""
+        return {"policy": self.config.name, "world": self.world, "steps": self.steps,
+                "replicas": _size(self.dp_group),
+                "dims": {dim: {"policy": _policy_state(self.policies[dim]),
+                               "names": list(self.names[dim]),
+                               "plan": list(layers[0].plan.sizes),
+                               "layers": [_resize_state(layer) for layer in layers]}
+                         for dim, layers in self.dims.items()},
+                "monitor": _monitor_state(self.monitor),
+                "log": [dataclasses.asdict(d) for d in self.log]}
+
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Continue from :meth:`state_dict` of a balancer of the same policy over as many tp
+        ranks and replicas and the same dims (every rank of the group, each its own state;
+        a collective when it migrates). A dim whose layers hold another plan than the saved
+        one is first moved to it, exactly (:func:`plait.balance.migrate`, optimizer state
+        included; under data parallelism the caller then rebuilds it for the new shapes, as
+        after any migration). Returns the dims moved. A state that does not fit raises a
+        ValueError naming what differs, before anything changes."""
+        mine = (self.config.name, self.world, _size(self.dp_group), sorted(self.dims))
+        saved = (state["policy"], state["world"], state["replicas"], sorted(state["dims"]))
+        if mine != saved:
+            raise ValueError(f"a balancer state of (policy, ranks, replicas, dims) {saved} does "
+                             f"not fit this balancer's {mine}")
+        _check_monitor_state(self.monitor, state["monitor"])  # all checked before any change
+        for dim, policy in self.policies.items():
+            policy_state = state["dims"][dim]["policy"]
+            if list(state["dims"][dim]["names"]) != list(self.names[dim]):
+                raise ValueError(f"{dim}: saved for layers {state['dims'][dim]['names']}, this "
+                                 f"balancer's are {self.names[dim]}")
+            _check_policy_state(policy, policy_state)
+        moves = {dim: ShardPlan(tuple(s["plan"])) for dim, s in state["dims"].items()
+                 if tuple(s["plan"]) != self.dims[dim][0].plan.sizes}
+        if moves:
+            migrate(self.model, self.optimizer,
+                    {name: plan for dim, plan in moves.items() for name in self.names[dim]})
+        for dim, layers in self.dims.items():
+            _set_policy_state(self.policies[dim], state["dims"][dim]["policy"])
+            for layer, saved_layer in zip(layers, state["dims"][dim]["layers"]):
+                _set_resize_state(layer, saved_layer)
+        _set_monitor_state(self.monitor, state["monitor"])
+        self.steps = state["steps"]
+        self.log = [_decision(d) for d in state["log"]]
+        return sorted(moves)
+
 
 class ReplicaMonitor(SpeedMonitor):
     """A :class:`SpeedMonitor` of one tp group whose readings are its tp position's slowest
@@ -237,3 +291,106 @@ def _resize_dim(layers, keep: float) -> None:
             units[:, None] * layer.unit + torch.arange(layer.unit, device=units.device)
         ).reshape(-1)
         layer.resize(keep, kept=kept)
+
+
+def _resize_state(layer) -> dict:
+    """A layer's ZERO-resizing as CPU copies: its share, kept features and priority state."""
+    def copy(t):
+        return None if t is None else t.detach().to("cpu", copy=True)
+
+    return {"keep": layer.keep, "kept": copy(layer._kept), "snapshot": copy(layer._snapshot),
+            "scores": copy(layer._scores), "scored_by_change": layer._scored_by_change}
+
+
+def _set_resize_state(layer, state: dict) -> None:
+    device = layer.weight.device
+
+    def put(t):
+        return None if t is None else t.to(device, copy=True)
+
+    if state["kept"] is None:
+        layer.resize(1.0)
+    else:
+        layer.resize(state["keep"], kept=state["kept"])
+    layer._snapshot, layer._scores = put(state["snapshot"]), put(state["scores"])
+    layer._scored_by_change = state["scored_by_change"]
+
+
+def _decision(plain: dict) -> Decision:
+    report = plain["migration"]
+    return Decision(**{**plain, "sizes": tuple(plain["sizes"]),
+                       "migration": None if report is None else MigrationReport(**report)})
+
+
+_MONITOR = ("every", "window", "keys", "world")
+_MONITOR_COUNTS = ("_window_steps", "steps", "shares", "restarts", "overhead_s", "compute_s")
+
+
+def _monitor_state(monitor: SpeedMonitor) -> dict:
+    """The speed monitor as plain values: every rank's readings in the window, the seconds
+    and work summed since the last exchange, the counters."""
+    monitor._resolve_pending()
+    return {**{k: getattr(monitor, k) for k in _MONITOR},
+            **{k: getattr(monitor, k) for k in _MONITOR_COUNTS},
+            "seconds": dict(monitor._seconds), "work": dict(monitor._work),
+            "last_s": {k: list(v) for k, v in monitor._last_s.items()},
+            "readings": {k: [list(q) for q in ranks] for k, ranks in monitor._readings.items()}}
+
+
+def _check_monitor_state(monitor: SpeedMonitor, state: dict) -> None:
+    mine, saved = ([getattr(monitor, k) for k in _MONITOR], [state[k] for k in _MONITOR])
+    if mine != saved:
+        raise ValueError(f"speed readings of (every, window, layers, ranks) {saved} do not fit "
+                         f"this monitor's {mine}")
+
+
+def _set_monitor_state(monitor: SpeedMonitor, state: dict) -> None:
+    monitor._pending.clear()
+    monitor._seconds, monitor._work = dict(state["seconds"]), dict(state["work"])
+    monitor._last_s = {k: list(v) for k, v in state["last_s"].items()}
+    monitor._readings = {k: [deque(q, maxlen=monitor.window) for q in ranks]
+                         for k, ranks in state["readings"].items()}
+    for k in _MONITOR_COUNTS:
+        setattr(monitor, k, state[k])
+
+
+_POLICY_COUNTS = ("imbalanced_steps", "balanced_steps", "back_steps", "peak", "departure",
+                  "fresh", "done_static", "cost_steps", "steps")
+
+
+def _policy_state(policy: SemiPolicy) -> dict:
+    """A dim's policy as plain values: its plan and basis, the resizing, the counters, the
+    log."""
+    return {"name": policy.config.name, "total": policy.total, "world": policy.world,
+            "plan": list(policy.plan.sizes), "basis": list(policy.basis),
+            "fractions": None if policy.fractions is None else list(policy.fractions),
+            **{k: getattr(policy, k) for k in _POLICY_COUNTS},
+            "log": [(step, _plain_action(a)) for step, a in policy.log]}
+
+
+def _check_policy_state(policy: SemiPolicy, state: dict) -> None:
+    mine = (policy.config.name, policy.total, policy.world)
+    saved = (state["name"], state["total"], state["world"])
+    if mine != saved:
+        raise ValueError(f"a policy state of (name, units, ranks) {saved} does not fit this "
+                         f"policy's {mine}")
+
+
+def _set_policy_state(policy: SemiPolicy, state: dict) -> None:
+    policy.plan, policy.basis = ShardPlan(tuple(state["plan"])), tuple(state["basis"])
+    policy.fractions = None if state["fractions"] is None else tuple(state["fractions"])
+    for k in _POLICY_COUNTS:
+        setattr(policy, k, state[k])
+    policy.log = [(step, _action(a)) for step, a in state["log"]]
+
+
+def _plain_action(action: Action) -> dict:
+    return {"kind": action.kind, "reason": action.reason,
+            "plan": None if action.plan is None else list(action.plan.sizes),
+            "fractions": None if action.fractions is None else list(action.fractions)}
+
+
+def _action(plain: dict) -> Action:
+    return Action(plain["kind"], plain["reason"],
+                  plan=None if plain["plan"] is None else ShardPlan(tuple(plain["plan"])),
+                  fractions=None if plain["fractions"] is None else tuple(plain["fractions"]))
