@@ -22,6 +22,11 @@ decisions. After a migration DDP's reducer is rebuilt for the new shapes
 ``dp > 1`` is data-parallel by DDP: FSDP2's sharding is not rebuilt after a migration. DDP
 does not see the weight gradients fused row-parallel layers add outside autograd, so it
 needs ``--no-overlap`` unless ``--sequence-parallel`` (refused in one line).
+
+The capacity ideal (``plait.train_report.capacity_ideal``), with or without a balancer: a
+:class:`StepTally` times every plait layer's compute regions beside the balancer's monitor
+and closes each step's figures after the step (outside its time); ``report`` gathers them
+from every rank into the step records and computes the ideal.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch.distributed as dist
 from .parallel.data import MeshLayout
 
 __all__ = ["BALANCE", "DP_MODELS", "BALANCED_MODELS", "mesh_layout", "check_parallel",
-           "placement_line", "RankParallel"]
+           "placement_line", "RankParallel", "StepTally"]
 
 BALANCE = ("even", "resize", "migrate", "semi")
 DP_MODELS = ("gpt", "hf-llama")
@@ -94,6 +99,81 @@ def placement_line(layout: MeshLayout, hosts: int) -> str:
     return f"{layout.describe(hosts=hosts)}; hosts {blocks}"
 
 
+class _TeeTimer:
+    """A layer's compute timer feeding two: the balancer's (None without one) and the
+    tally's; it adds the work it is told of to the tally's step."""
+
+    def __init__(self, first, second, tally: "StepTally"):
+        self.first, self.second, self.tally = first, second, tally
+
+    def begin(self, device):
+        return (None if self.first is None else self.first.begin(device),
+                self.second.begin(device))
+
+    def count(self, work: float) -> None:
+        if self.first is not None:
+            self.first.count(work)
+        self.second.count(work)
+        self.tally.work += work
+
+    def end(self, token, work: float = 0.0) -> None:
+        self.second.end(token[1], work)
+        if self.first is not None:
+            self.first.end(token[0], work)
+        self.tally.work += work
+
+
+class StepTally:
+    """This rank's timed compute per step: seconds (the straggler's sleeps included), work
+    (weight elements multiplied) and its slowdown factor. A ``SpeedMonitor`` that never
+    exchanges (no collective), whose timers sit beside those already on ``model``'s layers."""
+
+    def __init__(self, model: torch.nn.Module):
+        from .balance import SpeedMonitor
+
+        self.monitor = SpeedMonitor(None)
+        self.work, self._seen = 0.0, 0.0
+        self.rows: list[tuple[int, float, float, float]] = []  # (step, s, work, factor)
+        for name, layer in model.named_modules():
+            if hasattr(layer, "compute_timer"):
+                layer.compute_timer = _TeeTimer(layer.compute_timer, self.monitor.timer(name),
+                                                self)
+
+    def close_step(self, step: int) -> None:
+        """After the step: its figures (on CUDA the monitor reads its events: a synchronize)."""
+        from .runtime import rank_context
+
+        self.monitor.discard()  # resolves pending CUDA timings into compute_s
+        seconds, self._seen = self.monitor.compute_s - self._seen, self.monitor.compute_s
+        factor = rank_context().straggler.factor(step) if dist.is_initialized() else 1.0
+        self.rows.append((step, seconds, self.work, factor))
+        self.work = 0.0
+
+    def into_records(self, records: list[dict]) -> None:
+        """Every rank's figures into the records of the steps tallied (a collective: every
+        rank): ``compute_s``, ``work``, ``slow`` (lists over ranks), ``time_max_s``."""
+        from .runtime.timing import agreed_max
+
+        if not self.rows:
+            return
+        by_step = {r["step"]: r for r in records}
+        local = torch.tensor([row[1:] for row in self.rows], dtype=torch.float64)  # [n, 3]
+        parts, device = [local], torch.device("cpu")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, local.to(device))
+        table = torch.stack(parts).cpu()  # [ranks, n, 3]
+        times = agreed_max([by_step[row[0]]["time_s"] for row in self.rows], device=device)
+        for i, row in enumerate(self.rows):
+            record = by_step[row[0]]
+            record["compute_s"] = table[:, i, 0].tolist()
+            record["work"] = table[:, i, 1].tolist()
+            record["slow"] = table[:, i, 2].tolist()
+            record["time_max_s"] = times[i]
+
+
 class RankParallel:
     """One rank's share of ``--dp``/``--tp`` and ``--balance``; every rank makes one, in the
     same order of calls (each of ``wrap``, ``after_step`` and ``report`` may hold collectives)."""
@@ -106,7 +186,7 @@ class RankParallel:
         self.tp_group = self.mesh.get_group("tp") if self.mesh is not None else None
         self.dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
         self.replica = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
-        self.balancer = None
+        self.balancer = self.tally = None
         self.tp_model = self.model = None
         self.dp_kind = ""
 
@@ -137,16 +217,16 @@ class RankParallel:
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Start the balancer (``--balance`` other than even) on the tensor-parallel model
         (``model``, or the one ``wrap`` made data-parallel), over its tp group, its speeds
-        agreed over its dp group."""
-        if self.cfg.balance == "even":
-            return
-        from .balance import Balancer, PolicyConfig
-
-        policy = PolicyConfig(name=self.cfg.balance, confirm_steps=CONFIRM_STEPS,
-                              spike_steps=SPIKE_STEPS)
+        agreed over its dp group; then the step tally (every policy, even included)."""
         tp_model = self.tp_model if self.tp_model is not None else model
-        self.balancer = Balancer(tp_model, optimizer, self.tp_group, policy, every=EVERY,
-                                 refresh=REFRESH, dp_group=self.dp_group)
+        if self.cfg.balance != "even":
+            from .balance import Balancer, PolicyConfig
+
+            policy = PolicyConfig(name=self.cfg.balance, confirm_steps=CONFIRM_STEPS,
+                                  spike_steps=SPIKE_STEPS)
+            self.balancer = Balancer(tp_model, optimizer, self.tp_group, policy, every=EVERY,
+                                     refresh=REFRESH, dp_group=self.dp_group)
+        self.tally = StepTally(tp_model)
 
     def after_step(self, record: dict) -> None:
         """After the optimizer step: the balancer's step (timed into ``time_s``, its
@@ -161,6 +241,8 @@ class RankParallel:
             record["time_s"] += time.perf_counter() - start
             if done:
                 record["decisions"] = [d.to_json() for d in done]
+        if self.tally is not None:
+            self.tally.close_step(record["step"])
         if self.dp_group is not None:
             loss = torch.tensor([record["loss"]], dtype=torch.float64, device=self._device())
             dist.all_reduce(loss, group=self.dp_group)
@@ -172,8 +254,14 @@ class RankParallel:
         return torch.device("cpu")
 
     def report(self, result: dict, steps: int) -> dict:
-        """``result`` with the placement, what each parallel layer did, and the balancer's
-        decisions, final plans and measured compute."""
+        """``result`` with the placement, what each parallel layer did, the balancer's
+        decisions, final plans and measured compute, every rank's figures in the step
+        records and the capacity ideal (collectives: every rank)."""
+        from .train_report import capacity_ideal
+
+        if self.tally is not None:
+            self.tally.into_records(result["records"])
+        result["ideal"] = capacity_ideal(result["records"], self.layout.dp_groups())
         hosts = self.cfg.extra.get("hosts", 0)
         result["placement"] = placement_line(self.layout, hosts)
         result["parallel"] = getattr(self.tp_model, "_plait_parallel", "")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-from ..bench.report import console, progress_bar
+from ..bench.report import console, print_table, progress_bar
 from ..train import TrainConfig, train
 from ..train_parallel import mesh_layout, placement_line
 from ..train_report import write_train_report
@@ -63,6 +64,7 @@ def run_train(args: argparse.Namespace) -> int:
     console.print(f"placement: {placement_line(layout, hosts)}")  # every refusal is behind
     if note:
         console.print(note, markup=False)
+    load = [os.getloadavg()[0]]
     start = time.perf_counter()
     try:
         with progress_bar(f"train {cfg.model}", cfg.steps, enabled=not args.no_progress) as advance:
@@ -78,7 +80,8 @@ def run_train(args: argparse.Namespace) -> int:
         remove_empty_folders(made)  # a refused or failed run leaves no empty report folder
         raise
     wall = time.perf_counter() - start
-    summary = write_train_report(result, cfg, out, where, wall)
+    load.append(os.getloadavg()[0])
+    summary = write_train_report(result, cfg, out, where, wall, load=load)
     console.print(f"[dim]{where}; {result['parallel']}[/dim]")
     console.print(f"loss {summary['first_tenth_mean_loss']:.3f} → {summary['last_tenth_mean_loss']:.3f}"
                   f" (mean of the first and last tenth of the steps); held-out loss "
@@ -87,4 +90,28 @@ def run_train(args: argparse.Namespace) -> int:
                      if "planted_model_loss" in summary else ""))
     console.print(f"{cfg.steps} steps in {summary['train_s']:.1f} s ({wall:.1f} s in all); "
                   f"wrote {out}/loss.png and {out}/log.json")
+    _print_ideal(summary, cfg, args)
     return 0
+
+
+def _print_ideal(summary: dict, cfg, args: argparse.Namespace) -> None:
+    """The median step against the capacity ideal (plait.train_report.capacity_ideal)."""
+    ideal = summary.get("ideal", {})
+    if "t_ideal_s" not in ideal:
+        console.print(f"capacity ideal: not computed ({ideal.get('omitted', 'no figures')})",
+                      markup=False)
+        return
+    slowed = " ".join([f"--slow {s}" for s in args.slow]
+                      + ([f"--slow-file {args.slow_file}"] if args.slow_file else [])) or "none"
+    decisions = len(summary.get("balance", {}).get("decisions", ()))
+    load = summary.get("load_avg_1min", [])
+    row = [cfg.balance, slowed, f"{1e3 * ideal['t_step_s']:.1f}",
+           f"{1e3 * ideal['t_ideal_s']:.1f}", f"{ideal['ratio_to_ideal']:.2f}", str(decisions),
+           " → ".join(f"{v:.1f}" for v in load)]
+    print_table(f"step time, steps {ideal['warmup']}–{ideal['warmup'] + ideal['steps'] - 1} "
+                "(median of the slowest rank's)",
+                ["balance", "straggler", "step (ms)", "ideal (ms)", "× ideal", "decisions",
+                 "load (1 min)"], [row], labels=2,
+                caption="ideal: the step a perfect balancer would reach at these ranks' speeds "
+                        "(the work over the summed speeds, plus what compute does not explain; "
+                        "docs/training.md)")
