@@ -21,9 +21,13 @@ readings taken under the old plan are dropped (a real device's cost per unit is 
 constant in the share's size, so old readings are not in the new plan's units) and
 confidence starts again from 0.
 
-Clock: on a one-thread CPU rank, the thread's CPU time plus the straggler
-emulation's sleeps in the region (ranks sharing cores are otherwise measured
-slow whenever the scheduler runs another rank mid-GEMM); wall time otherwise.
+Clock (:func:`plait.runtime.straggler.compute_clock`): on a one-thread CPU rank, the
+thread's CPU time plus the straggler emulation's sleeps in the region (ranks sharing cores
+are otherwise measured slow whenever the scheduler runs another rank mid-GEMM); wall time
+otherwise, which already holds the sleeps (they are not added twice: a 2 × rank would read
+1/3, a 4 × one 1/7). On a host with a CPU budget it is wall time: a rank the kernel throttles
+(``bench hetero --slow-by kernel``) waits for its quota, which is not CPU time, so it is seen
+slow as it is.
 
 Cost: two clock reads per region (CUDA: two events, read only at the
 exchange), and one all_gather of a few hundred bytes every ``every`` steps;
@@ -121,7 +125,9 @@ class LayerTimer:
 
     def end(self, token, work: float = 0.0) -> None:
         if isinstance(token, _CPUToken):
-            delayed = token.straggler.delayed_s - token.delayed if token.straggler else 0.0
+            delayed = 0.0  # the wall clock ran through the sleeps; a CPU clock did not
+            if token.straggler is not None and token.clock is not time.perf_counter:
+                delayed = token.straggler.delayed_s - token.delayed
             self.monitor._add(self.key, token.clock() - token.start + delayed, work)
         else:  # CUDA: read the pair at the next exchange, after one synchronize
             stop = torch.cuda.Event(enable_timing=True)

@@ -16,15 +16,24 @@ rank ``F`` × slower sleeps ``(F − 1)`` × each of its compute pieces):
 
 On an emulated cluster with equal CPU budgets (``--hosts 4 --host-cpu 0.5``: each host a
 real half core from the kernel, 4 × 0.5 = the 2 cores of the machine, so four ranks do not
-fight over cores) ``graded``'s 4 ×, 2 ×, 1 ×, 1 × stay the sleep emulation on top of the
-budgets, not budgets of 0.125, 0.25, 0.5, 0.5: a budget holds a host for the whole launch,
-and one launch runs the ``none`` reference and every policy interleaved step by step, so
-graded budgets would slow the reference and the ideal with it. On a budgeted host the
-compute is timed by the wall clock (``runtime.straggler.compute_clock``), so a rank ``F`` ×
-slower sleeps ``F − 1`` × its throttled compute. Measured once (``--quick``, one seed): the
-speed monitor read the 4 × and 2 × ranks at 0.14 and 0.32 of the fastest, not 0.25 and
-0.50, so sleeps and throttling do not simply multiply there, and the ideal (from the
-nominal factors) is faster than those hosts' real capacity.
+fight over cores) the factors are, by default (``--slow-by sleep``), the sleep emulation on
+top of the budgets. On a budgeted host the compute is timed by the wall clock
+(``runtime.straggler.compute_clock``), so a rank ``F`` × slower sleeps ``F − 1`` × its
+throttled compute, and the speed monitor counts that sleep once (it used to add it to a wall
+time that already held it, and read the 4 × and 2 × ranks at 1/7 and 1/3: the 0.14 and 0.32
+one graded run measured).
+
+``--slow-by kernel`` makes the factors with the kernel instead: one rank per host
+(``--hosts N``, N ranks), each host's ``--host-cpu`` budget (1 core where not given) its
+full speed. Before every step, each rank sets its own host's cgroup cpu quota to the budget
+÷ ``F_r`` of the run about to step (the ``none`` reference and the ranks at factor 1 get the
+whole budget; :func:`plait.runtime.straggler.host_throttle`); then the barrier starts the
+step on every rank. The slow host is then slow at everything it runs, not only where the
+sleep emulation sleeps, and the monitor, timing by the wall clock on a budgeted host, sees it
+as it is (by thread CPU time it would see nothing: waiting for the quota is not CPU time).
+The budget is whole again after the steps; the cgroups go with the cluster. Each record
+carries, per rank, the budget the kernel held each step to (read back from the cgroup), the
+step's CPU time over its wall time and the periods the kernel throttled.
 
 Per run: every step's time (the slowest rank's: forward, backward, update and
 the balancer's own step, migrations included), the losses, the balancer's
@@ -36,11 +45,16 @@ spreads the tensor-parallel compute ``c`` (what the emulation slows: the
 ``1/F_r``, so ``t_ideal = t_none − c + c · p / Σ_r (1/F_r)``: total work over
 summed speeds, plus everything the emulation does not slow (communication,
 attention, the replicated embedding and head, the optimizer). Each run's
-``t_ideal_s`` is the median of that over its timed steps.
+``t_ideal_s`` is the median of that over its timed steps. Under ``--slow-by kernel``
+everything a rank runs is slowed, so ``c`` is the ``none`` run's CPU time per rank per
+step (all of its threads, ``cpu_s_per_step``): a rank slowed ``F`` × is slow at its
+replicated work too, and the fast ranks make up for it by taking more of the sharded work,
+which gives the same formula with the rank's whole CPU time for ``c``.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -53,8 +67,9 @@ from ..balance import Balancer, PolicyConfig
 from ..balance.policy import POLICIES
 from ..data import CharCorpus
 from ..runtime import rank_context
+from ..runtime.cgroup import cpu_budget, cpu_throttled
 from ..runtime.scenario_file import Scenario, load_scenario
-from ..runtime.straggler import SlowCurve, SlowSpec, Straggler
+from ..runtime.straggler import SLOW_BY, SlowCurve, SlowSpec, Straggler, host_throttle
 from ..runtime.timing import agreed_max, balanced_round
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
@@ -102,11 +117,17 @@ class HeteroBenchConfig:
         "semi: an imbalance lasting this many steps persists and is migrated (shorter ones "
         "are resized, then undone)"))
     eval_batches: int = field(default=8, metadata=_h("held-out batches at the end"))
+    slow_by: str = field(default="sleep", metadata=_h(
+        "how a rank F × slower is made: sleep (F − 1 × each compute piece's time) or kernel "
+        "(its host's CPU budget ÷ F, a cgroup cpu quota set before every step; needs --hosts "
+        "with one rank per host; --host-cpu is the full budget, default 1 core)"))
     extra: dict = field(default_factory=dict)  # where it ran (filled by the launcher)
     scenario: Scenario | None = field(default=None, init=False, repr=False, compare=False)
     """The scenario file, read and checked (None without one)."""
 
     def __post_init__(self) -> None:
+        if self.slow_by not in SLOW_BY:
+            raise ValueError(f"--slow-by {self.slow_by!r}: choose from {list(SLOW_BY)}")
         for name, known in (("scenarios", SCENARIOS), ("policies", POLICIES)):
             values = getattr(self, name)
             bad = [v for v in values if v not in known]
@@ -192,19 +213,25 @@ def factors_at(specs: list[SlowSpec | SlowCurve], world: int, step: int) -> list
 class BalancedRun:
     """One training run under a balancing policy, a step at a time, so that several runs
     can be interleaved step by step (``plait demo``) and load drift hits them alike. Each
-    run carries its own straggler emulation, active only while it steps."""
+    run carries its own straggler emulation, active only while it steps; with ``throttle``
+    (``Straggler``'s: the kernel makes the slowdown) it sets this rank's host's CPU budget
+    for each of its steps before the step starts."""
 
     def __init__(self, cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec],
-                 corpus: CharCorpus, *, every: int = 2, refresh: int = 200):
+                 corpus: CharCorpus, *, every: int = 2, refresh: int = 200, throttle=None):
         self.cfg, self.corpus = cfg, corpus
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.straggler = Straggler(specs, self.rank)
+        self.straggler = Straggler(specs, self.rank, throttle=throttle)
+        self.cgroup = rank_context().host.cgroup if throttle is not None else None
         self.model = build_gpt(cfg, vocab_size=corpus.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.balancer = Balancer(self.model, self.optimizer, None, policy, every=every,
                                  refresh=refresh)
         self.batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
-        self.times: list[float] = []
+        self.times: list[float] = []  # this rank's, per step (finish takes the slowest)
+        self.cpu: list[float] = []  # this process's CPU time per step, all its threads
+        self.held: list[float] = []  # kernel: the budget the kernel held each step to (cores)
+        self.throttled: list[int] = []  # kernel: periods the kernel throttled in each step
         self.losses: list[float] = []
 
     def _slowed(self, fn):
@@ -221,18 +248,24 @@ class BalancedRun:
         batch = next(self.batches)
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(step, self.cfg.steps, self.cfg.lr)
+        self.straggler.set_step(step)  # kernel: this step's budget, before anyone starts it
         if barrier:
             dist.barrier()
 
         def run():
-            self.straggler.set_step(step)
-            start = time.perf_counter()
+            if self.cgroup is not None:
+                self.held.append(cpu_budget(self.cgroup))
+                throttled = cpu_throttled(self.cgroup)
+            start, cpu = time.perf_counter(), time.process_time()
             loss = gpt_loss(self.model, batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
             self.balancer.step(step)
             self.times.append(time.perf_counter() - start)
+            self.cpu.append(time.process_time() - cpu)
+            if self.cgroup is not None:
+                self.throttled.append(cpu_throttled(self.cgroup) - throttled)
             self.losses.append(loss.item())
         self._slowed(run)
 
@@ -242,13 +275,26 @@ class BalancedRun:
         mean rank's."""
         final = self._slowed(lambda: evaluate_gpt(self.model, self.corpus, self.cfg))
         steps = max(len(self.times), 1)
-        compute = torch.tensor([self.balancer.monitor.compute_s / steps], dtype=torch.float64)
+        compute = torch.tensor([self.balancer.monitor.compute_s / steps, sum(self.cpu) / steps],
+                               dtype=torch.float64)
         dist.all_reduce(compute)
-        return {"times": agreed_max(self.times), "losses": self.losses, "eval": final,
-                "compute_s_per_step": float(compute) / self.world,  # the mean rank's
-                "monitor_s": self.balancer.monitor.overhead_s,
-                "decisions": [d.to_json() for d in self.balancer.log],
-                "final_state": self.balancer.state(), "world": self.world}
+        out = {"losses": self.losses, "eval": final,
+               "compute_s_per_step": float(compute[0]) / self.world,  # the mean rank's
+               "cpu_s_per_step": float(compute[1]) / self.world,
+               "speeds": list(self.balancer.monitor.speeds()),
+               "monitor_s": self.balancer.monitor.overhead_s,
+               "decisions": [d.to_json() for d in self.balancer.log],
+               "final_state": self.balancer.state(), "world": self.world}
+        if self.cgroup is not None:  # per rank, per step: what the kernel did
+            ranks = [None] * self.world
+            dist.all_gather_object(ranks, (self.held, self.throttled,
+                                           [c / max(t, 1e-12) for c, t in zip(self.cpu,
+                                                                               self.times)]))
+            out["kernel"] = {"held_cores": [r[0] for r in ranks],
+                             "throttled_periods": [r[1] for r in ranks],
+                             "cpu_share": [r[2] for r in ranks]}
+        out["times"] = agreed_max(self.times)
+        return out
 
 
 def train_balanced(cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec], corpus: CharCorpus, *,
@@ -276,6 +322,29 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
     corpus = CharCorpus.load()
     report = rank_context().report
     runs = cfg.runs()
+    throttle = _kernel_throttle() if cfg.slow_by == "kernel" else None
+    try:
+        return _run_seeds(cfg, world, corpus, report, runs, throttle)
+    finally:
+        if throttle is not None:
+            throttle(1.0)  # the host's whole budget again
+
+
+def _kernel_throttle():
+    """This rank's host's throttle for ``--slow-by kernel``: its cgroup, its full budget read
+    back from the kernel."""
+    host = rank_context().host
+    if host.cgroup is None:
+        raise ValueError("--slow-by kernel needs hosts with a CPU budget (--hosts N "
+                         "--host-cpu CORES, one rank per host); this rank's host has none")
+    budget = cpu_budget(host.cgroup)
+    if budget is None:
+        raise ValueError(f"--slow-by kernel: host {host.index}'s cgroup {host.cgroup} has no "
+                         "CPU limit to scale")
+    return host_throttle(host.cgroup, budget)
+
+
+def _run_seeds(cfg: HeteroBenchConfig, world: int, corpus, report, runs, throttle) -> list[dict]:
     out, done = [], 0
     for seed in sorted({s for s, _, _ in runs}):
         mine = [(sc, pol) for s, sc, pol in runs if s == seed]
@@ -286,10 +355,12 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
                                       confirm_steps=cfg.confirm_steps)
             live.append((scenario, policy, specs,
                          BalancedRun(cfg.train_config(seed), policy_cfg, specs, corpus,
-                                     every=cfg.every, refresh=cfg.refresh)))
+                                     every=cfg.every, refresh=cfg.refresh, throttle=throttle)))
         for step in range(cfg.steps):
             for *_, run in balanced_round(live, step):
                 run.step(step, barrier=True)
+        if throttle is not None:
+            throttle(1.0)  # evaluation (not timed) on the whole budget
         for scenario, policy, specs, run in live:
             out.append(_record(cfg, seed, scenario, policy, specs, run.finish(), world))
             done += 1
@@ -308,6 +379,8 @@ def _record(cfg: HeteroBenchConfig, seed: int, scenario: str, policy: str, specs
             "losses": result["losses"], "heldout_loss": result["eval"]["heldout_loss"],
             "heldout_acc": result["eval"]["heldout_accuracy"],
             "compute_s_per_step": result["compute_s_per_step"],
+            "cpu_s_per_step": result["cpu_s_per_step"], "speeds": result["speeds"],
+            "slow_by": cfg.slow_by, "kernel": result.get("kernel"),
             "monitor_overhead": result["monitor_s"] / max(sum(times), 1e-12),
             "decisions": result["decisions"], "final_state": result["final_state"],
             "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
@@ -329,13 +402,16 @@ def ideal_step(t_none: float, compute: float, factors) -> float:
 
 def with_ideal(records: list[dict], warmup: int) -> list[dict]:
     """Add ``t_no_straggler_s``, ``t_ideal_s`` and ``ratio_to_ideal`` from each seed's
-    ``none``/``even`` run (see the module docstring)."""
+    ``none``/``even`` run (see the module docstring: ``c`` is the compute the slowdown
+    stretches, the rank's whole CPU time under ``--slow-by kernel``)."""
     reference = {r["seed"]: r for r in records if r["scenario"] == "none" and r["policy"] == "even"}
     for r in records:
         ref = reference.get(r["seed"])
         if ref is None:
             continue
-        t_none, c = ref["t_step_s"], ref["compute_s_per_step"]
+        kernel = r.get("slow_by") == "kernel"
+        t_none = ref["t_step_s"]
+        c = ref["cpu_s_per_step"] if kernel else ref["compute_s_per_step"]
         ideal = [ideal_step(t_none, c, f) for f in r["factors"]][warmup:]
         r["t_no_straggler_s"] = t_none
         r["t_ideal_s"] = statistics.median(ideal)
@@ -477,10 +553,21 @@ def plot_hetero(records: list[dict], path: str, scenario: str | None = None) -> 
 
 def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
                  link: str | None = "1gbit", timeout_s: float | None = None,
-                 on_progress=None) -> tuple[list[dict], str]:
-    from .placement import run_placed
+                 on_progress=None,
+                 host_cpu: float | list[float] | None = None) -> tuple[list[dict], str]:
+    """Every run on ``ranks`` ranks over ``hosts`` emulated hosts (0: loopback); ``host_cpu``
+    as in :func:`plait.bench.placement.run_placed`. ``--slow-by kernel`` needs one rank per
+    host, and gives each host 1 core where no budget is given."""
+    from .placement import HOST_CPU_ENV, run_placed
 
     cfg = replace(cfg)
     cfg.check_world(ranks)
+    if cfg.slow_by == "kernel":
+        if hosts != ranks:
+            raise ValueError(f"--slow-by kernel sets each host's CPU budget from its rank's "
+                             f"factor, so it needs one rank per host: --hosts {ranks} for "
+                             f"{ranks} ranks, got --hosts {hosts}")
+        if host_cpu is None and not os.environ.get(HOST_CPU_ENV):
+            host_cpu = 1.0
     return run_placed(run_hetero, cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=timeout_s,
-                      on_progress=on_progress)
+                      on_progress=on_progress, host_cpu=host_cpu)

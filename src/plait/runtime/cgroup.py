@@ -32,7 +32,7 @@ from typing import Sequence
 __all__ = ["CpuController", "find_cpu_controller", "cpu_controller", "cpu_support",
            "parse_budgets", "parse_host_cpu", "quota_for", "make_cgroup", "join_cgroup",
            "cgroup_pids", "remove_cgroup", "plait_cgroups", "NoisyNeighbour",
-           "CPU_PERIOD_US", "MIN_BUDGET"]
+           "set_cpu_budget", "cpu_budget", "cpu_throttled", "CPU_PERIOD_US", "MIN_BUDGET"]
 
 CPU_PERIOD_US = 10_000  # 10 ms: throttling in short slices (the kernel's default is 100 ms)
 MIN_BUDGET = 0.01       # cores; v1 needs a quota of at least 1 ms, so 0.01 takes a 100 ms period
@@ -170,6 +170,42 @@ def make_cgroup(controller: CpuController, name: str, cores: float) -> str:
         os.rmdir(path)
         raise
     return path
+
+
+def set_cpu_budget(path: str, cores: float) -> None:
+    """Give the cgroup at ``path`` (made by :func:`make_cgroup`) a new budget of ``cores``
+    (at least :data:`MIN_BUDGET`), while its processes run: the kernel applies it from its next
+    period. Two small writes (v1: period, then quota; v2: ``cpu.max``), so a rank can set its
+    own host's budget every step; it needs write access to the files (root)."""
+    quota, period = quota_for(max(float(cores), MIN_BUDGET))
+    if os.path.exists(os.path.join(path, "cpu.max")):
+        _write(os.path.join(path, "cpu.max"), f"{quota} {period}")
+    else:
+        _write(os.path.join(path, "cpu.cfs_period_us"), str(period))
+        _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+
+
+def cpu_budget(path: str) -> float | None:
+    """The budget the kernel holds the cgroup at ``path`` to, in cores (quota ÷ period, read
+    back from its files, v1 or v2); None where it has no limit."""
+    v2 = os.path.join(path, "cpu.max")
+    if os.path.exists(v2):
+        with open(v2) as f:
+            quota, period = f.read().split()
+        return None if quota == "max" else int(quota) / int(period)
+    with open(os.path.join(path, "cpu.cfs_quota_us")) as f:
+        quota = int(f.read())
+    with open(os.path.join(path, "cpu.cfs_period_us")) as f:
+        period = int(f.read())
+    return None if quota < 0 else quota / period
+
+
+def cpu_throttled(path: str) -> int:
+    """How many periods the kernel has held the cgroup at ``path`` back so far (``nr_throttled``
+    in its ``cpu.stat``, v1 and v2 alike)."""
+    with open(os.path.join(path, "cpu.stat")) as f:
+        stat = dict(line.split()[:2] for line in f.read().splitlines() if line.strip())
+    return int(stat["nr_throttled"])
 
 
 def join_cgroup(path: str, pid: int | None = None) -> None:

@@ -9,6 +9,12 @@ Giving that rank less work therefore really shortens its delay, as on a slower
 device, which is what the balancer needs to be tested against. The wait is a
 sleep, so the emulated slowness does not steal CPU from other ranks.
 
+Or the kernel makes the slowdown (``throttle``, ``bench hetero --slow-by kernel``): at every
+step the factor ``F`` goes to ``throttle(F)``, which sets the rank's host's CPU budget to its
+full budget ÷ ``F`` (:func:`host_throttle`, a cgroup cpu quota, :mod:`plait.runtime.cgroup`),
+and nothing sleeps. The host is then slow at everything it runs, collectives' CPU and Python
+included, and its compute is timed by the wall clock (:func:`compute_clock`).
+
 A slowdown is a :class:`SlowSpec` (one factor over a window of steps, ``--slow``) or a
 :class:`SlowCurve` (a factor that changes with the step: piecewise-linear drift times
 periodic or seeded random jitter; what a scenario file, :mod:`plait.runtime.scenario_file`,
@@ -26,8 +32,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["SlowSpec", "SlowCurve", "JITTERS", "parse_slow", "validate_slow", "Straggler",
-           "compute_clock"]
+__all__ = ["SlowSpec", "SlowCurve", "JITTERS", "SLOW_BY", "parse_slow", "validate_slow",
+           "Straggler", "compute_clock", "host_throttle"]
+
+SLOW_BY = ("sleep", "kernel")  # how a factor is made: a sleep after each piece, or a CPU quota
 
 
 def compute_clock(device: torch.device | None = None):
@@ -177,19 +185,33 @@ class Straggler:
 
     ``clock`` (seconds, no argument) measures the compute, default :func:`compute_clock`
     of the device; ``sleep(seconds)`` waits out the delay, default :func:`time.sleep`.
+    ``throttle(factor)``: the kernel makes the slowdown instead (see the module docstring);
+    ``set_step`` then calls it with every step's factor, 1 included, and ``compute()``
+    delays nothing.
     """
 
     def __init__(self, specs: Sequence[SlowSpec | SlowCurve], rank: int, *,
                  clock: Callable[[], float] | None = None,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep,
+                 throttle: Callable[[float], None] | None = None):
         self.specs = [s for s in specs if s.rank == rank]
         self.step = 0
         self.delayed_s = 0.0  # total emulated delay so far, for reporting
         self.clock = clock
         self.sleep = sleep
+        self.throttle = throttle
+
+    @property
+    def by(self) -> str:
+        """How the slowdown is made: ``"sleep"`` or ``"kernel"`` (:data:`SLOW_BY`)."""
+        return "sleep" if self.throttle is None else "kernel"
 
     def set_step(self, step: int) -> None:
+        """The step about to run; with ``throttle``, the host's budget for it is set here,
+        so call it before the step starts (before the barrier that starts it together)."""
         self.step = step
+        if self.throttle is not None:
+            self.throttle(self.factor())
 
     def factor(self, step: int | None = None) -> float:
         step = self.step if step is None else step
@@ -201,7 +223,7 @@ class Straggler:
     @contextmanager
     def compute(self, device: torch.device | None = None) -> Iterator[None]:
         factor = self.factor()
-        if factor == 1.0:
+        if factor == 1.0 or self.throttle is not None:
             yield
             return
         cuda = device is not None and device.type == "cuda"
@@ -215,3 +237,25 @@ class Straggler:
         delay = (factor - 1.0) * (clock() - start)
         self.delayed_s += delay
         self.sleep(delay)
+
+
+def host_throttle(cgroup: str, budget: float) -> Callable[[float], None]:
+    """A ``throttle`` for :class:`Straggler`: factor ``F`` sets the cgroup at ``cgroup`` (this
+    rank's host's, ``rank_context().host.cgroup``) to ``budget / F`` cores; ``F = 1`` gives the
+    full ``budget`` back. One rank per host: the budget is the host's, shared by its ranks.
+
+    It writes only when the budget changes: the kernel refills the quota at every write (up to
+    one period's quota more in that period), so a write every step of a steady factor would
+    let the rank run over its budget by that much each step."""
+    from .cgroup import set_cpu_budget
+
+    if not budget > 0:
+        raise ValueError(f"a host's full CPU budget must be above 0 cores, got {budget}")
+    written: list[float] = []
+
+    def throttle(factor: float) -> None:
+        cores = budget / factor
+        if written != [cores]:
+            set_cpu_budget(cgroup, cores)
+            written[:] = [cores]
+    return throttle
