@@ -33,9 +33,14 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
     took = time.time() - float(stamp.read_text())  # from the SIGSTOP to every rank gone
     assert info.value.rank == 1, info.value
     assert "stopped (SIGSTOP" in info.value.summary and "matmul_all_reduce" in info.value.summary
-    # the others' collectives time out at 4 s (about 4.5 s here); at 4 + GRACE_S the watchdog
-    # alone would have ended it, which is what this bound tells apart, with 9 s for load
-    assert took < 4 + GRACE_S, f"named {took:.1f} s after the SIGSTOP"
+    # Named by the others' collective timeout (4 s; about 4.5 s here to every rank gone), not
+    # by the watchdog, which alone would have ended it at 4 + GRACE_S: the launcher says which
+    # ended it, and a wall-time bound between the two would measure a loaded machine's share
+    # of a core as much as the launcher
+    summary = info.value.summary
+    assert "the others timed out waiting for it" in summary, summary
+    assert "no rank made progress" not in summary, summary
+    print(f"\nnamed {took:.1f} s after the SIGSTOP")
 
 
 def _progress_then_all_quiet(folder):
@@ -98,8 +103,10 @@ def test_a_link_down_names_every_rank_and_host(tmp_path):
                    threads=1)
         took = time.monotonic() - float(stamp.read_text())
     # both ranks' collectives time out at 3 s (about 3 s here); at 3 + GRACE_S the watchdog
-    # alone would have ended it, which is what this bound tells apart, with 10 s for load
-    assert took < 3 + GRACE_S, f"reported {took:.1f} s after the link went down"
+    # alone would have ended it: "as did every rank" is said only where every rank reported
+    # its own timeout (the watchdog's stop says "no rank made progress"), whatever the load
     text = info.value.headline()
     assert "timed out, as did every rank" in text and "link between their hosts" in text
+    assert "no rank made progress" not in text, text
+    print(f"\nreported {took:.1f} s after the link went down")
     assert "rank 1 on host 1 (10.213.0.2)" in text and "in matmul_all_reduce" in text
