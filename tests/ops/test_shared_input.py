@@ -116,3 +116,74 @@ def _no_grad_case():
 def test_no_gradient_means_no_wrap_and_no_collective():
     for y, z, wraps in run_ranks(_no_grad_case, 2):
         assert y == 0 and z == 0 and wraps == 0
+
+
+def _together_case(shards, overlap, chunks, use, again):
+    """``SharedInput.linear``: the siblings (sibling j's columns split ``shards[j]``) as one
+    GEMM; ``use``: which siblings' outputs reach the loss; ``again``: sibling 0 reads x a
+    second time (a GEMM and an all-reduce of its own). Weights are parameters [N_j, K] with
+    a gradient hook each, which sees their gradients: they come through autograd."""
+    r, k = dist.get_rank(), 5
+    X = _full(1, 2, 6, k)
+    Ws = [_full(10 + j, k, sum(s)) for j, s in enumerate(shards)]
+    Gs = [_full(20 + j, 2, 6, sum(s)) for j, s in enumerate(shards)]
+    x = X.clone().requires_grad_()
+    ps = tuple(W[:, _cut(s, r)].t().contiguous().requires_grad_() for W, s in zip(Ws, shards))
+    hooked = []
+    for j, p in enumerate(ps):
+        p.register_hook(lambda g, j=j: hooked.append(j) if g is not None else None)
+    shared = SharedInput(overlap=overlap, chunks=chunks)
+    h = x * 1.0  # a non-leaf, as a layer's input is
+    ys = [shared.linear(h, ps, j) for j in range(len(ps))]
+    outs = [ys[j] for j in use]
+    grads = [Gs[j][..., _cut(shards[j], r)] for j in use]
+    if again:
+        outs.append(shared.linear(h, ps, 0))
+        grads.append(grads[0] if 0 in use else Gs[0][..., _cut(shards[0], r)])
+    calls = []
+    real = dist.all_reduce
+
+    def counted(tensor, *a, **kw):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *a, **kw)
+    dist.all_reduce = counted
+    try:
+        torch.autograd.backward(outs, grads)
+    finally:
+        dist.all_reduce = real
+    reads = list(use) + ([0] if again else [])
+    dx = sum(Gs[j] @ Ws[j].T for j in reads)
+    err = {"dx": _err(x.grad, dx)}
+    err.update({f"y{j}": _err(y, (X @ W)[..., _cut(s, r)])
+                for j, (y, W, s) in enumerate(zip(ys, Ws, shards))})
+    for j, (p, s) in enumerate(zip(ps, shards)):
+        dW = sum((X.flatten(0, 1).T @ Gs[i].flatten(0, 1) for i in reads if i == j),
+                 torch.zeros(k, sum(s), dtype=torch.float64))
+        err[f"dw{j}"] = _err(p.grad.t(), dW[:, _cut(s, r)]) if p.grad is not None else \
+            (0.0 if j not in reads else float("inf"))
+    nones = [j for j, p in enumerate(ps) if p.grad is None]
+    return err, calls, shared.wraps, sorted(hooked), nones
+
+
+def _together_cases(cases):
+    return [_together_case(*case) for case in cases]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_siblings_as_one_gemm_match_one_process(world):
+    shards = [[4, 2, 3][:world], [1, 3, 0][:world], [2, 2, 2][:world]]
+    cases = [(shards, overlap, chunks, use, False) for overlap in (True, False)
+             for chunks, use in ((1, (0, 1, 2)), (3, (0, 2)))]
+    if world == 2:  # sibling 0 reads x again: a GEMM and an all-reduce of its own
+        cases += [([[3, 2], [2, 4]], overlap, 1, (0, 1), True) for overlap in (True, False)]
+    for per_rank in run_ranks(_together_cases, world, cases):
+        for (_, overlap, chunks, use, again), got in zip(cases, per_rank):
+            err, calls, wraps, hooked, nones = got
+            assert max(err.values()) < TOL, err
+            if again:
+                assert wraps == 2 and len(calls) == 2, (wraps, calls)
+                continue
+            assert wraps == 1 and sum(c[0] for c in calls) == 12, (wraps, calls)
+            assert len(calls) == (chunks if overlap else 1), calls
+            # every used weight's gradient came through autograd (its hook saw it); none else
+            assert hooked == sorted(use) and nones == [j for j in range(3) if j not in use]

@@ -329,6 +329,11 @@ class _ParallelLinear(nn.Module):
                 f"{self.unit_name}, bias={self.bias is not None}, {mode}{seq}")
 
 
+def _hooked(param: torch.Tensor) -> bool:
+    """Whether ``param`` has gradient hooks (``register_hook`` or post-accumulate ones)."""
+    return bool(param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def _value(param: torch.Tensor, grad: bool) -> torch.Tensor:
     if not grad:
         return param.detach()
@@ -370,13 +375,15 @@ class ColumnParallelLinear(_ParallelLinear):
             else:
                 x = gather_for_matmul(x, self.group, self.seq_dim, sizes)  # [B, S, K]
                 y = self._region(lambda x: F.linear(x, weight), x)
+        elif (together := self._together()) is not None:
+            # every sibling's forward in one GEMM, one all-reduce of their summed dx
+            index = self.siblings.index(self)
+            y = self._pieces(lambda x: self.shared_input.linear(x, together, index), x)
         elif self.shared_input is not None:  # one all-reduce of the siblings' summed dx
             width = sum(s._width() for s in self.siblings)
             # a resized weight is a copy; a hooked one must get its gradient through autograd
-            hooked = self.weight._backward_hooks or \
-                getattr(self.weight, "_post_accumulate_grad_hooks", None)
-            into = self.weight if self._kept is None and self.defer_wgrad and not hooked \
-                else None
+            into = self.weight if self._kept is None and self.defer_wgrad and \
+                not _hooked(self.weight) else None
             y = self._pieces(lambda x: self.shared_input.matmul(x, w, width=width,
                                                                 wgrad_into=into), x)
         elif self.overlap:
@@ -389,6 +396,16 @@ class ColumnParallelLinear(_ParallelLinear):
     shared_input = None  # a plait.ops.SharedInput, set by share_input
     siblings: tuple = ()
     defer_wgrad = True  # sharing its input, the weight gradient runs under the all-reduce
+
+    def _together(self) -> tuple | None:
+        """The siblings' weights, when their forwards run as one GEMM: none resized (a
+        resized weight is a copy of some rows), none hooked (a sibling whose output is
+        unused would have its hooks called with None), all of one dtype; None if not
+        shared."""
+        if self.shared_input is None or len({s.weight.dtype for s in self.siblings}) != 1 or \
+                any(s._kept is not None or _hooked(s.weight) for s in self.siblings):
+            return None
+        return tuple(s.weight for s in self.siblings)
 
     def _width(self) -> int:
         """The output features computed now (all, or the kept ones when resized)."""

@@ -31,6 +31,17 @@ any a row-parallel layer deferred. ``overlap=False`` is the plain path: one
 ``copy_to_region`` shared by the siblings (autograd adds their ``dx``
 partials, then one blocking all-reduce).
 
+``SharedInput.linear(x, params, index)`` goes further where the siblings are
+called with their weights ``p_j`` ([N_j, K], ``nn.Linear``'s layout): the
+first sibling to read ``x`` computes every sibling's output as one GEMM
+``x @ [p_0; p_1; …]ᵀ`` (the weights concatenated anew each forward, so an
+optimizer's update is always seen) and leaves each other sibling its columns
+(views of the one [M, Σ N_j] output) for its own call to take; the backward
+is one autograd node: ``[dy_0 | dy_1 | …]`` all-reduced in pieces as
+above, the weight gradients as one GEMM ``[dy_0 | dy_1 | …]ᵀ @ x`` (split by
+rows into each weight's gradient) under its last pieces, returned through
+autograd. A sibling whose output never reaches the loss gets no gradient.
+
 The wire schedule (dtype, M, K, piece count) is checked across ranks in the
 forward, once per wrap, its small gather travelling under the first GEMM, as
 ``column_parallel_matmul`` does. Every rank runs the same model code, so the
@@ -48,8 +59,9 @@ from .agree import attempt
 from .compute import compute_region, current_region, piece
 from .context import OpsContext, get_context
 from .deferred import accumulate, defer, run_deferred
-from .matmul_all_reduce import DGRAD, _decide, _dgrad_row, _fused_forward, _same_dgrad
-from .pieces import as_rows
+from .matmul_all_reduce import (DGRAD, _decide, _dgrad_row, _fused_forward, _local_row,
+                               _same_dgrad)
+from .pieces import as_rows, offsets
 from .regions import copy_to_region
 
 __all__ = ["SharedInput"]
@@ -135,6 +147,90 @@ class _Sibling(torch.autograd.Function):
         return None, dw, None, None
 
 
+class _Outputs:
+    """One ``_Together`` forward's outputs, each left for its sibling's own call to take."""
+
+    def __init__(self, x: torch.Tensor, params: tuple, ys):
+        self.x, self.version, self.params, self.ys = weakref.ref(x), x._version, params, list(ys)
+
+    def take(self, x: torch.Tensor, params: tuple, index: int) -> torch.Tensor | None:
+        """Sibling ``index``'s output if it was computed from ``x`` (unchanged) with these very
+        weights and not taken yet, else None."""
+        if self.x() is not x or x._version != self.version or len(params) != len(self.params) \
+                or any(a is not b for a, b in zip(params, self.params)):
+            return None
+        y, self.ys[index] = self.ys[index], None
+        return y
+
+    def clear(self) -> None:
+        self.ys = [None] * len(self.ys)
+
+
+def _columns(y: torch.Tensor, widths) -> tuple[torch.Tensor, ...]:
+    """``y.split(widths, dim=1)``, but each part its own tensor on ``y``'s storage rather than
+    a view: autograd forbids modifying in place any of several views a Function returns,
+    and the parts' columns are disjoint, so one changed in place changes no other."""
+    cut = offsets(widths)
+    return tuple(y.new_empty(0).set_(y.untyped_storage(), y.storage_offset() + lo,
+                                     (y.shape[0], hi - lo), y.stride())
+                 for lo, hi in zip(cut[:-1], cut[1:]))
+
+
+class _Together(torch.autograd.Function):
+    """Every sibling's forward as one GEMM, ``x @ [p_0; p_1; …]ᵀ`` split by columns;
+    backward: the summed dgrad all-reduced in pieces, the weight gradients as one GEMM
+    ``[dy_0 | dy_1 | …]ᵀ @ x`` under its last pieces, returned through autograd."""
+
+    @staticmethod
+    def forward(ctx, x2, wrap, group, chunks, ops_ctx, outs, *params):
+        ctx.set_materialize_grads(False)  # a sibling whose output is unused sends no dy
+        p = torch.cat(params)  # [Σ N_j, K]: a copy, so a later in-place update cannot reach it
+        ctx.save_for_backward(x2)
+        ctx.p, ctx.widths, ctx.outs = p, [q.shape[0] for q in params], outs
+        ctx.wrap, ctx.group, ctx.chunks, ctx.ops_ctx = wrap, group, chunks, ops_ctx
+        ctx.region = current_region()
+        with piece():
+            y = x2 @ p.t()  # [M, Σ N_j]
+        if wrap is not None:
+            wrap.agree()  # its gather travelled under the GEMM
+        return _columns(y, ctx.widths)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        (x2,) = ctx.saved_tensors
+        outs = ctx.outs()
+        if outs is not None:  # untaken outputs hold this graph: let it go
+            outs.clear()
+        skip = (None,) * 6
+        live = [j for j, d in enumerate(dys) if d is not None]
+        if not live:
+            return skip + (None,) * len(dys)
+        cut = offsets(ctx.widths)
+        dy = torch.cat([dys[j] for j in live], dim=1)  # [M, Σ live N_j]
+        w = ctx.p if len(live) == len(dys) else \
+            torch.cat([ctx.p[cut[j]:cut[j + 1]] for j in live])  # [Σ live N_j, K]
+        dws = {}
+
+        def wgrad():  # under the dgrad's last pieces, with what row-parallel layers deferred
+            if any(ctx.needs_input_grad[6 + j] for j in live):
+                with piece():
+                    dw = dy.t() @ x2  # [Σ live N_j, K], each weight's rows in turn
+                dws.update(zip(live, dw.split([ctx.widths[j] for j in live])))
+            run_deferred()
+        with compute_region(ctx.region):
+            if ctx.wrap is None:  # plain: x2 came through copy_to_region, whose backward
+                with piece():    # all-reduces this dx
+                    dx = dy @ w  # [M, K]
+                wgrad()
+            else:
+                ctx.wrap.done = True
+                decision, transposed = _decide(DGRAD, ctx.wrap.metas, dy.element_size(),
+                                               ctx.chunks, ctx.ops_ctx)
+                dx = _fused_forward(dy, w, ctx.group, decision, transposed, meanwhile=wgrad)
+        return (dx,) + skip[1:] + tuple(dws.get(j) if ctx.needs_input_grad[6 + j] else None
+                                        for j in range(len(dys)))
+
+
 class SharedInput:
     """The column-parallel layers of one group that read one replicated input (q/k/v, or
     gate/up): ``matmul(x, w, width=…)`` is ``x @ w`` whose input gradient is summed with
@@ -148,13 +244,58 @@ class SharedInput:
                  ctx: OpsContext | None = None):
         self.group, self.overlap, self.chunks, self._ctx = group, overlap, chunks, ctx
         self._wrap = _Wrap(torch.empty(0))
+        self._outs: _Outputs | None = None  # the last ``linear`` GEMM's untaken outputs
         self.wraps = 0  # inputs wrapped so far: one backward all-reduce each
 
     def __getstate__(self) -> dict:  # torch.save(model): the wrap is one forward's, not state
-        return {**self.__dict__, "_wrap": None}
+        return {**self.__dict__, "_wrap": None, "_outs": None}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _wrap=_Wrap(torch.empty(0)))
+        self.__dict__.update(state, _wrap=_Wrap(torch.empty(0)), _outs=None)
+
+    def linear(self, x: torch.Tensor, params, index: int) -> torch.Tensor:
+        """``x @ params[index]ᵀ``, where ``params`` are every sibling's weight ([N_j, K],
+        ``nn.Linear``'s layout; the same tuple from each sibling) and ``index`` is this
+        one's. The first sibling to read ``x`` computes all of them as one GEMM
+        ``x @ [p_0; p_1; …]ᵀ`` and leaves the others their columns; a sibling calling again
+        on the same ``x``, or on another tensor, starts a GEMM (and an all-reduce) of its
+        own. Backward, fused: the summed dgrad all-reduced in pieces and the weight
+        gradients as one GEMM under its last pieces, returned through autograd (hooks and
+        ``torch.autograd.grad`` see them); plain: one ``copy_to_region``, autograd's GEMMs.
+        Under ``torch.no_grad()``, or for an x that needs no gradient: a local matmul."""
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            with piece():
+                return x @ params[index].t()
+        y = None if self._outs is None else self._outs.take(x, params, index)
+        if y is None:
+            self._outs = self._together(x, params)
+            y = self._outs.take(x, params, index)
+        return y.reshape(*x.shape[:-1], y.shape[1]) if x.dim() != 2 else y
+
+    def _together(self, x: torch.Tensor, params) -> _Outputs:
+        """Every sibling's output from one GEMM (see ``linear``), the all-reduce agreed."""
+        self.wraps += 1
+        x2 = as_rows(x) if x.dim() != 2 else x  # [M, K]
+        outs = _Outputs(x, params, ())  # the backward clears it (weakly held: no cycle)
+        if not self.overlap:  # one copy_to_region: its backward all-reduces the summed dx
+            outs.ys = list(_Together.apply(copy_to_region(x2, self.group), None, self.group,
+                                           self.chunks, None, weakref.ref(outs), *params))
+            return outs
+        ctx = self._ctx or get_context(self.group)
+
+        def row():  # the dgrad [M, Σ N_j] @ [Σ N_j, K], row-major
+            for p in params:
+                _local_row("column_parallel_matmul", x2, p.t(), self.chunks)
+            own = _dgrad_row(x2, params[0].t(), self.chunks, True)
+            return (*own[:4], sum(p.shape[0] for p in params), 0, own[6])
+        mine, problem = attempt(row)
+        agreed = ctx.start_meta(DGRAD, 7, mine, problem)
+        if problem is not None:
+            agreed()  # raises on every rank
+        self._wrap = _Wrap(x, agreed)  # for the agreement only: ``matmul`` wraps anew
+        outs.ys = list(_Together.apply(x2, self._wrap, self.group, self.chunks, ctx,
+                                       weakref.ref(outs), *params))
+        return outs
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor, *, width: int | None = None,
                wgrad_into: torch.Tensor | None = None) -> torch.Tensor:
