@@ -73,6 +73,39 @@ def plain_full(model, opt):
                for s, v in opt.state.get(p, {}).items()}}
 
 
+def dp_tp(kind, seed, plans=None):
+    """The GPT of ``seed`` on ``dp_tp_mesh(2, 2)`` (4 ranks): plait-TP on each tp group
+    (``plans``: None, even), data-parallel over dp by ``kind`` ("fsdp" or "ddp")."""
+    from plait.parallel import data_parallel, dp_tp_mesh
+
+    mesh = dp_tp_mesh(2, 2)
+    torch.manual_seed(seed)
+    tp_model = apply_tp(GPT(CFG).double(), mesh.get_group("tp"), plans=plans, overlap=False)
+    model = data_parallel(tp_model, mesh, kind=kind)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def whole(model, opt):
+    """Every parameter and each of its optimizer-state tensors, gathered over dp (an FSDP2
+    DTensor's ``full_tensor``) and then over tp (the plait layer's ``gather_like``); a
+    model that is not data-parallel: ``full``."""
+    from torch.distributed.tensor import DTensor
+
+    def tp_local(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+    out = {}
+    for mname, module in getattr(model, "module", model).named_modules():
+        for key, p in module.named_parameters(recurse=False):
+            name = f"{mname}.{key}" if mname else key
+            whole_of = (lambda t, m=module, k=key: m.gather_like(k, tp_local(t))) \
+                if hasattr(module, "gather_like") else tp_local
+            out[name] = whole_of(p)
+            for k, v in opt.state.get(p, {}).items():
+                out[f"{name}.{k}"] = whole_of(v) if v.dim() else v.detach().clone()
+    return out
+
+
 def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -85,4 +118,4 @@ def same(a, b):
 
 
 __all__ = ["CFG", "UNEVEN", "build", "batches", "train", "trained_uneven", "full",
-           "plain_full", "rank", "same", "copy"]
+           "plain_full", "dp_tp", "whole", "rank", "same", "copy"]

@@ -11,21 +11,24 @@ columns (``max_skip`` 0.5 clips it, so the fractions do not follow the timings' 
 step 10, and would migrate only from step 19 on (``spike_steps`` 12); the run stops at 18.
 
 1. One run of 18 steps, float64, checkpointing every 4 steps (keeping 5): its records and
-   decisions. Its checkpoints at steps 16 and 18 are removed, as if it had been killed
-   after step-12 was published (with rank 1 resized since step 10).
-2. A resume from step-12: every step's loss and learning rate equal the first run's, bit
-   for bit, and so do the balancer's decisions and final state; the resume line says the
-   balancer was restored. Without the restore (the balancer starting afresh, as before
-   this test) step 12's loss already differs: rank 1 computes all its features again.
+   decisions. Its checkpoints up to step-12 are copied to another directory, as if it had
+   been killed after step-12 was published (with rank 1 resized since step 10).
+2. In the same two ranks (one launch: each spawn imports ``plait.train`` anew, ~10 s on a
+   loaded machine), everything built anew (model, optimizer, ``RankParallel`` and its
+   balancer, data stream; the RNGs come from the checkpoint), a run resumed from the
+   copy: every step's loss and learning rate equal the first run's, bit for bit, and so
+   do the balancer's decisions and final state; the resume line says the balancer was
+   restored. Without the restore (the balancer starting afresh, as ``plait train`` does
+   today) step 12's loss already differs: rank 1 computes all its features again.
 """
 
 import shutil
+from dataclasses import replace
+from pathlib import Path
 
-import pytest
 import torch
 
 from plait.runtime.launch import launch
-from plait.runtime.testing import run_ranks
 from plait.runtime.straggler import parse_slow
 from plait.train import TrainConfig
 
@@ -62,23 +65,27 @@ def _train_rank(cfg: TrainConfig) -> dict:
             "final": run.balancer.state(), "keep": model.blocks[0].mlp.fc.keep}
 
 
-def _run(cfg):
-    return launch(_train_rank, 2, args=(cfg,), slow=SLOW, threads=1, timeout_s=60,
-                  deadline_s=300)
+def _killed_then_resumed(cfg: TrainConfig, resumed_dir: str) -> tuple[dict, dict]:
+    """The run never stopped, then, in the same ranks with everything built anew, a run
+    resumed from a copy of its checkpoints up to step-12 (as if killed after it)."""
+    import torch.distributed as dist
+
+    first = _train_rank(cfg)
+    if dist.get_rank() == 0:
+        resumed = Path(resumed_dir)
+        resumed.mkdir()
+        for step in range(EVERY, RESUME_AT + 1, EVERY):
+            shutil.copytree(Path(cfg.checkpoint_dir) / f"step-{step}", resumed / f"step-{step}")
+    dist.barrier()
+    return first, _train_rank(replace(cfg, checkpoint_dir=resumed_dir, resume=True))
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("balanced") / "ckpt"
-    results = _run(TrainConfig(**SIZES, checkpoint_dir=str(ckpt)))
-    for name in ("step-16", "step-18"):  # killed after step-12 was published
-        shutil.rmtree(ckpt / name)
-    yield ckpt, results
-    shutil.rmtree(ckpt.parent, ignore_errors=True)
-
-
-def test_balanced_run_resumes_with_its_balancer(first_run, tmp_path):
-    ckpt, before = first_run
+def test_balanced_run_resumes_with_its_balancer(tmp_path):
+    cfg = TrainConfig(**SIZES, checkpoint_dir=str(tmp_path / "ckpt"))
+    copy = tmp_path / "resumed"
+    results = launch(_killed_then_resumed, 2, args=(cfg, str(copy)), slow=SLOW, threads=1,
+                     timeout_s=60, deadline_s=300)
+    before, after = [r[0] for r in results], [r[1] for r in results]
     decisions = before[0]["decisions"]
     print("decisions of the run never stopped:", [(d["step"], d["dim"], d["kind"],
                                                      d.get("fractions")) for d in decisions])
@@ -86,8 +93,6 @@ def test_balanced_run_resumes_with_its_balancer(first_run, tmp_path):
     assert decisions and all(d["kind"] == "resize" and d["step"] < RESUME_AT
                              for d in decisions), decisions
     assert [r["keep"] for r in before] == [1.0, 0.5]
-    copy = shutil.copytree(ckpt, tmp_path / "ckpt")
-    after = _run(TrainConfig(**SIZES, checkpoint_dir=str(copy), resume=True))
     line = after[0]["resumed"]
     print(line)
     assert line.startswith(f"resumed from {copy}/step-{RESUME_AT} at step {RESUME_AT} (the "
@@ -100,89 +105,3 @@ def test_balanced_run_resumes_with_its_balancer(first_run, tmp_path):
     for r in range(2):
         assert after[r]["decisions"] == before[r]["decisions"]
         assert (after[r]["final"], after[r]["keep"]) == (before[r]["final"], before[r]["keep"])
-
-
-# --- the balancer's state itself, with no timing in the way ----------------------------
-
-def _tensors_differ(a, b, path=""):
-    """Where two nested states differ (tensors compared bit for bit)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
-            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [path]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if sorted(a) != sorted(b):
-            return [f"{path}: keys"]
-        return [p for k in a for p in _tensors_differ(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length"]
-        return [p for i, (x, y) in enumerate(zip(a, b))
-                for p in _tensors_differ(x, y, f"{path}[{i}]")]
-    return [] if a == b else [path]
-
-
-def _balanced(seed):
-    """The float64 checkpoint GPT on 2 ranks under a balancer (policy even: it decides
-    nothing itself; the test applies a migration and a resizing through it), refreshing
-    the priority scores every 2 steps."""
-    from plait.balance import Balancer, PolicyConfig
-
-    from _ckpt_gpt import build
-
-    model, opt = build(seed=seed)
-    return model, opt, Balancer(model, opt, None, PolicyConfig(name="even"), refresh=2,
-                                warmup=0)
-
-
-def _steps(model, opt, balancer, batches, first):
-    losses = []
-    for i, (idx, targets) in enumerate(batches):
-        loss = model(idx, targets)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        balancer.step(first + i)
-        losses.append(loss.item())
-    return losses
-
-
-def _round_trip(root):
-    from plait import checkpoint
-    from plait.balance import Action
-    from plait.nn import ShardPlan
-
-    from _ckpt_gpt import batches
-
-    data = batches(8)
-    model, opt, bal = _balanced(seed=0)
-    _steps(model, opt, bal, data[:2], 0)
-    heads = ShardPlan((7, 3))
-    bal._apply(2, "blocks.0.attn", Action("migrate", "test: heads [7, 3]", plan=heads))
-    bal._apply(2, "blocks.1.mlp", Action("resize", "test: rank 1 keeps half",
-                                         fractions=(1.0, 0.5)))
-    _steps(model, opt, bal, data[2:5], 2)  # refreshed at 4: scores by change, resized
-    saved = bal.state_dict()
-    checkpoint.Checkpointer(root).save(5, model, opt, rank_state={"balancer": saved})
-    go_on = _steps(model, opt, bal, data[5:], 5)  # refreshed at 6 from the snapshot at 4
-    after = bal.state_dict()
-
-    model2, opt2, bal2 = _balanced(seed=1)  # even plans, other weights, fresh readings
-    found = checkpoint.Checkpointer(root).load(model2, opt2)
-    moved = bal2.load_state_dict(found.rank_state["balancer"])
-    restored = _tensors_differ(bal2.state_dict(), saved)
-    resumed = _steps(model2, opt2, bal2, data[5:], 5)
-    return (moved, list(model2.blocks[0].attn.qkv.plan.sizes), restored, go_on, resumed,
-            _tensors_differ(bal2.state_dict()["dims"], after["dims"]),
-            [layer["keep"] for layer in after["dims"]["blocks.1.mlp"]["layers"]])
-
-
-def test_balancer_state_round_trips_and_moves_back_to_its_plans(tmp_path):
-    for r, out in enumerate(run_ranks(_round_trip, 2, str(tmp_path / "ckpt"))):
-        moved, plan, restored, go_on, resumed, later, keeps = out
-        assert (moved, plan) == (["blocks.0.attn"], [7, 3]), r  # migrated back to its plan
-        assert keeps == ([1.0, 1.0] if r == 0 else [0.5, 0.5]), r  # rank 1 resized
-        assert restored == [], (r, restored)
-        assert resumed == go_on, r  # bit for bit
-        # the scores refreshed after the resume, from the restored snapshot, are the same
-        assert later == [], (r, later)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from plait import checkpoint
 from plait.runtime.testing import run_ranks
 
-from _ckpt_gpt import build, plain_full, same, train, trained_uneven
+from _ckpt_gpt import build, dp_tp, plain_full, same, train, trained_uneven, whole
 
 KINDS = ("fsdp", "ddp")
 
@@ -29,41 +29,7 @@ KINDS = ("fsdp", "ddp")
 def _save3(root):
     model, opt = trained_uneven()
     checkpoint.Checkpointer(root).save(3, model, opt)
-    return _whole(model, opt)
-
-
-def _whole(model, opt):
-    """Every parameter and each of its optimizer-state tensors, gathered over dp (an FSDP2
-    DTensor's ``full_tensor``) and then over tp (the plait layer's ``gather_like``)."""
-    from torch.distributed.tensor import DTensor
-
-    def tp_local(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-    out = {}
-    for mname, module in getattr(model, "module", model).named_modules():
-        for key, p in module.named_parameters(recurse=False):
-            name = f"{mname}.{key}" if mname else key
-            whole = (lambda t, m=module, k=key: m.gather_like(k, tp_local(t))) \
-                if hasattr(module, "gather_like") else tp_local
-            out[name] = whole(p)
-            for k, v in opt.state.get(p, {}).items():
-                out[f"{name}.{k}"] = whole(v) if v.dim() else v.detach().clone()
-    return out
-
-
-def _dp_tp(kind, seed):
-    from plait.models import GPT
-    from plait.nn import apply_tp
-    from plait.parallel import data_parallel, dp_tp_mesh
-
-    from _ckpt_gpt import CFG
-
-    mesh = dp_tp_mesh(2, 2)
-    torch.manual_seed(seed)
-    tp_model = apply_tp(GPT(CFG).double(), mesh.get_group("tp"), overlap=False)
-    model = data_parallel(tp_model, mesh, kind=kind)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return whole(model, opt)
 
 
 def _on_2x2(root3, roots):
@@ -73,14 +39,14 @@ def _on_2x2(root3, roots):
 
     out = {}
     for kind in KINDS:
-        model, opt = _dp_tp(kind, seed=1)  # other weights: all must come from the checkpoint
+        model, opt = dp_tp(kind, seed=1)  # other weights: all must come from the checkpoint
         found = checkpoint.Checkpointer(root3).load(model, opt)
         assert found.step == 3 and found.world_size == 3
-        loaded = _whole(model, opt)
+        loaded = whole(model, opt)
         train(model, opt, 1)  # the same batch on both replicas
         checkpoint.Checkpointer(roots[kind]).save(4, model, opt)
         state = full_state_dict(model) if kind == "fsdp" else None
-        out[kind] = (type(model).__name__, loaded, _whole(model, opt), state)
+        out[kind] = (type(model).__name__, loaded, whole(model, opt), state)
     return out
 
 
