@@ -434,10 +434,11 @@ def test_one_bad_rank_is_refused_on_every_rank_and_the_group_goes_on(world, data
     bad_chunks = data.draw(st.integers(1, 5).filter(lambda c: c != good_chunks), "bad chunks")
     bad_rank = data.draw(st.integers(0, world - 1), "bad rank")
     m = data.draw(st.integers(1, 9), "rows")
-    started = time.perf_counter()
+    # no wall-time bound on the launch as a whole: a case that waited out the collective
+    # timeout shows in its own seconds (FAST_S, a fifth of the timeout), or raises gloo's
+    # timeout, which no case catches; the launch's start-up is the machine's load
     ops_seen, layers_seen = zip(*run_ranks(_everything, world, bad_rank, good_chunks, bad_chunks,
                                            m, timeout_s=TIMEOUT_S))
-    assert time.perf_counter() - started < TIMEOUT_S
     _check(ops_seen)
     _check(layers_seen, layers=True)
 
