@@ -2,11 +2,15 @@
 timeouts, and the bytes of a collective cross it at its rate, never faster (docs/link.md).
 
 One launch on a 2-host cluster at 200 Mbit/s, where a 4 MiB transfer takes 168 ms at line
-rate: far above the scheduling noise of a loaded 2-core machine, far below the one-second
-stalls this guards against (docs/link.md: SCHED_FIFO comm threads held both cores until
-the kernel's real-time throttling let go, about a second later).
+rate. What it judges, the machine's load cannot move: the kernel's TCP counters (no
+retransmission timeout, almost nothing resent), the comm threads' scheduling policy (the
+one-second stalls of docs/link.md were SCHED_FIFO comm threads holding both cores until
+the kernel's real-time throttling let go), and each kind of transfer's fastest try, which
+shows what the link carries (a loaded machine only slows a try: at load 8 one exchange of
+4 MiB each way took 6.2 x line rate, with no TCP event; a bound on every try failed there).
 """
 
+import os
 import statistics
 
 import pytest
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from plait.bench.collectives import (GLOO_SHORTFALL, LINK_SHARE_OK, CollectiveBenchConfig,
                                      link_share, run_sweep, shortfalls)
 from plait.runtime import EmulatedCluster, launch, parse_rate
+from plait.runtime.priority import comm_threads
 from plait.runtime.timing import agreed_max, time_once
 
 from conftest import needs_netns
@@ -27,11 +32,11 @@ A2A_BYTES = 8 << 20       # all_to_all_single's buffer: 4 MiB cross the link eac
 PIECES = 8
 A2A_ITERS = 5
 # gloo's one all_to_all_single call posts its send before its receive, so the two directions
-# take turns (docs/link.md): 0.47-0.48 of the link measured here, never the whole of it; the
-# same bytes as 8 calls in flight 0.73-0.86 (the spread of a machine loaded by other tests)
+# take turns (docs/link.md): 0.47-0.48 of the link measured here (one try of 5 at 0.91, at
+# load 8); the same bytes as 8 calls in flight 0.71-0.86 (the spread of a loaded machine)
 ONE_CALL_SHARE = 0.35
 PIECES_SHARE = 0.6
-STALL = 3.0               # a transfer over this many times its line-rate time is a stall
+NEAR_LINE = 1.5           # each way's fastest exchange within this many times line rate
 # Shaped where it is sent, a host's TCP is held back by its own queue and loses nothing; a
 # queue that drops what arrives too fast (the switch's alone) makes TCP resend 1-4 % of its
 # segments (docs/link.md). What is resent here is tail-loss probes whose ACK came late.
@@ -86,34 +91,46 @@ def _measure():
             for name in ("one_call", "pieces"):
                 times[name].append(time_once(runs[name]))
     after = _tcp_counters()
+    policies = {os.sched_getscheduler(tid) for tid in comm_threads()}
     slowest = {name: agreed_max(ts) for name, ts in times.items()}
     # plait bench collectives' own figures for the same message, one call and in pieces
     bench = run_sweep(CollectiveBenchConfig(collectives=("all_to_all",), min_bytes=A2A_BYTES,
                                             max_bytes=A2A_BYTES, warmup=1, min_iters=2,
                                             max_iters=2, pieces=PIECES))
-    return slowest, {key: after[key] - before[key] for key in after}, bench
+    return slowest, {key: after[key] - before[key] for key in after}, bench, policies
 
 
 @needs_netns
 def test_the_link_has_no_stalls_no_timeouts_and_its_rate():
     with EmulatedCluster(hosts=2, link=LINK, require=True) as cluster:
         results = launch(_measure, 2, cluster=cluster, threads=1, timeout_s=60)
-    times, _, bench = results[0]
+    times, _, bench, _ = results[0]
     link_Bps = parse_rate(LINK) / 8
     line_s = EXCHANGE_BYTES / link_Bps
+    print(f"\n{LINK}, x line rate: " + "; ".join(
+        f"{way} {', '.join(f'{t / line_s:.2f}' for t in times[way])}"
+        for way in ("send_first", "recv_first")))
     for way in ("send_first", "recv_first"):
-        slow = [f"{t * 1e3:.0f}" for t in times[way] if t > STALL * line_s]
-        assert not slow, (f"{way}: {len(slow)} of {TRIES} exchanges of 4 MiB each way took over "
-                          f"{STALL:g}× the {line_s * 1e3:.0f} ms of line rate: {slow} ms")
-    timeouts = [counts["TCPTimeouts"] for _, counts, _ in results]
+        fastest = min(times[way]) / line_s
+        assert fastest <= NEAR_LINE, (f"{way}: the fastest of {TRIES} exchanges of 4 MiB each "
+                                      f"way took {fastest:.2f}× line rate")
+    fifo = [p for _, _, _, policies in results for p in policies
+            if p in (os.SCHED_FIFO, os.SCHED_RR)]
+    assert not fifo, "comm threads at a real-time policy: the one-second stalls' cause"
+    timeouts = [counts["TCPTimeouts"] for _, counts, _, _ in results]
     assert timeouts == [0, 0], f"TCP retransmission timeouts per host: {timeouts}"
-    resent = sum(counts["RetransSegs"] for _, counts, _ in results)
-    sent = sum(counts["OutSegs"] for _, counts, _ in results)
+    resent = sum(counts["RetransSegs"] for _, counts, _, _ in results)
+    sent = sum(counts["OutSegs"] for _, counts, _, _ in results)
     assert resent <= RESENT * sent, f"TCP sent {resent} of {sent} segments again"
-    # nccl-tests' busbw for all-to-all on 2 ranks: half the buffer crosses the link each way
-    share = {name: A2A_BYTES / 2 / statistics.median(times[name]) / link_Bps
+    # nccl-tests' busbw for all-to-all on 2 ranks: half the buffer crosses the link each way;
+    # the fastest try, what the link carries (the median was load's: 0.47-0.91 one call)
+    share = {name: A2A_BYTES / 2 / min(times[name]) / link_Bps
              for name in ("one_call", "pieces")}
-    assert share["pieces"] >= PIECES_SHARE, f"8 pieces in flight: {share['pieces']:.0%} of the link"
+    medians = [A2A_BYTES / 2 / statistics.median(times[n]) / link_Bps for n in share]
+    print(f"share of the link, fastest of {A2A_ITERS}: one call {share['one_call']:.2f}, "
+          f"8 pieces {share['pieces']:.2f} (medians {medians[0]:.2f}, {medians[1]:.2f})")
+    assert share["pieces"] >= PIECES_SHARE, \
+        f"8 pieces in flight: {share['pieces']:.0%} of the link"
     assert share["one_call"] >= ONE_CALL_SHARE, f"one call: {share['one_call']:.0%} of the link"
     for name, value in share.items():
         assert value <= 1.0, f"{name}: {value:.0%} of the link, faster than the link's rate"
