@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .checkpoint import Checkpointer, Loaded, SeededStream, latest, rng_state, set_rng_state
 from .checkpoint.layout import module_plans
+from .checkpoint.replicas import unwrap
 
 __all__ = ["SeededStream", "check_checkpoint_flags", "checkpoint_note", "resume_run",
            "checkpoint_after", "restore_balancer", "resharded_line"]
@@ -169,7 +170,7 @@ def _gathered(value) -> list:
 def resharded_line(found: Loaded, model) -> str:
     """What a resume restored: the step, and the world size and plans it moved from and to."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    now = module_plans(model)
+    now = module_plans(unwrap(model)[0])  # a DDP wrapper's names as the manifest's
     head = f"resumed from {found.path} at step {found.step}"
     if found.world_size == world and found.plans == now:
         return f"{head} (the same {world} ranks and plans)"

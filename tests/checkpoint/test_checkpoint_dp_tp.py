@@ -36,12 +36,18 @@ def _on_2x2(root3, roots):
     """Per kind: (its class, the tensors loaded from the 3-rank checkpoint, the tensors it
     saved after one more step, full_state_dict (FSDP2) or None)."""
     from plait.nn import full_state_dict
+    from plait.train_resume import resharded_line
 
     out = {}
     for kind in KINDS:
         model, opt = dp_tp(kind, seed=1)  # other weights: all must come from the checkpoint
         found = checkpoint.Checkpointer(root3).load(model, opt)
         assert found.step == 3 and found.world_size == 3
+        line = resharded_line(found, model)  # names under the wrap are the plain model's
+        assert line.endswith("saved on 3 ranks, resharded onto 4: [3, 5, 2] -> [5, 5] "
+                             "(blocks.0.attn.proj, blocks.0.attn.qkv, blocks.1.attn.proj and 1 "
+                             "more); [48, 80, 32] -> [80, 80] (blocks.0.mlp.fc, "
+                             "blocks.0.mlp.proj, blocks.1.mlp.fc and 1 more)"), (kind, line)
         loaded = whole(model, opt)
         train(model, opt, 1)  # the same batch on both replicas
         checkpoint.Checkpointer(roots[kind]).save(4, model, opt)
