@@ -9,7 +9,9 @@ rank's ``Balancer.state_dict()`` are checkpointed; the run goes on 3 steps. A mo
 from another seed under the even plans, with a fresh optimizer and balancer, loads the
 checkpoint and ``load_state_dict``: it migrates back to heads [7, 3], its state equals
 the saved one bit for bit (snapshots and scores included), and its next 3 losses, and
-the scores refreshed at step 6 from the restored snapshot, equal the run's.
+the scores refreshed at step 6 from the restored snapshot, equal the run's. A balancer of
+another policy (semi) handed the same checkpoint by ``restore_balancer`` starts afresh,
+says why in one line, and nothing of it, nor the model's plans, changes.
 """
 
 import torch
@@ -65,7 +67,7 @@ def _round_trip(root):
     from plait.balance import Action
     from plait.nn import ShardPlan
 
-    from _ckpt_gpt import batches
+    from _ckpt_gpt import batches, build
 
     data = batches(8)
     model, opt, bal = _balanced(seed=0)
@@ -80,6 +82,19 @@ def _round_trip(root):
     go_on = _steps(model, opt, bal, data[5:], 5)  # refreshed at 6 from the snapshot at 4
     after = bal.state_dict()
 
+    # a balancer of another policy starts afresh, and says why; nothing of it changes
+    from types import SimpleNamespace
+
+    from plait.balance import Balancer, PolicyConfig
+    from plait.train_resume import restore_balancer
+
+    model3, opt3 = build(seed=2)
+    found = checkpoint.Checkpointer(root).load(model3, opt3)
+    semi = Balancer(model3, opt3, None, PolicyConfig(name="semi"), refresh=2, warmup=0)
+    fresh = semi.state_dict()
+    afresh = restore_balancer(SimpleNamespace(balancer=semi, mesh=None, model=model3), found)
+    unchanged = _tensors_differ(semi.state_dict(), fresh)
+
     model2, opt2, bal2 = _balanced(seed=1)  # even plans, other weights, fresh readings
     found = checkpoint.Checkpointer(root).load(model2, opt2)
     moved = bal2.load_state_dict(found.rank_state["balancer"])
@@ -87,12 +102,16 @@ def _round_trip(root):
     resumed = _steps(model2, opt2, bal2, data[5:], 5)
     return (moved, list(model2.blocks[0].attn.qkv.plan.sizes), restored, go_on, resumed,
             _tensors_differ(bal2.state_dict()["dims"], after["dims"]),
-            [layer["keep"] for layer in after["dims"]["blocks.1.mlp"]["layers"]])
+            [layer["keep"] for layer in after["dims"]["blocks.1.mlp"]["layers"]],
+            afresh, unchanged, list(model3.blocks[0].attn.qkv.plan.sizes))
 
 
 def test_balancer_state_round_trips_and_moves_back_to_its_plans(tmp_path):
     for r, out in enumerate(run_ranks(_round_trip, 2, str(tmp_path / "ckpt"))):
-        moved, plan, restored, go_on, resumed, later, keeps = out
+        moved, plan, restored, go_on, resumed, later, keeps, afresh, unchanged, plan3 = out
+        assert afresh == ("the balancer starts afresh: its state was saved for (policy, tp "
+                          "ranks, replicas) ('even', 2, 1), this run has ('semi', 2, 1)"), afresh
+        assert (unchanged, plan3) == ([], [5, 5]), r
         assert (moved, plan) == (["blocks.0.attn"], [7, 3]), r  # migrated back to its plan
         assert keeps == ([1.0, 1.0] if r == 0 else [0.5, 0.5]), r  # rank 1 resized
         assert restored == [], (r, restored)
