@@ -335,7 +335,7 @@ def train_rank(cfg: TrainConfig) -> dict:
         unit, per_step = "tokens", cfg.batch_size * cfg.seq_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     run.attach(model, optimizer)
-    ckpt, first_step, done, resumed = resume_run(cfg, model, optimizer, stream)
+    ckpt, first_step, done, resumed = resume_run(cfg, model, optimizer, stream, run)
     if resumed is not None and rank == 0:
         report({"note": resumed, "step": first_step})
 
@@ -348,7 +348,8 @@ def train_rank(cfg: TrainConfig) -> dict:
 
     start = time.perf_counter()
     if ckpt is not None:
-        on_step = checkpoint_after(on_step, cfg, ckpt, model, optimizer, stream, done)
+        on_step = checkpoint_after(on_step, cfg, ckpt, model, optimizer, stream, done,
+                                   run)
     history = train_steps(model, optimizer, batches, loss_fn, cfg.steps, peak_lr=cfg.lr,
                           on_step=on_step, start=first_step)
     if ckpt is not None:
