@@ -60,9 +60,11 @@ HF_PLANS = ("auto", "layers")
 NOTES = {
     "plait": "plait.parallelize(model, plan, overlap=True, chunks='auto'): fused operators "
              "(matmul_all_reduce for o/down; q/k/v's and gate/up's input grads summed, each "
-             "sum all-reduced in pieces with its dgrad)",
+             "sum all-reduced in pieces with its dgrad; their forwards and weight gradients "
+             "one GEMM each)",
     "plait-plain": "plait.parallelize(model, plan, overlap=False): compute, then a blocking "
-                   "collective (q/k/v's and gate/up's input grads summed before one each)",
+                   "collective (q/k/v's and gate/up's input grads summed before one each; "
+                   "their forwards and weight gradients one GEMM each)",
     "pytorch-tp": "parallelize_module with the same plan as ColwiseParallel/RowwiseParallel on "
                   "a 1-D DeviceMesh; DTensor redistributes Partial→Replicate with a blocking "
                   "all-reduce after each row-parallel matmul (forward) and each "

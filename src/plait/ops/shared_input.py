@@ -234,7 +234,8 @@ class _Together(torch.autograd.Function):
 class SharedInput:
     """The column-parallel layers of one group that read one replicated input (q/k/v, or
     gate/up): ``matmul(x, w, width=…)`` is ``x @ w`` whose input gradient is summed with
-    the other siblings' before one all-reduce (see the module docstring).
+    the other siblings' before one all-reduce; ``linear(x, params, index)`` does that too,
+    every sibling's forward and weight gradient one GEMM (see the module docstring).
 
     ``overlap``: the summed dgrad runs fused (pieces on the wire as they are computed,
     ``chunks`` of them or ``"auto"``) or plain (one shared ``copy_to_region``).
