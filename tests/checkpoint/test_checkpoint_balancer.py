@@ -1,11 +1,9 @@
 """A balanced run resumed from a checkpoint taken while the balancer had a rank resized goes
 on with exactly the losses, and the decisions, of the run never stopped.
 
-The loop is ``plait train``'s (``plait.train.train_rank``): the GPT built by ``build_gpt``,
-``RankParallel`` for ``--balance semi`` with its settings, the seeded data stream, AdamW
-and the learning-rate schedule of ``train_steps``; ``resume_run`` and ``checkpoint_after``
-are given the ``RankParallel``, so the checkpoints hold each rank's balancer state and a
-resume restores it (``plait.train_resume.restore_balancer``). Rank 1 is 4 × slower at
+Each rank runs ``plait train``'s own (``plait.train.train_rank``), whose ``resume_run`` and
+``checkpoint_after`` are given its ``RankParallel``, so the checkpoints hold each rank's
+balancer state and a resume restores it (``plait.train_resume.restore_balancer``). Rank 1 is 4 × slower at
 compute (straggler emulation): the semi policy resizes it to half its heads and MLP
 columns (``max_skip`` 0.5 clips it, so the fractions do not follow the timings' noise) at
 step 10, and would migrate only from step 19 on (``spike_steps`` 12); the run stops at 18.
@@ -18,8 +16,8 @@ step 10, and would migrate only from step 19 on (``spike_steps`` 12); the run st
    balancer, data stream; the RNGs come from the checkpoint), a run resumed from the
    copy: every step's loss and learning rate equal the first run's, bit for bit, and so
    do the balancer's decisions and final state; the resume line says the balancer was
-   restored. Without the restore (the balancer starting afresh, as ``plait train`` does
-   today) step 12's loss already differs: rank 1 computes all its features again.
+   restored. Without the restore (the balancer starting afresh, as ``plait train`` did
+   before it handed its ``RankParallel`` over) step 12's loss already differs: rank 1 computes all its features again.
 """
 
 import shutil
@@ -40,29 +38,13 @@ SLOW = [parse_slow("1:4")]
 
 
 def _train_rank(cfg: TrainConfig) -> dict:
-    """``plait.train.train_rank``'s GPT loop with the balancer handed to the checkpoints."""
-    from plait.checkpoint import SeededStream
-    from plait.data import CharCorpus
-    from plait.train import build_gpt, gpt_loss, train_steps
-    from plait.train_parallel import RankParallel
-    from plait.train_resume import checkpoint_after, resume_run
+    """``plait train``'s rank (``plait.train.train_rank``) in float64, and what it reports."""
+    from plait.train import train_rank
 
     torch.set_default_dtype(torch.float64)
-    corpus = CharCorpus.load()
-    run = RankParallel(cfg)
-    model = run.wrap(build_gpt(cfg, run.tp_group, vocab_size=corpus.vocab_size))
-    stream = SeededStream(lambda gen: corpus.batch("train", cfg.batch_size, cfg.seq_len, gen),
-                          cfg.seed + 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    run.attach(model, optimizer)
-    ckpt, first, done, line = resume_run(cfg, model, optimizer, stream, run)
-    on_step = checkpoint_after(run.after_step, cfg, ckpt, model, optimizer, stream, done, run)
-    history = train_steps(model, optimizer, run.replica_rows(stream), gpt_loss, cfg.steps,
-                          peak_lr=cfg.lr, on_step=on_step, start=first)
-    ckpt.wait()
-    return {"records": done + history, "resumed": line,
-            "decisions": [d.to_json() for d in run.balancer.log],
-            "final": run.balancer.state(), "keep": model.blocks[0].mlp.fc.keep}
+    out = train_rank(cfg)
+    return {"records": out["records"], "resumed": out["resumed"],
+            "decisions": out["balance"]["decisions"], "final": out["balance"]["final_state"]}
 
 
 def _killed_then_resumed(cfg: TrainConfig, resumed_dir: str) -> tuple[dict, dict]:
@@ -92,7 +74,7 @@ def test_balanced_run_resumes_with_its_balancer(tmp_path):
     # what the test is about: rank 1 resized before the checkpoint, nothing after it
     assert decisions and all(d["kind"] == "resize" and d["step"] < RESUME_AT
                              for d in decisions), decisions
-    assert [r["keep"] for r in before] == [1.0, 0.5]
+    assert [r["final"]["blocks.0.mlp"]["keep"] for r in before] == [1.0, 0.5], before
     line = after[0]["resumed"]
     print(line)
     assert line.startswith(f"resumed from {copy}/step-{RESUME_AT} at step {RESUME_AT} (the "
@@ -104,4 +86,4 @@ def test_balanced_run_resumes_with_its_balancer(tmp_path):
         assert (a["step"], a["loss"], a["lr"]) == (b["step"], b["loss"], b["lr"]), (a, b)
     for r in range(2):
         assert after[r]["decisions"] == before[r]["decisions"]
-        assert (after[r]["final"], after[r]["keep"]) == (before[r]["final"], before[r]["keep"])
+        assert after[r]["final"] == before[r]["final"]
