@@ -8,7 +8,8 @@ and stderr in files, exactly as ``python -m plait ARGV`` would run it but for th
 interpreter's start. Each child leads a process group of its own, as a shell's job does. A
 child that runs past ``timeout_s`` (the row's own, where it gives one) is killed with
 everything it started (its process group). Prints one result per row: rc, stdout, stderr,
-elapsed, timed_out, pid, signalled (seconds after its start, or None), left (the
+elapsed, cpu_s (the CPU seconds of the row's process, and of what it started and waited for),
+timed_out, pid, signalled (seconds after its start, or None), left (the
 processes of its group alive as it ended, ``"PID STATE COMMAND"``; with ``"wait_left_s": S``
 in the row, those still alive S seconds later) and linger_s (how long after its end the last
 of them lived, up to S).
@@ -38,15 +39,17 @@ import time
 import traceback
 
 
-def run_plait(rows: list[dict], timeout_s: float = 25.0, parallel: int = 4,
+def run_plait(rows: list[dict], timeout_s: float = 120.0, parallel: int = 4,
               wrap: list[str] = ()) -> list[dict]:
     """Each row as its own ``plait`` process; its result: rc, stdout, stderr, elapsed (s),
-    timed_out, pid, signalled, left. PLAIT_DEBUG and COLUMNS are taken out of the environment
-    unless a row sets them."""
+    cpu_s, timed_out, pid, signalled, left. PLAIT_DEBUG and COLUMNS are taken out of the
+    environment unless a row sets them. ``timeout_s`` (a row's) and the batch's 30 minutes end
+    a hang: on a machine at load 10 a row that starts ranks took 148 s (a forkserver loading
+    torch per row, 4 rows at a time), so they time nothing."""
     env = {k: v for k, v in os.environ.items() if k not in ("PLAIT_DEBUG", "COLUMNS")}
     proc = subprocess.run([*wrap, sys.executable, __file__], env=env, capture_output=True,
                           text=True, input=json.dumps({"rows": rows, "timeout_s": timeout_s,
-                                            "parallel": parallel}), timeout=600)
+                                            "parallel": parallel}), timeout=1800)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -182,19 +185,20 @@ def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
             running[pid] = (i, time.monotonic(), {})
         time.sleep(0.02)
         for pid, (i, start, state) in list(running.items()):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             elapsed = time.monotonic() - start
             if not done:
                 _maybe_signal(rows[i], pid, path(i, "out"), state, elapsed)
             timed_out = not done and elapsed > rows[i].get("timeout_s", timeout_s)
             if timed_out:
                 _kill_group(pid)
-                _, status = os.waitpid(pid, 0)
+                _, status, usage = os.wait4(pid, 0)
             if done or timed_out:
                 del running[pid]
                 read = lambda s: open(path(i, s), errors="replace").read()
                 results[i] = {"rc": os.waitstatus_to_exitcode(status), "stdout": read("out"),
                               "stderr": read("err"), "elapsed": elapsed, "timed_out": timed_out,
+                              "cpu_s": usage.ru_utime + usage.ru_stime,
                               "pid": pid, "signalled": state.get("signalled"), "left": None}
                 ending[pid] = (i, time.monotonic() + rows[i].get("wait_left_s", 0.0))
         if ending and time.monotonic() >= next_scan:  # a scan of /proc: a few times a second
@@ -216,5 +220,5 @@ if __name__ == "__main__":
 
     build_parser()  # imports every command module, torch with them, before the forks
     request = json.load(sys.stdin)
-    json.dump(run_rows(request["rows"], request.get("timeout_s", 25.0),
+    json.dump(run_rows(request["rows"], request.get("timeout_s", 120.0),
                        request.get("parallel", 4)), sys.stdout)

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 from forkrun import run_plait
 
-LIMIT_S = 20.0  # "within seconds": a row that starts the work runs far past this
+# "Within seconds", in what the machine's load cannot stretch: the row's own CPU seconds (a
+# refusal in a process forked from one that imported torch: at most 0.06 s at load 11 here,
+# while its wall time was up to 7.6 s at load 8, 4 rows at a time; plait simulate's own work
+# is seconds of CPU). A row that starts ranks leaves its files or its output (checked below),
+# and a row still running after ROW_LIMIT_S is a hang.
+LIMIT_CPU_S = 1.0
+ROW_LIMIT_S = 120.0
 TIB = str(1 << 40)
 
 # (id, argv, what the one line must say, files the row's folder starts with)
@@ -133,7 +139,7 @@ def results(tmp_path_factory):
     for name, argv, _, files in ROWS:
         _setup(root / name, files)
         rows.append({"argv": argv, "cwd": str(root / name), "env": {"HOME": str(root / name)}})
-    out = run_plait(rows, timeout_s=LIMIT_S + 5)
+    out = run_plait(rows, timeout_s=ROW_LIMIT_S)
     return {name: (result, root / name) for (name, *_), result in zip(ROWS, out)}
 
 
@@ -145,13 +151,13 @@ def test_rows_are_many_and_named_once():
 @pytest.mark.parametrize("name,argv,says,files", ROWS, ids=[r[0] for r in ROWS])
 def test_bad_input_is_refused_in_one_line(results, name, argv, says, files):
     result, folder = results[name]
-    assert not result["timed_out"], f"still working after {LIMIT_S + 5:g} s: {result}"
+    assert not result["timed_out"], f"still working after {ROW_LIMIT_S:g} s: {result}"
     lines = result["stderr"].splitlines()
     assert len(lines) == 1, f"stderr is not one line:\n{result['stderr']}"
     assert lines[0].startswith("plait: error: ") and says in lines[0], lines[0]
     assert result["rc"] == 2, result
     assert result["stdout"] == "", result["stdout"]
-    assert result["elapsed"] < LIMIT_S
+    assert result["cpu_s"] < LIMIT_CPU_S, result
     assert _tree(folder) == sorted(f.rstrip("/") for f in files), "the refused run wrote files"
     for path in argv:
         if path.startswith(("/proc/", "/sys/", "/dev/null/")):
