@@ -56,8 +56,10 @@ def test_host_throttle_writes_budget_over_factor_and_reads_it_back(tmp_path, ver
     for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.max"):
         assert (path / name).exists() == ((name == "cpu.max") == (version == 2))
     throttle = host_throttle(str(path), 1.0)
-    for factor, cores, files in [(2.0, 0.5, ("5000", "10000")), (3.0, 1 / 3, ("3333", "10000")),
-                                 (200.0, 0.01, ("1000", "100000")), (1.0, 1.0, ("10000", "10000"))]:
+    for factor, cores, files in [(2.0, 0.5, ("5000", "10000")),
+                                 (3.0, 1 / 3, ("3333", "10000")),
+                                 (200.0, 0.01, ("1000", "100000")),  # the 1 ms least quota
+                                 (1.0, 1.0, ("10000", "10000"))]:
         throttle(factor)
         assert cpu_budget(str(path)) == pytest.approx(cores, abs=1e-4), factor
         if version == 1:
@@ -95,15 +97,19 @@ def test_on_the_wall_clock_the_monitor_counts_a_sleep_once(monkeypatch):
     assert 1.9 <= monitor.compute_s / spun < 2.6, (monitor.compute_s, spun)
 
 
-def test_kernel_ideal_stretches_the_whole_cpu_time():
-    """Under ``--slow-by kernel`` the ideal spreads the ``none`` run's CPU time per step (all
-    of it is slowed); under sleep, the timed compute only."""
+def test_kernel_ideal_stretches_the_whole_cpu_time_at_the_budgets_pace():
+    """Under ``--slow-by kernel`` the ideal spreads the ``none`` run's CPU time per step over
+    the hosts' whole budget (all of it is slowed; at most the whole step); under sleep, the
+    timed compute only."""
     ref = {"seed": 0, "scenario": "none", "policy": "even", "t_step_s": 0.1,
-           "compute_s_per_step": 0.02, "cpu_s_per_step": 0.06, "losses": [2.0],
-           "factors": [[1.0, 1.0]] * 3, "slow_by": "kernel"}
+           "compute_s_per_step": 0.02, "cpu_s_per_step": 0.03, "losses": [2.0],
+           "factors": [[1.0, 1.0]] * 3, "slow_by": "kernel",
+           "kernel": {"held_cores": [[0.5] * 3, [0.5] * 3]}}
     slow = {**ref, "scenario": "straggler-2x", "t_step_s": 0.15, "factors": [[1.0, 2.0]] * 3}
     kernel = with_ideal([dict(ref), dict(slow)], 1)[1]
     assert kernel["t_ideal_s"] == pytest.approx(0.1 - 0.06 + 0.06 * 2 / 1.5)
+    whole = {**ref, "kernel": {"held_cores": [[0.25] * 3, [0.25] * 3]}}  # 0.12 s: over t_none
+    assert with_ideal([whole, dict(slow)], 1)[1]["t_ideal_s"] == pytest.approx(0.1 * 2 / 1.5)
     sleep = with_ideal([{**ref, "slow_by": "sleep"}, {**slow, "slow_by": "sleep"}], 1)[1]
     assert sleep["t_ideal_s"] == pytest.approx(0.1 - 0.02 + 0.02 * 2 / 1.5)
 

@@ -46,10 +46,13 @@ spreads the tensor-parallel compute ``c`` (what the emulation slows: the
 summed speeds, plus everything the emulation does not slow (communication,
 attention, the replicated embedding and head, the optimizer). Each run's
 ``t_ideal_s`` is the median of that over its timed steps. Under ``--slow-by kernel``
-everything a rank runs is slowed, so ``c`` is the ``none`` run's CPU time per rank per
-step (all of its threads, ``cpu_s_per_step``): a rank slowed ``F`` × is slow at its
-replicated work too, and the fast ranks make up for it by taking more of the sharded work,
-which gives the same formula with the rank's whole CPU time for ``c``.
+everything a rank runs is slowed: a rank slowed ``F`` × is slow at its replicated work
+too, and the fast ranks make up for it by taking more of the sharded work, which gives the
+same formula with ``c`` the wall time of all the rank's CPU work on its whole budget: the
+``none`` run's CPU time per rank per step (all of its threads, ``cpu_s_per_step``, the mean
+over its timed steps: the first steps' allocations land on the run that steps first) over
+the hosts' mean budget in cores, at most ``t_none``. That holds where the budget binds; on
+a machine that gives a host less than its budget the kernel's ``F`` is not reached either.
 """
 
 from __future__ import annotations
@@ -275,12 +278,13 @@ class BalancedRun:
         mean rank's."""
         final = self._slowed(lambda: evaluate_gpt(self.model, self.corpus, self.cfg))
         steps = max(len(self.times), 1)
-        compute = torch.tensor([self.balancer.monitor.compute_s / steps, sum(self.cpu) / steps],
+        compute = torch.tensor([self.balancer.monitor.compute_s / steps] + self.cpu,
                                dtype=torch.float64)
         dist.all_reduce(compute)
+        compute /= self.world  # the mean rank's
         out = {"losses": self.losses, "eval": final,
-               "compute_s_per_step": float(compute[0]) / self.world,  # the mean rank's
-               "cpu_s_per_step": float(compute[1]) / self.world,
+               "compute_s_per_step": float(compute[0]),
+               "cpu_s_steps": compute[1:].tolist(),
                "speeds": list(self.balancer.monitor.speeds()),
                "monitor_s": self.balancer.monitor.overhead_s,
                "decisions": [d.to_json() for d in self.balancer.log],
@@ -379,7 +383,8 @@ def _record(cfg: HeteroBenchConfig, seed: int, scenario: str, policy: str, specs
             "losses": result["losses"], "heldout_loss": result["eval"]["heldout_loss"],
             "heldout_acc": result["eval"]["heldout_accuracy"],
             "compute_s_per_step": result["compute_s_per_step"],
-            "cpu_s_per_step": result["cpu_s_per_step"], "speeds": result["speeds"],
+            "cpu_s_per_step": statistics.fmean(result["cpu_s_steps"][cfg.warmup:]),
+            "speeds": result["speeds"],
             "slow_by": cfg.slow_by, "kernel": result.get("kernel"),
             "monitor_overhead": result["monitor_s"] / max(sum(times), 1e-12),
             "decisions": result["decisions"], "final_state": result["final_state"],
@@ -409,9 +414,10 @@ def with_ideal(records: list[dict], warmup: int) -> list[dict]:
         ref = reference.get(r["seed"])
         if ref is None:
             continue
-        kernel = r.get("slow_by") == "kernel"
-        t_none = ref["t_step_s"]
-        c = ref["cpu_s_per_step"] if kernel else ref["compute_s_per_step"]
+        t_none, c = ref["t_step_s"], ref["compute_s_per_step"]
+        if r.get("slow_by") == "kernel":  # all its CPU work, at its whole budget's pace
+            budget = statistics.fmean(held[0] for held in ref["kernel"]["held_cores"])
+            c = min(t_none, ref["cpu_s_per_step"] / budget)
         ideal = [ideal_step(t_none, c, f) for f in r["factors"]][warmup:]
         r["t_no_straggler_s"] = t_none
         r["t_ideal_s"] = statistics.median(ideal)
