@@ -14,7 +14,7 @@ computes 1.5 × what the capacity needs (2 u against 2 · 2 u / 3) and semi's le
 × ideal is above semi's. × ideal itself is judged only against semi's: it is
 ``step / (step − (slowest compute − ideal compute))``, and load on a shared machine
 stretches the step's wall time (measured: 1.04 for even at a load average of 8 on 2 cores,
-the gap 1.52 ×), while the gap, CPU time plus the emulation's sleeps, stays.
+the gap 1.51 ×), while the gap, CPU time plus the emulation's sleeps, stays.
 """
 
 import statistics
