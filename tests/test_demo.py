@@ -18,7 +18,10 @@ from plait.cli.demo import demo_config, demo_placement
 from plait.cli.main import build_parser, main
 from plait.demo import LOOPBACK, QUICK_DEMO, WARMUP_STEPS, DemoConfig
 
-STEPS, SLOW_FROM, FACTOR = 12, 4, 3.0
+# 16 steps: semi's first decision came at step 10 in runs at load 8 and 12 here (the agreement
+# rule waits for readings that all show the straggler); at 12 steps that was the last exchange
+# of the run, and one noisy reading would have left it no decision at all
+STEPS, SLOW_FROM, FACTOR = 16, 4, 3.0
 TINY = ["--steps", str(STEPS), "--slow-from", str(SLOW_FROM), "--factor", f"{FACTOR:g}",
         "--spike-steps", "5", "--n-embd", "64", "--n-head", "4", "--n-layer", "1",
         "--seq-len", "16", "--batch-size", "4"]
