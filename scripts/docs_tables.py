@@ -697,6 +697,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-tp-quick": tp_table,
     "bench-hetero-quick": hetero_table,
     "bench-hetero": lambda res: hetero_table(res, "bench-hetero"),
+    "bench-hetero-kernel": lambda res: hetero_table(res, "bench-hetero-kernel"),
     "demo": demo_table,
     "bench-checkpoint": checkpoint_table,
     "bench-tp-dp": placement_table,
