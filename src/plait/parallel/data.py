@@ -299,7 +299,9 @@ def choose_kind(model: nn.Module, kind: str = "auto") -> str:
     deferred = [path for path, m in model.named_modules()
                 if isinstance(m, RowParallelLinear) and m.overlap and not m.sequence_parallel
                 and m.info.world > 1]
-    # column-parallel siblings sharing one fused input-grad all-reduce defer theirs too
+    # column-parallel siblings sharing one fused input-grad all-reduce defer theirs too once
+    # resized or hooked (SharedInput's one-GEMM path returns them through autograd, but a
+    # balancer may resize a sibling after the choice is made)
     siblings = [path for path, m in model.named_modules()
                 if isinstance(m, ColumnParallelLinear) and m.shared_input is not None
                 and m.shared_input.overlap and m.defer_wgrad]
