@@ -182,6 +182,7 @@ def test_the_next_run_removes_what_a_sigkilled_run_left(tmp_path, caplog):
     # SIGKILL runs no handler: the namespaces and the launch folder stay until the next run
     script = tmp_path / "killed.py"
     script.write_text(_KILLED)
+    pymp_before = set(_pymp())
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
                             text=True, cwd=tmp_path)
     try:
@@ -189,7 +190,7 @@ def test_the_next_run_removes_what_a_sigkilled_run_left(tmp_path, caplog):
         _wait_for_ranks(tmp_path, proc)
         folders = [f for f in os.listdir(tempfile.gettempdir())
                    if f.startswith(f"plait-launch-{proc.pid}-")]
-        assert _namespaces(tag) and folders
+        assert _namespaces(tag) and len(folders) == 2, folders  # the launch's, the forkserver's
         proc.kill()
         proc.wait(timeout=10)
     finally:
@@ -200,7 +201,13 @@ def test_the_next_run_removes_what_a_sigkilled_run_left(tmp_path, caplog):
     assert _namespaces(tag) == []
     assert not [f for f in os.listdir(tempfile.gettempdir())
                 if f.startswith(f"plait-launch-{proc.pid}-")]
-    assert len(removed) == 4 and f"pid {proc.pid}, no longer running" in caplog.text
+    # the launch folder and multiprocessing's (the forkserver's socket), each its own
+    assert len(removed) == 5 and f"pid {proc.pid}, no longer running" in caplog.text
+    assert not set(_pymp()) - pymp_before, "a pymp-* folder of the killed run is left"
+
+
+def _pymp() -> list[str]:
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pymp-")]
 
 
 def test_leftovers_of_a_running_process_are_kept(tmp_path, monkeypatch):
@@ -208,10 +215,33 @@ def test_leftovers_of_a_running_process_are_kept(tmp_path, monkeypatch):
     mine = tmp_path / f"plait-launch-{os.getpid()}-abc"
     dead = tmp_path / "plait-launch-4194305-abc"  # above the kernel's pid limit (2^22): never running
     other = tmp_path / "plait-launch-notapid"
-    for folder in (mine, dead, other):
+    elastic = tmp_path / "plait-elastic-4194305-abc"  # plait elastic's run folder
+    for folder in (mine, dead, other, elastic):
         folder.mkdir()
-    assert remove_leftovers() == [f"folder {dead}"]
-    assert mine.exists() and other.exists() and not dead.exists()
+    assert sorted(remove_leftovers()) == sorted([f"folder {dead}", f"folder {elastic}"])
+    assert mine.exists() and other.exists() and not dead.exists() and not elastic.exists()
+
+
+@needs_netns
+def test_what_still_runs_in_a_dead_runs_namespace_is_stopped_with_it():
+    """A process left in a namespace whose maker is gone (an orphaned rank or agent) is
+    SIGKILLed before the namespace goes: a host that is gone runs nothing."""
+    name = "plait-4194305xdead-h0"  # a maker above the kernel's pid limit: never running
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    proc = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "300"])
+    try:
+        end = time.monotonic() + 10
+        while str(proc.pid) not in subprocess.run(["ip", "netns", "pids", name],
+                                                  capture_output=True, text=True).stdout:
+            assert time.monotonic() < end, "the sleep never entered the namespace"
+            time.sleep(0.05)
+        assert f"network namespace {name}" in remove_leftovers()
+        assert proc.wait(timeout=10) == -9
+        assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                          text=True).stdout
+    finally:
+        proc.kill()
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @needs_netns

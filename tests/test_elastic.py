@@ -106,3 +106,46 @@ def test_training_survives_losing_a_host():
 
 def _torchelastic() -> list[str]:
     return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("torchelastic_")]
+
+
+def test_a_killed_launcher_takes_its_agents_and_workers_with_it(tmp_path):
+    """SIGKILL of `plait elastic` (no clean-up of its own can run): its torchrun agents die with
+    it (PR_SET_PDEATHSIG) and each worker with its agent, within seconds, though training
+    had 400 steps to go; `plait cluster clean` then removes the namespaces and the run's
+    folder. (Before: the 3 agents and 3 workers trained on to step 111 and beyond.)"""
+    import json
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait", "elastic", "--hosts", "3", "--link", "1gbit",
+         "--steps", "400", "--checkpoint-every", "50", "--n-embd", "32", "--seq-len", "16",
+         "--batch-size", "4", "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, stepped = time.monotonic() + 300, False
+        while not stepped and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            for log in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}{proc.pid}-*/logs/*.jsonl"):
+                lines = log.read_text().splitlines()
+                stepped = stepped or any(json.loads(x).get("event") == "step" for x in lines
+                                         if x.strip().endswith("}"))
+        assert stepped, f"no step logged (exit {proc.poll()})"
+        workers = _leftovers(proc.pid)[2]
+        assert len(workers) >= 6, workers  # 3 agents and their workers, training
+        proc.kill()
+        proc.wait()
+        end = time.monotonic() + 20
+        while _leftovers(proc.pid)[2] and time.monotonic() < end:
+            time.sleep(0.2)
+        assert _leftovers(proc.pid)[2] == [], "agents or workers outlived the launcher"
+        clean = subprocess.run([sys.executable, "-m", "plait", "cluster", "clean"],
+                               capture_output=True, text=True, timeout=120)
+        assert clean.returncode == 0, clean.stderr
+        assert _leftovers(proc.pid) == ([], [], [])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -111,10 +111,21 @@ class ElasticConfig:
                 "--timeout", repr(self.timeout_s)]
 
 
+# An agent dies with the launcher's thread that started it, however the launcher ends
+# (SIGKILL included: a killed `plait elastic` left its agents and workers training on): the
+# first process asks for SIGKILL at its parent's death (PR_SET_PDEATHSIG, kept across exec),
+# gives up if the launcher is already gone, then becomes torchrun. Each worker in turn ends
+# with its agent (plait.elastic.worker). Not a preexec_fn: the launcher may have threads.
+_DIE_WITH_LAUNCHER = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+                      "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+
+
 def _agent_command(cfg: ElasticConfig, host: Host, rdzv: str, run_id: str,
                    root: Path) -> list[str]:
     conf = f"is_host={'true' if host.index == 0 else 'false'},{RDZV_CONF}"
-    command = [sys.executable, "-m", "torch.distributed.run",
+    command = [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()),
+               "-m", "torch.distributed.run",
                "--nnodes", f"{cfg.nnodes_min}:{cfg.hosts}", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", run_id,
                "--rdzv-conf", conf, "--max-restarts", str(cfg.max_restarts),

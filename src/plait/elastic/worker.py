@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..runtime import init_from_env
     from ..train import build_gpt, evaluate_gpt, lr_at
 
+    from ..runtime.launch import exit_with
+
+    exit_with(os.getppid())  # a worker ends with its agent (which ends with the launcher)
     started = time.time()
     torch.set_num_threads(1)
     topo = init_from_env(backend="gloo", timeout_s=args.timeout)

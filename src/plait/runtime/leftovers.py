@@ -4,7 +4,8 @@ Everything plait makes on the machine carries its maker's pid in its name:
 network namespaces ``plait-<pid>x<hex>-h0`` (and their bridge and veths, which go
 with them), the hosts' CPU-budget cgroups of the same names (runtime.cgroup; what
 still runs in one is stopped, as the host it emulated is gone) and launch folders
-``plait-launch-<pid>-…`` in the temporary directory. When the next run starts it
+``plait-launch-<pid>-…`` and ``plait-elastic-<pid>-…`` in the temporary directory; what
+still runs in a namespace whose maker is gone is stopped first. When the next run starts it
 removes those whose maker is no longer running, and says so. Anything whose maker
 still runs is left alone (another plait run on the same machine), and so is anything
 named otherwise.
@@ -16,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 
@@ -27,7 +29,7 @@ log = logging.getLogger("plait.runtime")
 
 NETNS_OWNED = re.compile(r"^plait-(\d+)x[0-9a-f]+-")
 LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid + "-" (runtime.launch makes them)
-LAUNCH_DIR_OWNED = re.compile(rf"^{LAUNCH_DIR_PREFIX}(\d+)-")
+LAUNCH_DIR_OWNED = re.compile(rf"^(?:{LAUNCH_DIR_PREFIX}|plait-elastic-)(\d+)-")
 
 
 def owner_alive(pid: int) -> bool:
@@ -73,11 +75,28 @@ def _stale_launch_dirs() -> list[str]:
     return [os.path.join(root, n) for n in names if _dead_owner(n, LAUNCH_DIR_OWNED) is not None]
 
 
+def _stop_inside(netns: str) -> list[int]:
+    """SIGKILL every process in ``netns``; the pids it stopped."""
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+    stopped = []
+    for pid in (int(p) for p in out.split() if p.isdigit()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            stopped.append(pid)
+        except ProcessLookupError:
+            pass
+    return stopped
+
+
 def remove_leftovers() -> list[str]:
     """Remove the namespaces and launch folders of plait processes that are gone; returns
     what was removed, and logs one line when anything was."""
     removed = []
     for name in _stale_namespaces():
+        stopped = _stop_inside(name)  # a host that is gone runs nothing (an orphaned rank)
+        if stopped:
+            log.warning("plait: stopped pids %s, still running in network namespace %s",
+                        stopped, name)
         if subprocess.run(["ip", "netns", "del", name], capture_output=True).returncode == 0:
             removed.append(f"network namespace {name}")
     for path in _stale_cgroups():
@@ -95,7 +114,7 @@ def remove_leftovers() -> list[str]:
             removed.append(f"folder {path}")
     if removed:
         pids = sorted({int(m.group(1)) for r in removed
-                       for m in [re.search(r"plait-(?:launch-)?(\d+)", r)] if m})
+                       for m in [re.search(r"plait-(?:launch-|elastic-)?(\d+)", r)] if m})
         log.warning("plait: removed what an earlier plait run (pid %s, no longer running) "
                     "left behind: %s", ", ".join(map(str, pids)), ", ".join(removed))
     return removed
