@@ -27,6 +27,8 @@ agree within float tolerance only (``docs/training.md``).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Callable
 
 import torch.distributed as dist
@@ -60,6 +62,7 @@ def checkpoint_note(cfg) -> str | None:
     run would interleave its checkpoints with an old run's)."""
     if not cfg.checkpoint_dir:
         return None
+    _check_writable(cfg.checkpoint_dir)
     newest = latest(cfg.checkpoint_dir)
     if newest is None:
         return f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0" if cfg.resume \
@@ -69,6 +72,18 @@ def checkpoint_note(cfg) -> str | None:
                          f"{newest.name}): pass --resume to continue from it, or choose "
                          "another --checkpoint-dir")
     return f"resuming from {newest}"
+
+
+def _check_writable(folder: str) -> None:
+    """Refuse, before any training, a --checkpoint-dir that cannot take a checkpoint (a new
+    user's read-only folder trained every step, then failed at the first save)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".plait-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--checkpoint-dir {folder} cannot hold checkpoints: "
+                         f"{exc.strerror or exc}") from None
 
 
 def resume_run(cfg, model, optimizer, stream: SeededStream, parallel=None

@@ -216,6 +216,18 @@ def test_resume_from_an_empty_directory_starts_at_step_0(tmp_path):
     assert checkpoint_note(missing) == f"no checkpoint in {tmp_path}/not-yet: starting at step 0"
 
 
+def test_a_directory_that_cannot_hold_checkpoints_is_refused_before_training(tmp_path):
+    """Before: a read-only --checkpoint-dir trained every step, then failed at the first save.
+    (A read-only mount, measured by hand: `--checkpoint-dir /ro` → `plait: error:
+    --checkpoint-dir /ro cannot hold checkpoints: Read-only file system`, exit 2.)"""
+    (tmp_path / "a-file").write_text("")
+    cfg = TrainConfig(**SIZES, checkpoint_dir=str(tmp_path / "a-file" / "ck"))
+    with pytest.raises(ValueError, match=r"--checkpoint-dir .*a-file/ck cannot hold checkpoints"):
+        checkpoint_note(cfg)
+    assert checkpoint_note(TrainConfig(**SIZES, checkpoint_dir=str(tmp_path / "ok"))) is None
+    assert [p.name for p in (tmp_path / "ok").iterdir()] == []  # the probe leaves nothing
+
+
 def test_rng_states_and_the_data_stream_come_back():
     import numpy as np
 
