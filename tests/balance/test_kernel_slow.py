@@ -245,7 +245,9 @@ def test_the_monitor_reads_a_kernel_throttled_rank_by_the_time_the_kernel_held_i
           f"monitor {_fmt(speeds)}; region {statistics.median(out[0][3]) * 1e3:.0f} ms on "
           f"rank 0, {statistics.median(out[1][3]) * 1e3:.0f} ms on rank 1 (medians); "
           f"{os.getloadavg()[0]:.1f} load")
-    assert shares[1] <= 0.55, shares
+    # held to about half its core (unthrottled it reads about 1): a clean-clone CI run read
+    # 0.63 here, these regions being short beside the kernel's 10 ms quota periods
+    assert shares[1] <= 0.7, shares
     for _, seconds, cpu, wall in out:
         assert sum(wall) <= seconds <= 1.02 * sum(wall) + 1e-3, (seconds, sum(wall), sum(cpu))
     want = [w / max(window) for w in window]

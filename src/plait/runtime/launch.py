@@ -24,7 +24,6 @@ Failure handling is the point of this module:
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import multiprocessing as mp
 import os
@@ -162,24 +161,9 @@ def _reporter(conn) -> Callable[[Any], None]:
 _CTX: mp.context.BaseContext | None = None
 
 
-def _own_mp_tempdir() -> None:
-    """multiprocessing's temporary folder (the forkserver's socket goes there) as a plait
-    launch folder of this process: a SIGKILLed plait left a ``pymp-*`` folder in the
-    temporary directory that nothing removed (3 a CI run); named so, the next run removes
-    it as it removes the launch folders of a process that is gone. Uses the attribute
-    ``multiprocessing.util.get_temp_dir`` reads (CPython's; left alone where absent)."""
-    config = getattr(mp.current_process(), "_config", None)
-    if not isinstance(config, dict) or config.get("tempdir") is not None:
-        return
-    folder = tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}-mp-")
-    config["tempdir"] = folder
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-
-
 def _context() -> mp.context.BaseContext:
     global _CTX
     if _CTX is None:
-        _own_mp_tempdir()
         _CTX = mp.get_context("forkserver")
         # torch._dynamo: every optimizer imports it on construction (3.4 s a rank here, paid
         # by every rank at once); once in the server, the ranks inherit it
