@@ -13,6 +13,22 @@ from plait.runtime.testing import run_ranks
 TOL = 1e-10
 
 
+def _backward_counting_all_reduces(outs, grads) -> list[tuple]:
+    """``autograd.backward(outs, grads)``; the shape of every all-reduce it sent."""
+    calls = []
+    real = dist.all_reduce
+
+    def counted(tensor, *a, **kw):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *a, **kw)
+    dist.all_reduce = counted
+    try:
+        torch.autograd.backward(outs, grads)
+    finally:
+        dist.all_reduce = real
+    return calls
+
+
 def _full(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -48,17 +64,7 @@ def _siblings_case(shards, overlap, chunks, other, into=False):
     if other:
         outs.append(shared.matmul(2 * h, ws[0], width=width, wgrad_into=ps[0] if into else None))
         grads.append(grads[0])
-    calls = []
-    real = dist.all_reduce
-
-    def counted(tensor, *a, **kw):
-        calls.append(tuple(tensor.shape))
-        return real(tensor, *a, **kw)
-    dist.all_reduce = counted
-    try:
-        torch.autograd.backward(outs, grads)
-    finally:
-        dist.all_reduce = real
+    calls = _backward_counting_all_reduces(outs, grads)
     dx = sum(G @ W.T for G, W in zip(Gs, Ws)) * 1.0
     if other:
         dx = dx + 2 * (Gs[0] @ Ws[0].T)
@@ -140,17 +146,7 @@ def _together_case(shards, overlap, chunks, use, again):
     if again:
         outs.append(shared.linear(h, ps, 0))
         grads.append(grads[0] if 0 in use else Gs[0][..., _cut(shards[0], r)])
-    calls = []
-    real = dist.all_reduce
-
-    def counted(tensor, *a, **kw):
-        calls.append(tuple(tensor.shape))
-        return real(tensor, *a, **kw)
-    dist.all_reduce = counted
-    try:
-        torch.autograd.backward(outs, grads)
-    finally:
-        dist.all_reduce = real
+    calls = _backward_counting_all_reduces(outs, grads)
     reads = list(use) + ([0] if again else [])
     dx = sum(Gs[j] @ Ws[j].T for j in reads)
     err = {"dx": _err(x.grad, dx)}
