@@ -34,6 +34,7 @@ from typing import Callable
 
 from .._fields import help_meta as _h
 from ..runtime.cluster import EmulatedCluster, Host
+from ..runtime.leftovers import ELASTIC_DIR_PREFIX, remove_leftovers
 from .report import read_incarnations, summarize
 
 __all__ = ["ElasticConfig", "run_elastic", "run_reference", "RDZV_PORT", "TMP_PREFIX"]
@@ -41,7 +42,7 @@ __all__ = ["ElasticConfig", "run_elastic", "run_reference", "RDZV_PORT", "TMP_PR
 log = logging.getLogger("plait.elastic")
 
 RDZV_PORT = 29400  # on host 0's address; loopback: a free port is taken instead
-TMP_PREFIX = "plait-elastic-"
+TMP_PREFIX = ELASTIC_DIR_PREFIX
 # the rendezvous: a dead host's heartbeats are missed for 1 s × 3 before it is dropped, and
 # a round closes 1 s after it has its minimum of hosts (torch's defaults: 5 s × 3 and 30 s)
 RDZV_CONF = ("join_timeout=120,last_call_timeout=1,close_timeout=10,"
@@ -193,17 +194,6 @@ def _kill_host(agent: subprocess.Popen, host: Host) -> list[int]:
     return pids
 
 
-def _remove_stale_folders() -> None:
-    """Folders of earlier runs whose launcher is gone (SIGKILL leaves them)."""
-    from ..runtime.leftovers import owner_alive
-
-    root = Path(tempfile.gettempdir())
-    for path in root.glob(f"{TMP_PREFIX}*"):
-        pid = path.name[len(TMP_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not owner_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def _free_port() -> int:
     import socket
 
@@ -219,7 +209,7 @@ def run_elastic(cfg: ElasticConfig, *, on_event: Callable[[str, dict], None] | N
     ``killed_pids``, ``wall_s``. ``on_event(kind, record)``: ``"step"`` records, ``"kill"``.
     ``keep``: copy the logs there (the run's own folder is always removed)."""
     notify = on_event or (lambda kind, record: None)
-    _remove_stale_folders()
+    remove_leftovers()  # what SIGKILLed runs left: their folders, namespaces, processes
     work = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
     agents: list[tuple[subprocess.Popen, Host]] = []
     start = time.time()

@@ -23,13 +23,14 @@ import tempfile
 
 from .cgroup import cpu_controller, plait_cgroups, remove_cgroup
 
-__all__ = ["LAUNCH_DIR_PREFIX", "owner_alive", "remove_leftovers"]
+__all__ = ["ELASTIC_DIR_PREFIX", "LAUNCH_DIR_PREFIX", "owner_alive", "remove_leftovers"]
 
 log = logging.getLogger("plait.runtime")
 
 NETNS_OWNED = re.compile(r"^plait-(\d+)x[0-9a-f]+-")
 LAUNCH_DIR_PREFIX = "plait-launch-"  # + the launcher's pid + "-" (runtime.launch makes them)
-LAUNCH_DIR_OWNED = re.compile(rf"^(?:{LAUNCH_DIR_PREFIX}|plait-elastic-)(\d+)-")
+ELASTIC_DIR_PREFIX = "plait-elastic-"  # + the launcher's pid + "-" (plait.elastic makes them)
+LAUNCH_DIR_OWNED = re.compile(rf"^(?:{LAUNCH_DIR_PREFIX}|{ELASTIC_DIR_PREFIX})(\d+)-")
 
 
 def owner_alive(pid: int) -> bool:
