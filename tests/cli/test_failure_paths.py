@@ -366,3 +366,33 @@ def test_a_count_of_minus_one_or_zero_is_refused_naming_it(command, flag, value,
     field = flag[2:].replace("-", "_")
     assert flag in err or field in err, f"the refusal does not name {flag}: {err}"
     assert list(tmp_path.iterdir()) == []
+
+
+class _Rank:
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+    def wait(self):
+        return -9
+
+
+def test_stopping_kills_each_parent_before_its_children(monkeypatch):
+    """A shell whose child is killed first wakes and prints "Killed" under the run's one-line
+    message (a CI run's last line); killed first itself, it prints nothing. Pids given in an
+    order a set walks backwards: grandchild 10 under child 20 under rank 30."""
+    from plait.cli import cluster
+
+    me = os.getpid()
+    tree = {me: [30], 30: [20, 21], 20: [10]}
+    killed = []
+    monkeypatch.setattr(cluster, "_children_of", lambda: tree)
+    monkeypatch.setattr(cluster.os, "kill", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(cluster.os, "waitpid", lambda pid, flags: (pid, 0))
+    reaper = cluster._Subreaper.__new__(cluster._Subreaper)
+    reaper.before = set()
+    reaper.stop([_Rank(30)])
+    assert sorted(killed) == [10, 20, 21, 30]
+    assert killed.index(30) < killed.index(20) < killed.index(10), killed

@@ -76,12 +76,14 @@ class _Subreaper:
         roots = [p.pid for p in procs if p.poll() is None] + \
             [pid for pid in tree.get(os.getpid(), ()) if pid not in self.before
              and pid not in {p.pid for p in procs}]
-        doomed, todo = set(), list(roots)
-        while todo:
-            pid = todo.pop()
-            if pid not in doomed:
-                doomed.add(pid)
-                todo.extend(tree.get(pid, ()))
+        # parents before their children: a shell whose child dies first wakes and prints
+        # "Killed" under our one-line message (seen in CI), a killed shell prints nothing
+        doomed, seen, at = list(roots), set(roots), 0
+        while at < len(doomed):
+            children = [c for c in tree.get(doomed[at], ()) if c not in seen]
+            doomed.extend(children)
+            seen.update(children)
+            at += 1
         for pid in doomed:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -89,7 +91,7 @@ class _Subreaper:
                 pass
         for proc in procs:
             proc.wait()
-        for pid in doomed - {p.pid for p in procs}:
+        for pid in seen - {p.pid for p in procs}:
             try:  # an adopted orphan is our child now: reap it
                 os.waitpid(pid, 0)
             except ChildProcessError:  # a grandchild still under its own parent
