@@ -404,21 +404,31 @@ def hetero_table(res: Results, name: str = "bench-hetero-quick") -> str:
     else:
         head = ["scenario", "policy", "step (ms)", "ideal (ms)", "× ideal", "median",
                 "held-out loss", "held-out acc", "decisions"]
-        out = table(head, rows)
+        out = table(head, rows) + "\n\n" + hetero_checks(runs)
     return provenance(name, runs) + "\n\n" + caption + "\n\n" + out
 
 
 def hetero_checks(runs: list[Run]) -> str:
-    """What issue 22 asks of semi, seed by seed, run by run (the summary bench hetero writes)."""
+    """What issue 22 asks of semi, seed by seed, run by run (the summary bench hetero
+    writes); only the checks whose scenarios the runs have."""
     checks = [("straggler-2x: semi × ideal (≤ 1.10)", "straggler-2x_semi_ratio_per_seed", ".2f"),
               ("straggler-2x: semi − migrate (≤ 0.03)", "straggler-2x_semi_minus_migrate_per_seed",
                "+.3f"),
+              ("straggler-2x: semi − migrate, paired by step",
+               "straggler-2x_semi_minus_migrate_paired_per_seed", "+.3f"),
               ("spike: semi − resize (≤ 0.03)", "spike_semi_minus_resize_per_seed", "+.3f"),
+              ("spike: semi − resize, paired by step", "spike_semi_minus_resize_paired_per_seed",
+               "+.3f"),
+              ("graded: semi × ideal (≤ 1.15)", "graded_semi_ratio_per_seed", ".2f"),
+              ("drift: semi × ideal (≤ 1.10)", "drift_semi_ratio_per_seed", ".2f"),
+              ("jitter: semi × ideal (≤ 1.10)", "jitter_semi_ratio_per_seed", ".2f"),
+              ("jitter: semi's decisions (0)", "jitter_semi_decisions_per_seed", ".0f"),
               ("none: semi's decisions (0)", "none_semi_decisions_per_seed", ".0f")]
     rows = []
     for what, key, spec in checks:
         values = figures(runs, lambda r, key=key: r.data["meta"]["summary"][key])
-        rows.append([what] + [each(v, spec) if v else "–" for v in values])
+        if any(v is not None for v in values):
+            rows.append([what] + [each(v, spec) if v else "–" for v in values])
     acc = figures(runs, lambda r: max(r.data["meta"]["summary"]["acc_loss_pp"].values()))
     rows.append(["held-out accuracy lost, worst run (≤ 0.5 pp)"] + [fmt(v, ".2f") for v in acc])
     return table(["check, each seed"] + [f"run {r.k}" for r in runs], rows)
@@ -699,6 +709,9 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-hetero-quick": hetero_table,
     "bench-hetero": lambda res: hetero_table(res, "bench-hetero"),
     "bench-hetero-kernel": lambda res: hetero_table(res, "bench-hetero-kernel"),
+    "bench-hetero-graded": lambda res: hetero_table(res, "bench-hetero-graded"),
+    "bench-hetero-drift": lambda res: hetero_table(res, "bench-hetero-drift"),
+    "bench-hetero-jitter": lambda res: hetero_table(res, "bench-hetero-jitter"),
     "demo": demo_table,
     "bench-checkpoint": checkpoint_table,
     "bench-tp-dp": placement_table,

@@ -40,7 +40,12 @@ COMMANDS=(
   # issue 22's command in full: 3 seeds, every policy, the spike beside the straggler
   "bench-hetero|bench hetero --quick --ranks 2 --scenarios none,straggler-2x,spike --policies even,resize,migrate,semi --seeds 3 --no-progress --json {json}"
   # the same straggler and spike made by the kernel: a host's CPU budget / F (issue 22)
-  "bench-hetero-kernel|bench hetero --quick --hosts 2 --link 1gbit --slow-by kernel --scenarios none,straggler-2x,spike --policies even,resize,migrate,semi --seeds 1 --no-progress --json {json}"
+  "bench-hetero-kernel|bench hetero --quick --hosts 2 --link 1gbit --slow-by kernel --scenarios none,straggler-2x,spike --policies even,resize,migrate,semi --seeds 3 --no-progress --json {json}"
+  # 4 hosts of half a core each (4 ranks on 2 cores, each its fair share), the graded
+  # slowdowns 4x, 2x, 1x, 1x; and the two scenario files (issue 22)
+  "bench-hetero-graded|bench hetero --quick --hosts 4 --link 1gbit --host-cpu 0.5 --scenarios none,graded --policies even,migrate,semi --seeds 1 --no-progress --json {json}"
+  "bench-hetero-drift|bench hetero --quick --ranks 2 --scenarios none --scenario-file examples/scenarios/drift.json --policies even,semi --seeds 3 --no-progress --json {json}"
+  "bench-hetero-jitter|bench hetero --quick --ranks 2 --scenarios none --scenario-file examples/scenarios/jitter.json --policies even,semi --seeds 3 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
   "elastic-kill|elastic --hosts 3 --link 1gbit --steps 60 --kill-host 2@20 --checkpoint-every 5 --no-progress --json {json}"
   # ≥ 5 checkpoints of each kind, blocking and asynchronous taking turns (issue 25)

@@ -355,7 +355,7 @@ def _set_monitor_state(monitor: SpeedMonitor, state: dict) -> None:
 
 
 _POLICY_COUNTS = ("imbalanced_steps", "balanced_steps", "back_steps", "peak", "departure",
-                  "fresh", "done_static", "cost_steps", "steps")
+                  "fresh", "done_static", "cost_steps", "steps", "check_since")
 
 
 def _policy_state(policy: SemiPolicy) -> dict:
@@ -380,7 +380,7 @@ def _set_policy_state(policy: SemiPolicy, state: dict) -> None:
     policy.plan, policy.basis = ShardPlan(tuple(state["plan"])), tuple(state["basis"])
     policy.fractions = None if state["fractions"] is None else tuple(state["fractions"])
     for k in _POLICY_COUNTS:
-        setattr(policy, k, state[k])
+        setattr(policy, k, state.get(k) if k == "check_since" else state[k])  # None: older saves
     policy.log = [(step, _action(a)) for step, a in state["log"]]
 
 

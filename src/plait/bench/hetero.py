@@ -498,6 +498,7 @@ def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
         out["spike_semi_react_steps"] = [s["react_steps"] for s in spikes]
         out["spike_semi_return_steps"] = [s["return_steps"] for s in spikes]
     out.update(_targets(rows, base))
+    out.update(_paired_gaps(records, cfg.warmup))
     out["max_monitor_overhead"] = max(r["monitor_overhead"] for r in records)
     return out
 
@@ -524,6 +525,26 @@ def _targets(rows: dict, base: dict | None) -> dict:
         out["acc_loss_pp"] = {f"{sc}/{pol}": round(100 * (base["heldout_acc"] - r["heldout_acc"]),
                                                    3)
                               for (sc, pol), r in rows.items() if (sc, pol) != ("none", "even")}
+    return out
+
+
+def _paired_gaps(records: list[dict], warmup: int) -> dict:
+    """Per seed, semi's gap to migrate alone (``straggler-2x``) and to resize alone
+    (``spike``), paired by step: the median over the timed steps of ``(t_semi − t_other) /
+    t_ideal``. The runs of a seed are interleaved step by step, so step i of each ran under
+    the same load; the gap of the two medians takes each run's own noise as well."""
+    by = {(r["seed"], r["scenario"], r["policy"]): r for r in records}
+    out: dict = {}
+    for scenario, other in (("straggler-2x", "migrate"), ("spike", "resize")):
+        gaps = []
+        for seed in sorted({r["seed"] for r in records}):
+            semi, alone = by.get((seed, scenario, "semi")), by.get((seed, scenario, other))
+            if semi is None or alone is None or "t_ideal_s" not in semi:
+                continue
+            pairs = list(zip(semi["step_times_s"], alone["step_times_s"]))[warmup:]
+            gaps.append(statistics.median(a - b for a, b in pairs) / semi["t_ideal_s"])
+        if gaps:
+            out[f"{scenario}_semi_minus_{other}_paired_per_seed"] = gaps
     return out
 
 
