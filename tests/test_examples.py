@@ -24,8 +24,9 @@ LLAMA = ROOT / "examples" / "train_hf_llama.py"
 LIMIT_S = 240
 
 
-def _start(*argv: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _start(*argv: str, tmp: Path) -> subprocess.Popen:
+    # torchrun's agent leaves a torchrun_*/torchelastic_* log folder in $TMPDIR: the test's
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
     return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # its own group: torchrun's ranks go with it
@@ -50,11 +51,11 @@ def _losses(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", out, re.M)]
 
 
-def test_train_hf_llama_runs_under_torchrun():
+def test_train_hf_llama_runs_under_torchrun(tmp_path):
     assert len(LLAMA.read_text().splitlines()) < 30  # the README's promise: under 30 lines
     ranks = _start("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(LLAMA))
-    alone = _start(str(LLAMA))
+                   str(LLAMA), tmp=tmp_path)
+    alone = _start(str(LLAMA), tmp=tmp_path)
     (rc, out, err), (rc1, out1, err1) = _finish(ranks), _finish(alone)
     assert rc == 0, err[-3000:]
     assert rc1 == 0, err1[-3000:]

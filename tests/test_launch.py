@@ -190,7 +190,9 @@ def test_a_sigkilled_launcher_takes_its_ranks_with_it(tmp_path):
     script, folder = tmp_path / "launcher.py", tmp_path / "pids"
     script.write_text(_LAUNCHER)
     folder.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(folder)])
+    # its TMPDIR the test's: a SIGKILLed launcher leaves multiprocessing's pymp-* folder
+    proc = subprocess.Popen([sys.executable, str(script), str(folder)],
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 120
         while len(os.listdir(folder)) < 2:

@@ -127,8 +127,9 @@ def _failed_saves(root):
         ckpt.save(step, model, opt)
     out["kept"] = sorted(os.listdir(root))
     out["first"] = str(first)
-    # asynchronous: rank 1's shard file starts 2 s late
-    with faulty_writes(delay_s=2.0) if rank() == 1 else _nothing():
+    # asynchronous: rank 1's shard file starts 4 s late (the save's return, timed on a shared
+    # machine, must not reach that; 2 s left too little room under load)
+    with faulty_writes(delay_s=4.0) if rank() == 1 else _nothing():
         start = time.perf_counter()
         ckpt.save(5, model, opt, {"at": 5}, blocking=False)
         out["async returned after s"] = time.perf_counter() - start
@@ -161,7 +162,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_async_publishes_when_wr
         assert r["warned"] is None
     assert out["after full disk"] == ["step-1"]  # the partial .tmp-step-2 is gone
     assert out["kept"] == ["step-3", "step-4"]
-    assert out["async returned after s"] < 1.5, out["async returned after s"]
+    assert out["async returned after s"] < 3.0, out["async returned after s"]
     assert out["latest while writing"].endswith("step-4")
     assert out["latest while writing, later"].endswith("step-4")
     assert out["waited"].endswith("step-5") and out["latest after wait"].endswith("step-5")

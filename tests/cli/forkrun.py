@@ -47,9 +47,14 @@ def run_plait(rows: list[dict], timeout_s: float = 120.0, parallel: int = 4,
     a hang: on a machine at load 10 a row that starts ranks took 148 s (a forkserver loading
     torch per row, 4 rows at a time), so they time nothing."""
     env = {k: v for k, v in os.environ.items() if k not in ("PLAIT_DEBUG", "COLUMNS")}
-    proc = subprocess.run([*wrap, sys.executable, __file__], env=env, capture_output=True,
-                          text=True, input=json.dumps({"rows": rows, "timeout_s": timeout_s,
-                                            "parallel": parallel}), timeout=1800)
+    # a row's TMPDIR, unless it sets one, is a folder of the batch's, removed after it: each
+    # child ends with os._exit, so multiprocessing's pymp-* folder (its forkserver's socket)
+    # is not removed by the child (measured: 6 left in /tmp by one suite run)
+    with tempfile.TemporaryDirectory(prefix="forkrun-", ignore_cleanup_errors=True) as tmp:
+        rows = [{**row, "env": {"TMPDIR": tmp, **row.get("env", {})}} for row in rows]
+        proc = subprocess.run([*wrap, sys.executable, __file__], env=env, capture_output=True,
+                              text=True, input=json.dumps({"rows": rows, "timeout_s": timeout_s,
+                                                           "parallel": parallel}), timeout=1800)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

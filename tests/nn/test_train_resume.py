@@ -82,7 +82,8 @@ def _wait_gone(sid: int, limit_s: float) -> list[str]:
 
 
 def test_sigkill_then_resume_continues_bit_identically(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "1000"}  # no wrapping
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "1000",  # no wrapping
+           "TMPDIR": str(tmp_path)}  # what the SIGKILL leaves (a pymp-* folder): the test's
     # the run never stopped, started first: it runs while the other is being killed
     reference = subprocess.Popen(_cli(["--out", str(tmp_path / "full")]), env=env, cwd=tmp_path,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
