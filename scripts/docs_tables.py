@@ -423,6 +423,8 @@ def hetero_checks(runs: list[Run]) -> str:
               ("drift: semi × ideal (≤ 1.10)", "drift_semi_ratio_per_seed", ".2f"),
               ("jitter: semi × ideal (≤ 1.10)", "jitter_semi_ratio_per_seed", ".2f"),
               ("jitter: semi's decisions (0)", "jitter_semi_decisions_per_seed", ".0f"),
+              ("moving: semi × ideal", "moving_semi_ratio_per_seed", ".2f"),
+              ("two-stragglers: semi × ideal", "two-stragglers_semi_ratio_per_seed", ".2f"),
               ("none: semi's decisions (0)", "none_semi_decisions_per_seed", ".0f")]
     rows = []
     for what, key, spec in checks:
@@ -712,6 +714,8 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-hetero-graded": lambda res: hetero_table(res, "bench-hetero-graded"),
     "bench-hetero-drift": lambda res: hetero_table(res, "bench-hetero-drift"),
     "bench-hetero-jitter": lambda res: hetero_table(res, "bench-hetero-jitter"),
+    "bench-hetero-moving": lambda res: hetero_table(res, "bench-hetero-moving"),
+    "bench-hetero-two": lambda res: hetero_table(res, "bench-hetero-two"),
     "demo": demo_table,
     "bench-checkpoint": checkpoint_table,
     "bench-tp-dp": placement_table,

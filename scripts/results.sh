@@ -46,6 +46,10 @@ COMMANDS=(
   "bench-hetero-graded|bench hetero --quick --hosts 4 --link 1gbit --host-cpu 0.5 --scenarios none,graded --policies even,migrate,semi --seeds 1 --no-progress --json {json}"
   "bench-hetero-drift|bench hetero --quick --ranks 2 --scenarios none --scenario-file examples/scenarios/drift.json --policies even,semi --seeds 3 --no-progress --json {json}"
   "bench-hetero-jitter|bench hetero --quick --ranks 2 --scenarios none --scenario-file examples/scenarios/jitter.json --policies even,semi --seeds 3 --no-progress --json {json}"
+  # a straggler that moves from the last rank to rank 0 half-way (80 steps: two decisions'
+  # worth each half), and two stragglers (2x, 1.5x) on 3 hosts of half a core each
+  "bench-hetero-moving|bench hetero --quick --steps 80 --ranks 2 --scenarios none --scenario-file examples/scenarios/moving.json --policies even,migrate,semi --seeds 2 --no-progress --json {json}"
+  "bench-hetero-two|bench hetero --quick --hosts 3 --link 1gbit --host-cpu 0.5 --scenarios none --scenario-file examples/scenarios/two-stragglers.json --policies even,migrate,semi --seeds 1 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
   "elastic-kill|elastic --hosts 3 --link 1gbit --steps 60 --kill-host 2@20 --checkpoint-every 5 --no-progress --json {json}"
   # ≥ 5 checkpoints of each kind, blocking and asynchronous taking turns (issue 25)

@@ -242,7 +242,11 @@ def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
           f"{', '.join(f'{f:.2f}/{h:.2f}' for f, h in shares)}; 1 core: "
           f"{statistics.median(f[0] for f in full) * 1e3:.0f} ms a loop; "
           f"periods throttled {throttled}")
-    assert all(h <= 0.55 for _, h in shares), shares
+    # a round of wall time W at half a core may hold one period's quota more than W / 2 and a
+    # slice (5 ms) of runtime the kernel handed out before it began: ≤ 0.5 + 10 ms / W, and
+    # 0.01 for the clocks (a CI run read 0.552 at W ≈ 190 ms against a flat 0.55); the
+    # host at a whole core read 0.96-0.97 in the same rounds
+    assert all(h[1] / h[0] <= 0.5 + 0.010 / h[0] + 0.01 for h in half), shares
     assert throttled[1] > 0, throttled
 
 

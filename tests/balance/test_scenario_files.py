@@ -57,6 +57,22 @@ def test_jitter_file_jitters_every_rank_20_percent_with_no_persistent_straggler(
         c.factor_at(s) for c in specs for s in range(50)]
 
 
+def test_moving_and_two_stragglers_files():
+    """moving.json: 2 × on the last rank, then on rank 0 from just past half-way, one rank
+    slow at a time; two-stragglers.json: rank 1 2 ×, the last 1.5 × (3 ranks or more)."""
+    moving = load_scenario(os.path.join(EXAMPLES, "moving.json"))
+    for world, steps in ((2, 80), (3, 50)):
+        specs = moving.specs(world, steps)
+        factors = [factors_at(specs, world, s) for s in range(steps)]
+        assert factors[0] == [1.0] * (world - 1) + [2.0] and factors[steps // 3] == factors[0]
+        assert factors[-1] == [2.0] + [1.0] * (world - 1)
+        assert factors[2 * steps // 3] == factors[-1]
+        # one 2 × slowdown at a time, handed over in the steps around half-way
+        assert all(sum(f) - world == pytest.approx(1.0) for f in factors)
+    two = load_scenario(os.path.join(EXAMPLES, "two-stragglers.json"))
+    assert [factors_at(two.specs(3, 10), 3, s) for s in (0, 9)] == [[1.0, 2.0, 1.5]] * 2
+
+
 def test_periodic_jitter_and_points_by_step(tmp_path):
     path = _write(tmp_path, {"slow": [
         {"rank": "all", "factor": 1.5, "jitter": {"amplitude": 0.1, "kind": "periodic",

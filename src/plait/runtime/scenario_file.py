@@ -1,6 +1,6 @@
 """Scenario files: per-rank slowdowns over the steps of a run, written down and replayed.
 
-A scenario file is a JSON object (``examples/scenarios/`` has two)::
+A scenario file is a JSON object (``examples/scenarios/`` has four)::
 
     {"name": "drift",
      "about": "rank 1 slows from 1x to 2x over the run",
