@@ -712,6 +712,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-hetero": lambda res: hetero_table(res, "bench-hetero"),
     "bench-hetero-kernel": lambda res: hetero_table(res, "bench-hetero-kernel"),
     "bench-hetero-graded": lambda res: hetero_table(res, "bench-hetero-graded"),
+    "bench-hetero-graded-kernel": lambda res: hetero_table(res, "bench-hetero-graded-kernel"),
     "bench-hetero-drift": lambda res: hetero_table(res, "bench-hetero-drift"),
     "bench-hetero-jitter": lambda res: hetero_table(res, "bench-hetero-jitter"),
     "bench-hetero-moving": lambda res: hetero_table(res, "bench-hetero-moving"),

@@ -44,6 +44,7 @@ COMMANDS=(
   # 4 hosts of half a core each (4 ranks on 2 cores, each its fair share), the graded
   # slowdowns 4x, 2x, 1x, 1x; and the two scenario files (issue 22)
   "bench-hetero-graded|bench hetero --quick --hosts 4 --link 1gbit --host-cpu 0.5 --scenarios none,graded --policies even,migrate,semi --seeds 1 --no-progress --json {json}"
+  "bench-hetero-graded-kernel|bench hetero --quick --hosts 4 --link 1gbit --host-cpu 0.5 --slow-by kernel --scenarios none,graded --policies even,migrate,semi --seeds 1 --no-progress --json {json}"
   "bench-hetero-drift|bench hetero --quick --ranks 2 --scenarios none --scenario-file examples/scenarios/drift.json --policies even,semi --seeds 3 --no-progress --json {json}"
   "bench-hetero-jitter|bench hetero --quick --ranks 2 --scenarios none --scenario-file examples/scenarios/jitter.json --policies even,semi --seeds 3 --no-progress --json {json}"
   # a straggler that moves from the last rank to rank 0 half-way (80 steps: two decisions'
