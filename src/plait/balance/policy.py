@@ -235,10 +235,7 @@ class SemiPolicy:
         if self.check_since is not None:
             action = self._check_plan(speeds)
             if action.kind != "none":
-                self._apply(action, speeds)
-                self.log.append((self.steps, action))
-                self.steps += 1
-                return action
+                return self._taken(action, speeds)
         raw = imbalance(speeds)  # the speeds themselves, whatever the plan
         on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
         departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
@@ -253,7 +250,10 @@ class SemiPolicy:
         self.back_steps = self.back_steps + 1 if departure < cfg.release else 0
         # the window lags: a slowdown that has ended fills it for `window` more readings
         self.fresh = min(imbalance([s / b for s, b in zip(r, self.basis)]) for r in recent)
-        action = self._decide(speeds, raw, on_plan, moved)
+        return self._taken(self._decide(speeds, raw, on_plan, moved), speeds)
+
+    def _taken(self, action: Action, speeds: tuple[float, ...]) -> Action:
+        """Apply ``action`` to the state, log it unless it is none; the step is over."""
         self._apply(action, speeds)
         if action.kind != "none":
             self.log.append((self.steps, action))
@@ -328,8 +328,8 @@ class SemiPolicy:
         resizing. A resized rank computes a narrower share, which costs more per unit (a
         quiet ``bench hetero`` run read a 2 × rank at 0.38 and 0.32 while resized, 0.47 and
         0.53 before), so that plan gave the slow rank too little. Where these readings find
-        it ``release`` or more out of balance (and correcting repays its cost over the
-        imbalance's age) it is migrated once more, to the plan these readings give;
+        it ``trigger`` or more out of balance, and correcting repays one migration's cost
+        over the imbalance's age, it is migrated once more, to the plan these readings give;
         otherwise they become its basis. Never a resize on top of it for the same
         imbalance."""
         age, self.check_since = self.steps - self.check_since, None
