@@ -10,6 +10,14 @@ rank ``F`` × slower sleeps ``(F − 1)`` × each of its compute pieces):
 - ``straggler-2x``: the last rank 2 × slower throughout;
 - ``graded``: ranks 4 ×, 2 ×, 1 ×, 1 × slower (on 4 ranks; fewer ranks take the first ones);
 - ``spike``: the last rank 3 × slower for ``spike_len`` steps from ``spike_at``, then normal;
+- ``noisy-neighbour``: from ``spike_at`` on, a CPU-bound process (a Python busy loop,
+  :class:`plait.runtime.cgroup.NoisyNeighbour`) runs on the last rank's host, inside its CPU
+  budget, as another tenant's job would: nothing is emulated, the rank just gets less of its
+  host. It needs hosts with a budget (``--hosts N --host-cpu CORES``). The runs are
+  interleaved, so the neighbour runs only during its own run's steps: it is resumed
+  (SIGCONT) before each such step and held (SIGSTOP) after it, and killed at the end. For the
+  ideal its factor is 2, the fair share a single-threaded rank gets beside one busy loop; the
+  record carries what it really took (``kernel.neighbour_cpu_s``, per step);
 - a scenario file (``--scenario-file PATH``, :mod:`plait.runtime.scenario_file`): per-rank
   slowdowns that change with the step (gradual drift, jitter), run as one more scenario
   named by the file; every record of it carries the file (``scenario_file``).
@@ -53,6 +61,7 @@ same formula with ``c`` the wall time of all the rank's CPU work on its whole bu
 over its timed steps: the first steps' allocations land on the run that steps first) over
 the hosts' mean budget in cores, at most ``t_none``. That holds where the budget binds; on
 a machine that gives a host less than its budget the kernel's ``F`` is not reached either.
+A noisy neighbour, too, slows all the rank's work, so its ideal takes ``c`` the same way.
 """
 
 from __future__ import annotations
@@ -70,7 +79,8 @@ from ..balance import Balancer, PolicyConfig
 from ..balance.policy import POLICIES
 from ..data import CharCorpus
 from ..runtime import rank_context
-from ..runtime.cgroup import cpu_budget, cpu_throttled
+from ..ops.agree import attempt, gather_checked
+from ..runtime.cgroup import NoisyNeighbour, cpu_budget, cpu_throttled
 from ..runtime.scenario_file import Scenario, load_scenario
 from ..runtime.straggler import SLOW_BY, SlowCurve, SlowSpec, Straggler, host_throttle
 from ..runtime.timing import agreed_max, balanced_round
@@ -80,7 +90,7 @@ __all__ = ["HeteroBenchConfig", "SCENARIOS", "ideal_step", "QUICK_HETERO", "scen
            "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun",
            "ratio_cell"]
 
-SCENARIOS = ("none", "straggler-2x", "graded", "spike")
+SCENARIOS = ("none", "straggler-2x", "graded", "spike", "noisy-neighbour")
 QUICK_HETERO = dict(steps=50, seeds=1)
 
 
@@ -203,10 +213,29 @@ def scenario_specs(scenario: str, world: int,
     if scenario == "spike":
         return [SlowSpec(rank=last, factor=3.0, from_step=cfg.spike_at,
                          until_step=cfg.spike_at + cfg.spike_len)]
+    if scenario == "noisy-neighbour":
+        return [Neighbour(rank=last, from_step=cfg.spike_at)]
     raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 
 
-def factors_at(specs: list[SlowSpec | SlowCurve], world: int, step: int) -> list[float]:
+@dataclass(frozen=True)
+class Neighbour:
+    """``noisy-neighbour``: a busy loop on rank ``rank``'s host from step ``from_step`` on.
+    Not emulated (the :class:`Straggler` skips it); ``factor_at`` is its nominal factor for
+    the ideal, 2: the fair share of a single-threaded rank beside one busy loop."""
+
+    rank: int
+    from_step: int = 0
+
+    def active(self, step: int) -> bool:
+        return step >= self.from_step
+
+    def factor_at(self, step: int) -> float:
+        return 2.0 if self.active(step) else 1.0
+
+
+def factors_at(specs: list[SlowSpec | SlowCurve | Neighbour], world: int,
+               step: int) -> list[float]:
     factors = [1.0] * world
     for spec in specs:
         factors[spec.rank] *= spec.factor_at(step)
@@ -218,14 +247,26 @@ class BalancedRun:
     can be interleaved step by step (``plait demo``) and load drift hits them alike. Each
     run carries its own straggler emulation, active only while it steps; with ``throttle``
     (``Straggler``'s: the kernel makes the slowdown) it sets this rank's host's CPU budget
-    for each of its steps before the step starts."""
+    for each of its steps before the step starts. ``noisy``: this host's paused
+    :class:`~plait.runtime.cgroup.NoisyNeighbour`, resumed for each of this run's steps
+    that a :class:`Neighbour` in ``specs`` on this rank covers, held again after it.
+    ``accounting`` (the same on every rank): record the kernel's figures of this host's
+    cgroup per step (always with ``throttle``)."""
 
-    def __init__(self, cfg: TrainConfig, policy: PolicyConfig, specs: list[SlowSpec],
-                 corpus: CharCorpus, *, every: int = 2, refresh: int = 200, throttle=None):
+    def __init__(self, cfg: TrainConfig, policy: PolicyConfig, specs: list,
+                 corpus: CharCorpus, *, every: int = 2, refresh: int = 200, throttle=None,
+                 noisy=None, accounting: bool = False):
         self.cfg, self.corpus = cfg, corpus
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.straggler = Straggler(specs, self.rank, throttle=throttle)
-        self.cgroup = rank_context().host.cgroup if throttle is not None else None
+        self.straggler = Straggler([s for s in specs if not isinstance(s, Neighbour)],
+                                   self.rank, throttle=throttle)
+        self.neighbour = next((s for s in specs if isinstance(s, Neighbour)
+                               and s.rank == self.rank), None)
+        if self.neighbour is not None and noisy is None:
+            raise ValueError("a noisy-neighbour run needs this host's neighbour (noisy=)")
+        self.noisy = noisy
+        accounting = accounting or throttle is not None
+        self.cgroup = rank_context().host.cgroup if accounting else None
         self.model = build_gpt(cfg, vocab_size=corpus.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.balancer = Balancer(self.model, self.optimizer, None, policy, every=every,
@@ -235,6 +276,7 @@ class BalancedRun:
         self.cpu: list[float] = []  # this process's CPU time per step, all its threads
         self.held: list[float] = []  # kernel: the budget the kernel held each step to (cores)
         self.throttled: list[int] = []  # kernel: periods the kernel throttled in each step
+        self.neighbour_cpu: list[float] = []  # CPU seconds this host's neighbour took per step
         self.losses: list[float] = []
 
     def _slowed(self, fn):
@@ -252,6 +294,16 @@ class BalancedRun:
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(step, self.cfg.steps, self.cfg.lr)
         self.straggler.set_step(step)  # kernel: this step's budget, before anyone starts it
+        busy = self.neighbour is not None and self.neighbour.active(step)
+        if busy:  # on this host from before the step starts until after it ends
+            self.noisy.resume()
+        try:
+            self._step(step, batch, barrier)
+        finally:
+            if busy:
+                self.noisy.pause()
+
+    def _step(self, step: int, batch, barrier: bool) -> None:
         if barrier:
             dist.barrier()
 
@@ -259,6 +311,8 @@ class BalancedRun:
             if self.cgroup is not None:
                 self.held.append(cpu_budget(self.cgroup))
                 throttled = cpu_throttled(self.cgroup)
+            # on the neighbour's host, every run's every step: held, it takes nothing
+            neighbour = self.noisy.cpu_s() if self.noisy is not None else 0.0
             start, cpu = time.perf_counter(), time.process_time()
             loss = gpt_loss(self.model, batch)
             self.optimizer.zero_grad(set_to_none=True)
@@ -269,6 +323,7 @@ class BalancedRun:
             self.cpu.append(time.process_time() - cpu)
             if self.cgroup is not None:
                 self.throttled.append(cpu_throttled(self.cgroup) - throttled)
+            self.neighbour_cpu.append(self.noisy.cpu_s() - neighbour if self.noisy else 0.0)
             self.losses.append(loss.item())
         self._slowed(run)
 
@@ -293,10 +348,12 @@ class BalancedRun:
             ranks = [None] * self.world
             dist.all_gather_object(ranks, (self.held, self.throttled,
                                            [c / max(t, 1e-12) for c, t in zip(self.cpu,
-                                                                               self.times)]))
+                                                                               self.times)],
+                                           self.neighbour_cpu))
             out["kernel"] = {"held_cores": [r[0] for r in ranks],
                              "throttled_periods": [r[1] for r in ranks],
-                             "cpu_share": [r[2] for r in ranks]}
+                             "cpu_share": [r[2] for r in ranks],
+                             "neighbour_cpu_s": [r[3] for r in ranks]}
         out["times"] = agreed_max(self.times)
         return out
 
@@ -326,12 +383,36 @@ def run_hetero(cfg: HeteroBenchConfig) -> list[dict]:
     corpus = CharCorpus.load()
     report = rank_context().report
     runs = cfg.runs()
-    throttle = _kernel_throttle() if cfg.slow_by == "kernel" else None
+    noisy = None
+    setup, problem = attempt(lambda: _host_setup(cfg, world))
+    throttle, neighbour = setup or (None, None)
     try:
-        return _run_seeds(cfg, world, corpus, report, runs, throttle)
+        # a host without what its runs need stops every rank, not only its own
+        gather_checked("bench hetero", None, problem, [], 0)
+        if neighbour is not None:  # started now, held until its run's steps
+            noisy = NoisyNeighbour(rank_context().host.cgroup).start()
+            noisy.pause()
+        return _run_seeds(cfg, world, corpus, report, runs, throttle, noisy)
     finally:
+        if noisy is not None:
+            noisy.stop()
         if throttle is not None:
             throttle(1.0)  # the host's whole budget again
+
+
+def _host_setup(cfg: HeteroBenchConfig, world: int):
+    """This rank's kernel throttle (``--slow-by kernel``, else None) and whether a
+    noisy-neighbour run puts a neighbour on its host; refused where its host lacks a CPU
+    budget that either needs."""
+    throttle = _kernel_throttle() if cfg.slow_by == "kernel" else None
+    rank = dist.get_rank()
+    mine = [s for sc in cfg.scenario_names() for s in scenario_specs(sc, world, cfg)
+            if isinstance(s, Neighbour) and s.rank == rank]
+    if "noisy-neighbour" in cfg.scenario_names() and rank_context().host.cgroup is None:
+        raise ValueError("the noisy-neighbour scenario needs hosts with a CPU budget (--hosts N"
+                         " --host-cpu CORES, one rank per host): the neighbour takes its "
+                         f"host's cores; rank {rank}'s host has none")
+    return throttle, (mine[0] if mine else None)
 
 
 def _kernel_throttle():
@@ -348,7 +429,9 @@ def _kernel_throttle():
     return host_throttle(host.cgroup, budget)
 
 
-def _run_seeds(cfg: HeteroBenchConfig, world: int, corpus, report, runs, throttle) -> list[dict]:
+def _run_seeds(cfg: HeteroBenchConfig, world: int, corpus, report, runs, throttle,
+               noisy) -> list[dict]:
+    accounting = "noisy-neighbour" in cfg.scenario_names()  # the same on every rank
     out, done = [], 0
     for seed in sorted({s for s, _, _ in runs}):
         mine = [(sc, pol) for s, sc, pol in runs if s == seed]
@@ -359,7 +442,8 @@ def _run_seeds(cfg: HeteroBenchConfig, world: int, corpus, report, runs, throttl
                                       confirm_steps=cfg.confirm_steps)
             live.append((scenario, policy, specs,
                          BalancedRun(cfg.train_config(seed), policy_cfg, specs, corpus,
-                                     every=cfg.every, refresh=cfg.refresh, throttle=throttle)))
+                                     every=cfg.every, refresh=cfg.refresh, throttle=throttle,
+                                     noisy=noisy, accounting=accounting)))
         for step in range(cfg.steps):
             for *_, run in balanced_round(live, step):
                 run.step(step, barrier=True)
@@ -414,10 +498,7 @@ def with_ideal(records: list[dict], warmup: int) -> list[dict]:
         ref = reference.get(r["seed"])
         if ref is None:
             continue
-        t_none, c = ref["t_step_s"], ref["compute_s_per_step"]
-        if r.get("slow_by") == "kernel":  # all its CPU work, at its whole budget's pace
-            budget = statistics.fmean(held[0] for held in ref["kernel"]["held_cores"])
-            c = min(t_none, ref["cpu_s_per_step"] / budget)
+        t_none, c = ref["t_step_s"], _stretched(ref, r)
         ideal = [ideal_step(t_none, c, f) for f in r["factors"]][warmup:]
         r["t_no_straggler_s"] = t_none
         r["t_ideal_s"] = statistics.median(ideal)
@@ -425,6 +506,34 @@ def with_ideal(records: list[dict], warmup: int) -> list[dict]:
         if len(ref["losses"]) == len(r["losses"]):
             r["max_loss_diff_vs_none"] = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
     return records
+
+
+def _stretched(ref: dict, record: dict) -> float:
+    """``c`` of the ideal (module docstring) for ``record``, from its seed's ``none``/``even``
+    run ``ref``: the kernel, or a neighbour, slows all the rank's CPU work, so all of it at its
+    whole budget's pace (at most the whole step); the sleep emulation, the timed compute."""
+    if record.get("slow_by") == "kernel" or record["scenario"] == "noisy-neighbour":
+        budget = statistics.fmean(held[0] for held in ref["kernel"]["held_cores"])
+        return min(ref["t_step_s"], ref["cpu_s_per_step"] / budget)
+    return ref["compute_s_per_step"]
+
+
+def neighbour_factors(records: list[dict], cfg: HeteroBenchConfig) -> list[float]:
+    """Per seed, the slowdown the noisy neighbour made as the ``even`` run measured it beside
+    the ``none`` run, step by step (interleaved, so under the same load): the median over the
+    timed steps it ran of ``1 + (t_even − t_none) / c``; beside the nominal 2 of the ideal."""
+    by = {(r["seed"], r["scenario"], r["policy"]): r for r in records}
+    out = []
+    for seed in sorted({r["seed"] for r in records}):
+        ref, even = by.get((seed, "none", "even")), by.get((seed, "noisy-neighbour", "even"))
+        if ref is None or even is None:
+            continue
+        c = _stretched(ref, even)
+        start = max(cfg.warmup, cfg.spike_at)
+        pairs = list(zip(even["step_times_s"], ref["step_times_s"]))[start:]
+        if pairs and c > 0:
+            out.append(1.0 + statistics.median(a - b for a, b in pairs) / c)
+    return out
 
 
 def mean_over_seeds(records: list[dict]) -> list[dict]:
@@ -499,6 +608,9 @@ def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
         out["spike_semi_return_steps"] = [s["return_steps"] for s in spikes]
     out.update(_targets(rows, base))
     out.update(_paired_gaps(records, cfg.warmup))
+    factors = neighbour_factors(records, cfg)
+    if factors:
+        out["noisy-neighbour_even_factor_per_seed"] = factors
     out["max_monitor_overhead"] = max(r["monitor_overhead"] for r in records)
     return out
 
@@ -584,15 +696,20 @@ def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
                  host_cpu: float | list[float] | None = None) -> tuple[list[dict], str]:
     """Every run on ``ranks`` ranks over ``hosts`` emulated hosts (0: loopback); ``host_cpu``
     as in :func:`plait.bench.placement.run_placed`. ``--slow-by kernel`` needs one rank per
-    host, and gives each host 1 core where no budget is given."""
+    host, and gives each host 1 core where no budget is given; so does the noisy-neighbour
+    scenario (a neighbour on a host with two ranks would slow both)."""
     from .placement import HOST_CPU_ENV, run_placed
 
     cfg = replace(cfg)
     cfg.check_world(ranks)
-    if cfg.slow_by == "kernel":
+    needs = [why for why, needed in (
+        ("--slow-by kernel sets each host's CPU budget from its rank's factor",
+         cfg.slow_by == "kernel"),
+        ("the noisy-neighbour scenario takes the last rank's host's cores",
+         "noisy-neighbour" in cfg.scenario_names())) if needed]
+    if needs:
         if hosts != ranks:
-            raise ValueError(f"--slow-by kernel sets each host's CPU budget from its rank's "
-                             f"factor, so it needs one rank per host: --hosts {ranks} for "
+            raise ValueError(f"{needs[0]}, so it needs one rank per host: --hosts {ranks} for "
                              f"{ranks} ranks, got --hosts {hosts}")
         if host_cpu is None and not os.environ.get(HOST_CPU_ENV):
             host_cpu = 1.0

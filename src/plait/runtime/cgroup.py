@@ -276,8 +276,9 @@ class NoisyNeighbour:
     """``processes`` CPU-bound processes (a Python busy loop each) in a host's cgroup: they
     take that host's cores from its ranks, as another tenant's job would.
 
-    ``start()`` returns once every loop runs inside the cgroup; ``stop()`` may come at any
-    time (``with`` for both). Stopped at interpreter exit, and killed with the thread that
+    ``start()`` returns once every loop runs inside the cgroup; ``pause()`` and ``resume()``
+    hold and release them (``bench hetero`` runs one only during its own run's steps);
+    ``stop()`` may come at any time (``with`` for start and stop). Stopped at interpreter exit, and killed with the thread that
     started them (PR_SET_PDEATHSIG), so a SIGKILLed starter leaves none running; removing
     the cgroup (the cluster's ``down()``) stops any that remain.
     """
@@ -327,8 +328,33 @@ class NoisyNeighbour:
                                    f"{limit_s:g} s")
             time.sleep(0.01)
 
+    def pause(self) -> None:
+        """Hold the busy loops where they are (SIGSTOP); returns once each is stopped, so they
+        take nothing from what runs next. ``resume()`` lets them run on."""
+        self._signal(signal.SIGSTOP)
+        end = time.monotonic() + 1.0
+        while any(_proc_stat(pid)[0] not in ("T", "t", "Z", "X", "") for pid in self.pids):
+            if time.monotonic() > end:
+                raise RuntimeError(f"a noisy neighbour in {self.cgroup} did not stop within 1 s")
+            time.sleep(0.0005)
+
+    def resume(self) -> None:
+        """Let paused busy loops run again (SIGCONT)."""
+        self._signal(signal.SIGCONT)
+
+    def cpu_s(self) -> float:
+        """The CPU seconds the busy loops have used so far (user + system, the kernel's)."""
+        return sum(_proc_stat(pid)[1] for pid in self.pids)
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
-        """Kill the busy loops and wait for them. Idempotent."""
+        """Kill the busy loops (paused or not) and wait for them. Idempotent."""
         import atexit
 
         for proc in self._procs:
@@ -343,3 +369,14 @@ class NoisyNeighbour:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _proc_stat(pid: int) -> tuple[str, float]:
+    """A process's state letter and CPU seconds (utime + stime) from ``/proc/PID/stat``;
+    ("", 0.0) for one that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return "", 0.0
+    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
