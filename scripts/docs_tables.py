@@ -425,15 +425,43 @@ def hetero_checks(runs: list[Run]) -> str:
               ("jitter: semi's decisions (0)", "jitter_semi_decisions_per_seed", ".0f"),
               ("moving: semi × ideal", "moving_semi_ratio_per_seed", ".2f"),
               ("two-stragglers: semi × ideal", "two-stragglers_semi_ratio_per_seed", ".2f"),
+              ("noisy-neighbour: semi × ideal", "noisy-neighbour_semi_ratio_per_seed", ".2f"),
+              ("noisy-neighbour: semi − migrate", "noisy-neighbour_semi_minus_migrate_per_seed",
+               "+.3f"),
+              ("noisy-neighbour: semi − migrate, paired by step",
+               "noisy-neighbour_semi_minus_migrate_paired_per_seed", "+.3f"),
+              ("noisy-neighbour: its slowdown as even measured it (nominal 2)",
+               "noisy-neighbour_even_factor_per_seed", ".2f"),
               ("none: semi's decisions (0)", "none_semi_decisions_per_seed", ".0f")]
     rows = []
     for what, key, spec in checks:
         values = figures(runs, lambda r, key=key: r.data["meta"]["summary"][key])
         if any(v is not None for v in values):
             rows.append([what] + [each(v, spec) if v else "–" for v in values])
+    for scenario in ("straggler-2x", "graded", "noisy-neighbour"):  # what persists
+        for policy in ("migrate", "semi"):
+            values = [settled(r.data["records"], scenario, policy) for r in runs]
+            if any(values):
+                rows.append([f"{scenario}: {policy} × ideal after its last decision"]
+                            + [each(v, ".2f") if v else "–" for v in values])
     acc = figures(runs, lambda r: max(r.data["meta"]["summary"]["acc_loss_pp"].values()))
     rows.append(["held-out accuracy lost, worst run (≤ 0.5 pp)"] + [fmt(v, ".2f") for v in acc])
     return table(["check, each seed"] + [f"run {r.k}" for r in runs], rows)
+
+
+def settled(records: list[dict], scenario: str, policy: str) -> list[float]:
+    """Per seed, the run's median step after its last decision over its ideal: what its
+    plan reaches once the policy is done (where the ideal counts work no plan moves, this
+    is as near as tensor-parallel balancing got)."""
+    out = []
+    for r in sorted((r for r in records if (r["scenario"], r["policy"]) == (scenario, policy)),
+                    key=lambda r: r["seed"]):
+        if not r["decisions"] or "t_ideal_s" not in r:
+            continue
+        after = r["step_times_s"][max(d["step"] for d in r["decisions"]) + 1:]
+        if after:
+            out.append(median(after) / r["t_ideal_s"])
+    return out
 
 
 # ---------------------------------------------------------------------------- demo
@@ -711,7 +739,8 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-hetero-quick": hetero_table,
     **{name: (lambda res, name=name: hetero_table(res, name)) for name in (
         "bench-hetero", "bench-hetero-kernel", "bench-hetero-graded", "bench-hetero-graded-kernel",
-        "bench-hetero-drift", "bench-hetero-jitter", "bench-hetero-moving", "bench-hetero-two")},
+        "bench-hetero-drift", "bench-hetero-jitter", "bench-hetero-moving", "bench-hetero-two",
+        "bench-hetero-noisy")},
     "demo": demo_table,
     "bench-checkpoint": checkpoint_table,
     "bench-tp-dp": placement_table,

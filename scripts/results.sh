@@ -51,6 +51,8 @@ COMMANDS=(
   # worth each half), and two stragglers (2x, 1.5x) on 3 hosts of half a core each
   "bench-hetero-moving|bench hetero --quick --steps 80 --ranks 2 --scenarios none --scenario-file examples/scenarios/moving.json --policies even,migrate,semi --seeds 2 --no-progress --json {json}"
   "bench-hetero-two|bench hetero --quick --hosts 3 --link 1gbit --host-cpu 0.5 --scenarios none --scenario-file examples/scenarios/two-stragglers.json --policies even,migrate,semi --seeds 1 --no-progress --json {json}"
+  # a real noisy neighbour (a busy loop) on the last host from step 20 on, 80 steps (issue 22)
+  "bench-hetero-noisy|bench hetero --quick --steps 80 --hosts 2 --link 1gbit --scenarios none,noisy-neighbour --policies even,migrate,semi --seeds 3 --no-progress --json {json}"
   "demo|demo --no-progress --out {out}"
   "elastic-kill|elastic --hosts 3 --link 1gbit --steps 60 --kill-host 2@20 --checkpoint-every 5 --no-progress --json {json}"
   # ≥ 5 checkpoints of each kind, blocking and asynchronous taking turns (issue 25)
