@@ -138,3 +138,16 @@ def test_readme_takes_a_figure_only_from_two_runs(tmp_path):
     tables.main(["--root", str(root)])
     readme = (root / "README.md").read_text()
     assert "1.11–1.22" in readme and "1.11, 1.22" in readme
+
+
+def test_after_the_last_decision_takes_the_steps_that_follow_it_per_seed():
+    settled = _tables().settled
+    run = {"scenario": "straggler-2x", "policy": "semi", "t_ideal_s": 0.1,
+           "step_times_s": [0.9, 0.3, 0.2, 0.12, 0.1, 0.11]}
+    records = [{**run, "seed": 1, "decisions": [{"step": 1}, {"step": 2}]},
+               {**run, "seed": 0, "decisions": [{"step": 4}]},
+               {**run, "seed": 2, "decisions": []},  # never decided: nothing to settle
+               {**run, "policy": "migrate", "seed": 0, "decisions": [{"step": 0}]}]
+    assert settled(records, "straggler-2x", "semi") == [pytest.approx(1.1),
+                                                        pytest.approx(1.1)]
+    assert settled(records, "straggler-2x", "migrate") == [pytest.approx(1.2)]
