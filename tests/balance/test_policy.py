@@ -400,6 +400,42 @@ def test_semi_corrects_a_plan_sized_under_resizing_and_resizes_nothing_on_top(wo
     assert any(a.kind == "resize" and a.fractions[0] < 1 for _, a in unchecked), unchecked
 
 
+class _Unbounded(SemiPolicy):
+    """SEMI whose plan check takes the first readings under the new plan as they are."""
+
+    def _check_plan(self, speeds):
+        self.before_resize = None
+        return super()._check_plan(speeds)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_semi_plan_check_moves_no_further_than_the_readings_before_resizing(world):
+    """What a kernel-throttled run of bench hetero logged (run 3, seed 0): a 2× rank read
+    0.52 when the resizing started, 0.49 under it (the migration's basis), 0.60 on the first
+    confident readings under the migrated plan, then 0.46. The check counts the 0.60 only as
+    far as 0.52, which the plan fits: no correction, and 0.46 is no departure from 0.52, so
+    nothing is resized on top. Unbounded, it corrected to the 0.60 plan and then resized the
+    fast rank on top when the readings came back (what the run did)."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    fast = [1.0] * (world - 1)
+    trace = ([(fast + [0.52], 1.0)] * 3 + [(fast + [0.49], 1.0)] * 9  # migrated at step 11
+             + [([1.0] * world, 0.0)] * 3 + [(fast + [0.60], 1.0)]
+             + [(fast + [0.46], 1.0)] * 40)
+
+    def drive(policy):
+        return [(t, a) for t, (speeds, conf) in enumerate(trace)
+                if (a := policy.step(speeds, conf)).kind != "none"]
+
+    policy = SemiPolicy(cfg, total=1024 * world, world=world)
+    acts = drive(policy)
+    assert [a.kind for _, a in acts] == ["resize", "migrate"], acts
+    assert policy.basis[-1] == pytest.approx(0.52) and policy.fractions is None
+    if world == 2:  # on 3 ranks a correction to the 0.60 plan would not repay its cost
+        unbounded = drive(_Unbounded(cfg, total=1024 * world, world=world))
+        kinds = [a.kind for _, a in unbounded]
+        assert kinds[:3] == ["resize", "migrate", "migrate"] and "resize" in kinds[3:], unbounded
+
+
 def test_semi_migrates_only_once_it_repays_the_migrations_cost():
     """A 1.3× straggler: the proportional plan [36, 28] saves 12.5 % of the dim's compute a
     step. At a

@@ -364,6 +364,8 @@ def _policy_state(policy: SemiPolicy) -> dict:
     return {"name": policy.config.name, "total": policy.total, "world": policy.world,
             "plan": list(policy.plan.sizes), "basis": list(policy.basis),
             "fractions": None if policy.fractions is None else list(policy.fractions),
+            "before_resize": (None if policy.before_resize is None
+                              else list(policy.before_resize)),
             **{k: getattr(policy, k) for k in _POLICY_COUNTS},
             "log": [(step, _plain_action(a)) for step, a in policy.log]}
 
@@ -379,6 +381,8 @@ def _check_policy_state(policy: SemiPolicy, state: dict) -> None:
 def _set_policy_state(policy: SemiPolicy, state: dict) -> None:
     policy.plan, policy.basis = ShardPlan(tuple(state["plan"])), tuple(state["basis"])
     policy.fractions = None if state["fractions"] is None else tuple(state["fractions"])
+    before = state.get("before_resize")  # None: older saves
+    policy.before_resize = None if before is None else tuple(before)
     for k in _POLICY_COUNTS:
         setattr(policy, k, state.get(k) if k == "check_since" else state[k])  # None: older saves
     policy.log = [(step, _action(a)) for step, a in state["log"]]

@@ -211,6 +211,8 @@ class SemiPolicy:
         # semi, after a migration sized by readings taken under resizing: the step its
         # imbalance began, until the first confident readings under the new plan check it
         self.check_since: int | None = None
+        # the speeds that started the current resizing, read before any rank was resized
+        self.before_resize: tuple[float, ...] | None = None
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
 
@@ -233,9 +235,9 @@ class SemiPolicy:
                 self.imbalanced_steps += 1
             return Action("none", f"confidence {confidence:.2f} < {cfg.min_confidence}")
         if self.check_since is not None:
-            action = self._check_plan(speeds)
-            if action.kind != "none":
-                return self._taken(action, speeds)
+            action, used = self._check_plan(speeds)
+            if action.kind != "none":  # the plan's basis: the speeds it was sized for
+                return self._taken(action, used)
         raw = imbalance(speeds)  # the speeds themselves, whatever the plan
         on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
         departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
@@ -323,28 +325,38 @@ class SemiPolicy:
             f"{age} steps × saving {saving:.2f} = {gain:.2f} steps vs "
             f"{ways} × cost {self.cost_steps:.2f}")
 
-    def _check_plan(self, speeds) -> Action:
+    def _check_plan(self, speeds) -> tuple[Action, tuple[float, ...]]:
         """The first confident readings under a plan that was sized by readings taken under
         resizing. A resized rank computes a narrower share, which costs more per unit (a
         quiet ``bench hetero`` run read a 2 × rank at 0.38 and 0.32 while resized, 0.47 and
-        0.53 before), so that plan gave the slow rank too little. Where these readings find
-        it ``trigger`` or more out of balance, and correcting repays one migration's cost
-        over the imbalance's age, it is migrated once more, to the plan these readings give;
-        otherwise they become its basis. Never a resize on top of it for the same
-        imbalance."""
+        0.53 before), so that plan gave the slow rank too little. The check undoes that
+        bias and nothing else: each rank's reading counts only as far as it lies between
+        the plan's basis and the readings that started the resizing (``before_resize``; a
+        kernel-throttled 2 × rank read 0.60 just after a migration, 0.49 and 0.52 before it,
+        0.46 after). Where the speeds so bounded find the plan ``trigger`` or more out of
+        balance, and correcting repays one migration's cost over the imbalance's age, it is
+        migrated once more, to the plan they give; otherwise they become its basis. Never a
+        resize on top of it for the same imbalance. Returns the action and the speeds it
+        judged by."""
         age, self.check_since = self.steps - self.check_since, None
+        before, self.before_resize = self.before_resize, None
+        if before is not None:  # within [basis, before] rank by rank, fastest = 1 again
+            bounded = [min(max(s, min(b, p)), max(b, p))
+                       for s, b, p in zip(speeds, self.basis, before)]
+            speeds = tuple(v / max(bounded) for v in bounded)
         on_plan = imbalance(speeds, self.plan)
-        figures = (f"readings under plan {list(self.plan.sizes)}: speeds {_fmt(speeds)}, "
-                   f"imbalance {on_plan:.2f}")
+        figures = (f"readings under plan {list(self.plan.sizes)}"
+                   f"{' (bounded by those before resizing)' if before is not None else ''}: "
+                   f"speeds {_fmt(speeds)}, imbalance {on_plan:.2f}")
         if on_plan >= self.config.trigger:
             pays, why = self._pays(speeds, age, ways=1)
             if pays:
                 action = self._migrate(speeds, f"correcting a plan sized under resizing; "
                                                f"{figures}; {why}")
                 if action.kind == "migrate":
-                    return action
+                    return action, speeds
         self.basis = tuple(speeds)
-        return Action("none", f"plan checked, these readings its basis; {figures}")
+        return Action("none", f"plan checked, these readings its basis; {figures}"), speeds
 
     def _resize(self, speeds, current: float, reason: str) -> Action:
         """New fractions, if they beat the ``current`` imbalance by the hysteresis ratio (so a
@@ -371,13 +383,17 @@ class SemiPolicy:
             resized = self.fractions is not None and action.plan != self.even
             self.check_since = (self.steps - self.imbalanced_steps
                                 if resized and self.config.name == "semi" else None)
+            if self.check_since is None:
+                self.before_resize = None
             self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
             self.peak = 1.0
             self.basis = (1.0,) * self.world if action.plan == self.even else speeds
         elif action.kind == "resize":
+            if self.fractions is None:  # the resizing starts: these readings are unbiased
+                self.before_resize = speeds
             self.fractions = action.fractions
         elif action.kind == "undo":
-            self.fractions = None
+            self.fractions, self.before_resize = None, None
 
 
 def agreement(speeds: Sequence[float], recent: Sequence[Sequence[float]],
