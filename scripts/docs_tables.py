@@ -432,7 +432,9 @@ def hetero_checks(runs: list[Run]) -> str:
                "noisy-neighbour_semi_minus_migrate_paired_per_seed", "+.3f"),
               ("noisy-neighbour: its slowdown as even measured it (nominal 2)",
                "noisy-neighbour_even_factor_per_seed", ".2f"),
-              ("none: semi's decisions (0)", "none_semi_decisions_per_seed", ".0f")]
+              ("none: semi's decisions (0)", "none_semi_decisions_per_seed", ".0f"),
+              ("none: semi × ideal (it computes what none/even does: the noise)",
+               "none_semi_ratio_per_seed", ".2f")]
     rows = []
     for what, key, spec in checks:
         values = figures(runs, lambda r, key=key: r.data["meta"]["summary"][key])
