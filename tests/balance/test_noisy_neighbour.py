@@ -67,6 +67,18 @@ def test_the_neighbours_ideal_stretches_all_the_ranks_cpu_work():
     assert neighbour_factors([ref, even], cfg) == [pytest.approx(1 + 0.06 / 0.06)]
 
 
+def test_the_neighbour_is_asked_for_and_must_start_within_the_run():
+    """Not in the default scenarios (they run on loopback, which it refuses); a neighbour that
+    would start after the last step, or a scenario named twice, is refused in one line."""
+    assert "noisy-neighbour" not in HeteroBenchConfig().scenarios
+    with pytest.raises(ValueError, match="does not start within --steps 16"):
+        HeteroBenchConfig(scenarios=("none", "noisy-neighbour"), steps=16, spike_at=16)
+    with pytest.raises(ValueError, match="names noisy-neighbour more than once"):
+        HeteroBenchConfig(scenarios=("none", "noisy-neighbour", "noisy-neighbour"))
+    with pytest.raises(ValueError, match="names semi more than once"):
+        HeteroBenchConfig(policies=("semi", "even", "semi"))
+
+
 @pytest.mark.parametrize("hosts", [0, 3])
 def test_the_neighbour_needs_one_rank_per_host(hosts):
     cfg = HeteroBenchConfig(scenarios=("none", "noisy-neighbour"), policies=("even",))
@@ -135,6 +147,7 @@ def test_the_neighbour_runs_only_in_its_own_runs_steps_and_is_gone_after():
     assert sum(t > 0 for t in took[1][4:]) >= 4 and sum(took[1][4:]) >= 0.05, took
     assert none["kernel"]["neighbour_cpu_s"] == [[0.0] * 10, [0.0] * 10]
     assert noisy["factors"][3] == [1.0, 1.0] and noisy["factors"][4] == [1.0, 2.0]
+    assert noisy["slow_by"] == "neighbour" and none["slow_by"] == "sleep"
     assert noisy["ratio_to_ideal"] > 0
     assert [busy for _, busy in out] == [[], []]
     assert not [n for n in plait_cgroups(HERE) if n.startswith(f"plait-{tag}-")]

@@ -86,11 +86,13 @@ from ..runtime.straggler import SLOW_BY, SlowCurve, SlowSpec, Straggler, host_th
 from ..runtime.timing import agreed_max, balanced_round
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
-__all__ = ["HeteroBenchConfig", "SCENARIOS", "ideal_step", "QUICK_HETERO", "scenario_specs", "run_hetero",
+__all__ = ["HeteroBenchConfig", "SCENARIOS", "DEFAULT_SCENARIOS", "ideal_step", "QUICK_HETERO", "scenario_specs", "run_hetero",
            "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun",
            "ratio_cell"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike", "noisy-neighbour")
+# what runs without --scenarios: noisy-neighbour needs one rank per host, so it is asked for
+DEFAULT_SCENARIOS = SCENARIOS[:4]
 QUICK_HETERO = dict(steps=50, seeds=1)
 # semi beside the policy that alone fits the scenario best: migrate what persists, resize a spike
 PAIRS = (("straggler-2x", "migrate"), ("spike", "resize"), ("noisy-neighbour", "migrate"))
@@ -101,8 +103,9 @@ PAIRS = (("straggler-2x", "migrate"), ("spike", "resize"), ("noisy-neighbour", "
 class HeteroBenchConfig:
     """Scenarios, policies, the model and the steps; each field's help is its CLI flag's help."""
 
-    scenarios: tuple[str, ...] = field(default=SCENARIOS, metadata=_h(
-        "what to run: " + ", ".join(SCENARIOS) + " (none: the reference every ratio needs;"
+    scenarios: tuple[str, ...] = field(default=DEFAULT_SCENARIOS, metadata=_h(
+        "what to run: " + ", ".join(SCENARIOS) + "; default: " + ",".join(DEFAULT_SCENARIOS)
+        + " (none: the reference every ratio needs; noisy-neighbour: one rank per host;"
         " may be empty with --scenario-file)"))
     scenario_file: str | None = field(default=None, metadata=_h(
         "a JSON scenario file (per-rank slowdowns by step: drift, jitter; see "
@@ -149,6 +152,9 @@ class HeteroBenchConfig:
             bad = [v for v in values if v not in known]
             if bad or not (values or name == "scenarios" and self.scenario_file):
                 raise ValueError(f"--{name} {list(values)}: choose from {list(known)}")
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                raise ValueError(f"--{name} names {', '.join(twice)} more than once")
         scenario = load_scenario(self.scenario_file) if self.scenario_file else None
         if scenario is not None and scenario.name in SCENARIOS:
             raise ValueError(f"{self.scenario_file}: name {scenario.name!r} is a built-in "
@@ -163,6 +169,9 @@ class HeteroBenchConfig:
             raise ValueError(f"--spike-at must be a step (≥ 0), got {self.spike_at}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup must be in [0, --steps), got {self.warmup}")
+        if "noisy-neighbour" in self.scenarios and self.spike_at >= self.steps:
+            raise ValueError(f"the noisy neighbour (from step {self.spike_at}, --spike-at) "
+                             f"does not start within --steps {self.steps}")
         if "spike" in self.scenarios and self.spike_at + self.spike_len > self.steps:
             raise ValueError(f"the spike (steps {self.spike_at}–{self.spike_at + self.spike_len})"
                              f" does not end within --steps {self.steps}")
@@ -472,7 +481,9 @@ def _record(cfg: HeteroBenchConfig, seed: int, scenario: str, policy: str, specs
             "compute_s_per_step": result["compute_s_per_step"],
             "cpu_s_per_step": statistics.fmean(result["cpu_s_steps"][cfg.warmup:]),
             "speeds": result["speeds"],
-            "slow_by": cfg.slow_by, "kernel": result.get("kernel"),
+            # how the factors were made: a neighbour's are its own, nothing slept or throttled
+            "slow_by": "neighbour" if scenario == "noisy-neighbour" else cfg.slow_by,
+            "kernel": result.get("kernel"),
             "monitor_overhead": result["monitor_s"] / max(sum(times), 1e-12),
             "decisions": result["decisions"], "final_state": result["final_state"],
             "factors": [factors_at(specs, world, s) for s in range(cfg.steps)],
