@@ -49,6 +49,16 @@ needs_netns = pytest.mark.netns
 _cluster_missing: list[str | None] = []  # cluster_support(), asked once
 
 
+def budgets_here() -> None:
+    """Skip (a failure under PLAIT_REQUIRE_ALL, as for namespaces) where CPU budgets cannot be
+    enforced: no writable cgroup cpu controller."""
+    from plait.runtime.cgroup import cpu_controller, cpu_support
+
+    reason = cpu_support(cpu_controller())
+    if reason is not None:
+        pytest.skip(f"no CPU budgets here: {reason}")
+
+
 def require_all() -> bool:
     return os.environ.get(REQUIRE_ALL_ENV, "") not in ("", "0")
 

@@ -23,7 +23,7 @@ from plait.runtime.cgroup import (CpuController, NoisyNeighbour, cgroup_pids, cp
                                   plait_cgroups, quota_for, remove_cgroup)
 from plait.runtime.leftovers import remove_leftovers
 
-from conftest import needs_netns
+from conftest import budgets_here, needs_netns
 
 sys.path.insert(0, str(Path(__file__).parent / "cli"))
 from forkrun import run_plait  # noqa: E402
@@ -34,14 +34,6 @@ CORES = os.cpu_count() or 1
 
 def _ours(tag: str) -> list[str]:
     return [n for n in plait_cgroups(HERE) if n.startswith(f"plait-{tag}-")]
-
-
-def _budgets_here():
-    """Skip (a failure under PLAIT_REQUIRE_ALL, as for namespaces) where budgets cannot be
-    enforced."""
-    reason = cpu_support(HERE)
-    if reason is not None:
-        pytest.skip(f"no CPU budgets here: {reason}")
 
 
 # --- where the controller is, and what a budget means: no root needed ----------------------
@@ -140,7 +132,7 @@ def _where_am_i():
 
 @needs_netns
 def test_ranks_and_what_they_start_run_in_their_hosts_budget_and_nothing_stays():
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 0.5]) as cluster:
         tag = cluster.tag
         assert _ours(tag) == [f"plait-{tag}-h0", f"plait-{tag}-h1"]
@@ -163,7 +155,7 @@ def test_ranks_and_what_they_start_run_in_their_hosts_budget_and_nothing_stays()
 
 @needs_netns
 def test_an_error_inside_the_cluster_removes_the_budgets_and_no_budget_makes_none():
-    _budgets_here()
+    budgets_here()
     cluster = EmulatedCluster(hosts=2, link="1gbit", cpu=0.5, tag="cgerr01")
     with pytest.raises(RuntimeError, match="boom"):
         with cluster:
@@ -229,7 +221,7 @@ def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
     held it back. The wall-time ratios are printed, not judged: on the shared CI machine a
     loop's CPU time itself moved 0.5-2x between rounds where both hosts had their whole
     core, so a wall ratio says more of the machine than of the budget."""
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 0.5]) as cluster:
         (full, _), (half, _) = launch(_in_turns, 2, args=(100, 7), cluster=cluster,
                                       threads=1, timeout_s=30)
@@ -252,7 +244,7 @@ def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
 
 @needs_netns
 def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 1]) as cluster:
         tag = cluster.tag
         (quiet, _), (noisy, (neighbour_s, inside)) = launch(
@@ -273,7 +265,7 @@ def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
 
 @needs_netns
 def test_a_neighbour_left_running_is_stopped_with_the_cluster():
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 0.5]) as cluster:
         with pytest.raises(ValueError, match="no host 2"):
             cluster.noisy_neighbour(2)
@@ -302,7 +294,7 @@ def _busy_steps(n: int, steps: int):
 
 @needs_netns
 def test_more_ranks_than_cores_with_equal_budgets_nothing_starves():
-    _budgets_here()
+    budgets_here()
     world = 2 * CORES  # 2 ranks on each of CORES hosts with a core each
     with EmulatedCluster(hosts=CORES, link="1gbit", cpu=1) as cluster:
         out = launch(_busy_steps, world, args=(20, 20), cluster=cluster, threads=1,
@@ -341,7 +333,7 @@ def _gone(pid: int, limit_s: float = 10.0) -> bool:
 
 @needs_netns
 def test_a_sigkilled_runs_budgets_go_with_the_next_clean(tmp_path, capsys, monkeypatch):
-    _budgets_here()
+    budgets_here()
     from plait.cli.main import main
 
     monkeypatch.delenv("PLAIT_DEADLINE_S", raising=False)
@@ -390,7 +382,7 @@ _SHOW = "print(open('/proc/self/cgroup').read())"
 
 @needs_netns
 def test_cluster_run_places_ranks_in_budgets_and_ctrl_c_leaves_none(tmp_path):
-    _budgets_here()
+    budgets_here()
     ok, ctrl_c = run_plait([
         dict(argv=["cluster", "run", "--hosts", "2", "--host-cpu", "1,0.5", "--",
                    sys.executable, "-S", "-c", _SHOW], cwd=str(tmp_path)),
@@ -419,7 +411,7 @@ def _record_budget(cfg):
 
 @needs_netns
 def test_run_placed_takes_the_flags_budget(monkeypatch):
-    _budgets_here()
+    budgets_here()
     import argparse
 
     from plait.bench.placement import run_placed

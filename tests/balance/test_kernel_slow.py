@@ -21,11 +21,11 @@ from plait.balance import SpeedMonitor, speed
 from plait.balance.speed import window_speed
 from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero, with_ideal
 from plait.runtime import EmulatedCluster, SlowSpec, Straggler, launch, rank_context
-from plait.runtime.cgroup import (CpuController, cpu_budget, cpu_controller, cpu_support,
+from plait.runtime.cgroup import (CpuController, cpu_budget, cpu_controller,
                                   cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget)
 from plait.runtime.straggler import host_throttle
 
-from conftest import needs_netns
+from conftest import budgets_here, needs_netns
 
 HERE = cpu_controller()
 
@@ -158,7 +158,7 @@ def test_a_2x_rank_is_held_to_half_its_hosts_budget_through_bench_hetero():
     after the cluster. (The monitor's reading is printed here; it is judged on a CPU-bound
     loop below: bench hetero's small steps are half waiting, and a quota holds back only a
     host that would use more than it.)"""
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
         out = launch(_kernel_hetero, 2, args=(15,), cluster=cluster, threads=1, timeout_s=60,
                      deadline_s=240)
@@ -232,7 +232,7 @@ def test_the_monitor_reads_a_kernel_throttled_rank_by_the_time_the_kernel_held_i
     readings, every 2 steps, less the highest and lowest). On an
     idle machine that reads the last rank at 0.5; a loaded one also slows the other (printed,
     not judged: at load 9 on the 2 cores both ranks got about 0.3 of a core)."""
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
         out = launch(_spin_monitored, 2, args=(20, 12), cluster=cluster, threads=1,
                      timeout_s=60, deadline_s=120)
@@ -253,8 +253,3 @@ def test_the_monitor_reads_a_kernel_throttled_rank_by_the_time_the_kernel_held_i
     want = [w / max(window) for w in window]
     assert speeds == pytest.approx(want, abs=0.03), (speeds, want)
 
-
-def _budgets_here():
-    reason = cpu_support(HERE)
-    if reason is not None:
-        pytest.skip(f"no CPU budgets here: {reason}")

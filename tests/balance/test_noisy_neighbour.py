@@ -15,18 +15,12 @@ import torch.distributed as dist
 from plait.bench.hetero import (HeteroBenchConfig, Neighbour, bench_hetero, factors_at,
                                 neighbour_factors, run_hetero, scenario_specs, with_ideal)
 from plait.runtime import EmulatedCluster, Straggler, launch, rank_context
-from plait.runtime.cgroup import (NoisyNeighbour, cgroup_pids, cpu_controller, cpu_support,
+from plait.runtime.cgroup import (NoisyNeighbour, cgroup_pids, cpu_controller,
                                   plait_cgroups)
 
-from conftest import needs_netns
+from conftest import budgets_here, needs_netns
 
 HERE = cpu_controller()
-
-
-def _budgets_here():
-    reason = cpu_support(HERE)
-    if reason is not None:
-        pytest.skip(f"no CPU budgets here: {reason}")
 
 
 # --- the parts, without root ------------------------------------------------------------------
@@ -131,7 +125,7 @@ def test_the_neighbour_runs_only_in_its_own_runs_steps_and_is_gone_after():
     The neighbour took CPU on the last host in every noisy step from spike_at on and none in
     any other step of any run, on either host; no busy loop is left when the runs end, and
     no cgroup once the cluster is down."""
-    _budgets_here()
+    budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
         out = launch(_noisy_hetero, 2, cluster=cluster, threads=1, timeout_s=60,
                      deadline_s=240)

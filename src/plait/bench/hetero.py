@@ -86,8 +86,8 @@ from ..runtime.straggler import SLOW_BY, SlowCurve, SlowSpec, Straggler, host_th
 from ..runtime.timing import agreed_max, balanced_round
 from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
-__all__ = ["HeteroBenchConfig", "SCENARIOS", "DEFAULT_SCENARIOS", "ideal_step", "QUICK_HETERO", "scenario_specs", "run_hetero",
-           "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun",
+__all__ = ["HeteroBenchConfig", "SCENARIOS", "DEFAULT_SCENARIOS", "ideal_step", "QUICK_HETERO",
+           "scenario_specs", "run_hetero", "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun",
            "ratio_cell"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike", "noisy-neighbour")
@@ -169,7 +169,7 @@ class HeteroBenchConfig:
             raise ValueError(f"--spike-at must be a step (≥ 0), got {self.spike_at}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup must be in [0, --steps), got {self.warmup}")
-        if "noisy-neighbour" in self.scenarios and self.spike_at >= self.steps:
+        if self.neighbour and self.spike_at >= self.steps:
             raise ValueError(f"the noisy neighbour (from step {self.spike_at}, --spike-at) "
                              f"does not start within --steps {self.steps}")
         if "spike" in self.scenarios and self.spike_at + self.spike_len > self.steps:
@@ -190,6 +190,11 @@ class HeteroBenchConfig:
             raise ValueError(f"--n-head {self.n_head} gives some of the {world} ranks no head")
         if self.scenario is not None:
             self.scenario.specs(world, self.steps)  # refuses a rank the group does not have
+
+    @property
+    def neighbour(self) -> bool:
+        """Whether a noisy-neighbour scenario runs (the same on every rank)."""
+        return "noisy-neighbour" in self.scenarios
 
     def scenario_names(self) -> tuple[str, ...]:
         """``scenarios``, then the scenario file's name."""
@@ -335,7 +340,8 @@ class BalancedRun:
             self.cpu.append(time.process_time() - cpu)
             if self.cgroup is not None:
                 self.throttled.append(cpu_throttled(self.cgroup) - throttled)
-            self.neighbour_cpu.append(self.noisy.cpu_s() - neighbour if self.noisy else 0.0)
+            self.neighbour_cpu.append(self.noisy.cpu_s() - neighbour
+                                      if self.noisy is not None else 0.0)
             self.losses.append(loss.item())
         self._slowed(run)
 
@@ -420,7 +426,7 @@ def _host_setup(cfg: HeteroBenchConfig, world: int):
     rank = dist.get_rank()
     mine = [s for sc in cfg.scenario_names() for s in scenario_specs(sc, world, cfg)
             if isinstance(s, Neighbour) and s.rank == rank]
-    if "noisy-neighbour" in cfg.scenario_names() and rank_context().host.cgroup is None:
+    if cfg.neighbour and rank_context().host.cgroup is None:
         raise ValueError("the noisy-neighbour scenario needs hosts with a CPU budget (--hosts N"
                          " --host-cpu CORES, one rank per host): the neighbour takes its "
                          f"host's cores; rank {rank}'s host has none")
@@ -443,7 +449,6 @@ def _kernel_throttle():
 
 def _run_seeds(cfg: HeteroBenchConfig, world: int, corpus, report, runs, throttle,
                noisy) -> list[dict]:
-    accounting = "noisy-neighbour" in cfg.scenario_names()  # the same on every rank
     out, done = [], 0
     for seed in sorted({s for s, _, _ in runs}):
         mine = [(sc, pol) for s, sc, pol in runs if s == seed]
@@ -455,7 +460,7 @@ def _run_seeds(cfg: HeteroBenchConfig, world: int, corpus, report, runs, throttl
             live.append((scenario, policy, specs,
                          BalancedRun(cfg.train_config(seed), policy_cfg, specs, corpus,
                                      every=cfg.every, refresh=cfg.refresh, throttle=throttle,
-                                     noisy=noisy, accounting=accounting)))
+                                     noisy=noisy, accounting=cfg.neighbour)))
         for step in range(cfg.steps):
             for *_, run in balanced_round(live, step):
                 run.step(step, barrier=True)
@@ -719,7 +724,7 @@ def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
         ("--slow-by kernel sets each host's CPU budget from its rank's factor",
          cfg.slow_by == "kernel"),
         ("the noisy-neighbour scenario takes the last rank's host's cores",
-         "noisy-neighbour" in cfg.scenario_names())) if needed]
+         cfg.neighbour)) if needed]
     if needs:
         if hosts != ranks:
             raise ValueError(f"{needs[0]}, so it needs one rank per host: --hosts {ranks} for "
