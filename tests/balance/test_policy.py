@@ -533,3 +533,107 @@ def test_semi_never_migrates_the_bench_spike_under_noise(warmup):
             trace[t][1] /= 2.0
         acts = _closed_loop(SemiPolicy(cfg, total=64, world=2), trace, warmup=warmup)
         assert [a.kind for _, a in acts].count("migrate") == 1, (seed, acts)
+
+
+# --- unmovable time: what no plan moves ------------------------------------------------
+
+def _best_split(total, speeds, fixed):
+    """The smallest slowest-rank time over every split of ``total`` units (brute force)."""
+    def splits(left, ranks):
+        if ranks == 1:
+            yield (left,)
+            return
+        for n in range(1, left - ranks + 2):
+            for rest in splits(left - n, ranks - 1):
+                yield (n,) + rest
+
+    return min(max(n / s + f * total for n, s, f in zip(sizes, speeds, fixed))
+               for sizes in splits(total, len(speeds)))
+
+
+@pytest.mark.parametrize("world,total", [(2, 64), (3, 36)])
+def test_static_plan_with_unmovable_time_is_the_best_split(world, total):
+    """Rank r takes n_r / s_r + fixed_r · total: the plan's slowest rank is within one unit's
+    time of the best of every split (brute force), over random speeds and unmovable times;
+    by speeds alone it is not (a rank slow at everything keeps its slow unmovable work)."""
+    rng = random.Random(world)
+    worse = 0
+    for _ in range(40):
+        speeds = [1.0] + [rng.uniform(0.25, 1.0) for _ in range(world - 1)]
+        fixed = [rng.uniform(0.0, 0.6) for _ in range(world)]
+        best = _best_split(total, speeds, fixed)
+        plan = static_plan(total, speeds, fixed=fixed)
+        took = max(n / s + f * total for n, s, f in zip(plan.sizes, speeds, fixed))
+        assert sum(plan.sizes) == total and took <= best + 1 / min(speeds) + 1e-9, (
+            speeds, fixed, plan, took, best)
+        assert imbalance(speeds, plan, fixed=fixed) == pytest.approx(
+            max(n / s + f * total for n, s, f in zip(plan.sizes, speeds, fixed))
+            / min(n / s + f * total for n, s, f in zip(plan.sizes, speeds, fixed)))
+        by_speed = static_plan(total, speeds)
+        worse += max(n / s + f * total for n, s, f in
+                     zip(by_speed.sizes, speeds, fixed)) > best + 1 / min(speeds) + 1e-9
+    assert worse >= 10, worse
+
+
+def test_equal_unmovable_time_leaves_the_proportional_plan():
+    """Every rank spending as long on unmovable work: the plan by speeds alone (the sleep
+    emulation slows only the layers, so its runs read equal unmovable times)."""
+    for speeds in ([1.0, 0.5], [1.0, 0.7, 0.4], [1.0, 1.0, 0.25, 0.5]):
+        assert static_plan(1024, speeds, fixed=[0.3] * len(speeds)) == static_plan(1024, speeds)
+    assert static_plan(1024, [1.0, 0.5], fixed=[0.24, 0.45]).sizes == (754, 270)  # a run logged it
+
+
+def test_semi_reads_unmovable_time_over_the_work_resizing_left():
+    """The monitor's unmovable time is over the movable compute done; under resizing that
+    is less than the dim's whole, so the policy scales it back to the whole."""
+    policy = SemiPolicy(PolicyConfig(), total=64, world=2)
+    policy.fractions = (1.0, 0.5)
+    policy.step([1.0, 0.5], 1.0, fixed=[0.4, 0.8])
+    assert policy.fixed == pytest.approx((0.3, 0.6))
+    with pytest.raises(ValueError, match="fixed times"):
+        policy.step([1.0, 0.5], 1.0, fixed=[0.4])
+
+
+class _UnboundedFixed(SemiPolicy):
+    """SEMI whose plan check takes the unmovable times under the new plan as they are."""
+
+    def _check_plan(self, speeds):
+        self.before_fixed = None
+        return super()._check_plan(speeds)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_semi_plan_check_bounds_unmovable_time_by_the_readings_before_resizing(world):
+    """What a kernel-throttled run logged (2 ranks, 2 × rank 1): unmovable times 0.24 and
+    0.42 when the resizing started, 0.25 and 0.52 under it (0.75 of the work done: 0.19 and
+    0.39 of the whole), then on the first confident readings under the migrated plan 0.27
+    and 0.29 (a throttled rank that now waits spends its quota at full speed; 0.25 here, low
+    enough that correcting to it repays its cost), then 0.24 and 0.45 again. Bounded, the
+    check keeps the plan; unbounded, it moves work back to the slow rank (what that run did
+    with readings it did not scale for the resizing: [768, 256] to [676, 348])."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    fast = [1.0] * (world - 1)
+    done = (world - 0.5) / world  # the slow rank resized to half its share
+
+    def fixed(f_fast, f_slow):
+        return [f_fast] * (world - 1) + [f_slow]
+
+    trace = ([(fast + [0.51], 1.0, fixed(0.24, 0.42))] * 3
+             + [(fast + [0.54], 1.0, fixed(0.19 / done, 0.39 / done))] * 9
+             + [([1.0] * world, 0.0, None)] * 3 + [(fast + [0.53], 1.0, fixed(0.27, 0.25))]
+             + [(fast + [0.50], 1.0, fixed(0.24, 0.45))] * 40)
+
+    def drive(policy):
+        return [(t, a) for t, (speeds, conf, f) in enumerate(trace)
+                if (a := policy.step(speeds, conf, fixed=f)).kind != "none"]
+
+    policy = SemiPolicy(cfg, total=1024 * world, world=world)
+    acts = drive(policy)
+    assert [a.kind for _, a in acts] == ["resize", "migrate"], acts
+    by_speed = static_plan(1024 * world, fast + [0.51])
+    assert acts[1][1].plan.sizes[-1] < 0.85 * by_speed.sizes[-1], (acts, by_speed)
+    assert policy.basis_fixed[-1] == pytest.approx(0.39)  # 0.29, bounded by [0.39, 0.42]
+    if world == 2:
+        unbounded = drive(_UnboundedFixed(cfg, total=1024 * world, world=world))
+        assert [a.kind for _, a in unbounded][:3] == ["resize", "migrate", "migrate"], unbounded
+        assert unbounded[2][1].plan.sizes[-1] > acts[1][1].plan.sizes[-1], unbounded

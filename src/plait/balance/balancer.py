@@ -150,9 +150,10 @@ class Balancer:
         if self.config.name == "even":
             return []
         speeds, confidence = self.monitor.speeds(), self.monitor.confidence()
+        fixed = self.monitor.fixed()
         done = []
         for dim, policy in self.policies.items():
-            action = policy.step(speeds, confidence, self.monitor.recent())
+            action = policy.step(speeds, confidence, self.monitor.recent(), fixed)
             if action.kind != "none":
                 done.append(self._apply(step, dim, action))
         if done:  # the readings so far were taken under the old plans
@@ -334,7 +335,9 @@ def _monitor_state(monitor: SpeedMonitor) -> dict:
             **{k: getattr(monitor, k) for k in _MONITOR_COUNTS},
             "seconds": dict(monitor._seconds), "work": dict(monitor._work),
             "last_s": {k: list(v) for k, v in monitor._last_s.items()},
-            "readings": {k: [list(q) for q in ranks] for k, ranks in monitor._readings.items()}}
+            "readings": {k: [list(q) for q in ranks] for k, ranks in monitor._readings.items()},
+            "fixed": None if monitor._fixed is None else [list(q) for q in monitor._fixed],
+            "outside": [monitor._outside_cpu, monitor._busy_cpu, monitor._busy_plain]}
 
 
 def _check_monitor_state(monitor: SpeedMonitor, state: dict) -> None:
@@ -352,6 +355,11 @@ def _set_monitor_state(monitor: SpeedMonitor, state: dict) -> None:
                          for k, ranks in state["readings"].items()}
     for k in _MONITOR_COUNTS:
         setattr(monitor, k, state[k])
+    fixed = state.get("fixed")  # None: none yet, or an older save
+    monitor._fixed = None if fixed is None else [deque(q, maxlen=monitor.window) for q in fixed]
+    monitor._outside_cpu, monitor._busy_cpu, monitor._busy_plain = state.get("outside",
+                                                                             (0.0,) * 3)
+    monitor._begun = None
 
 
 _POLICY_COUNTS = ("imbalanced_steps", "balanced_steps", "back_steps", "peak", "departure",
@@ -366,6 +374,8 @@ def _policy_state(policy: SemiPolicy) -> dict:
             "fractions": None if policy.fractions is None else list(policy.fractions),
             "before_resize": (None if policy.before_resize is None
                               else list(policy.before_resize)),
+            **{k: None if getattr(policy, k) is None else list(getattr(policy, k))
+               for k in ("before_fixed", "basis_fixed")},
             **{k: getattr(policy, k) for k in _POLICY_COUNTS},
             "log": [(step, _plain_action(a)) for step, a in policy.log]}
 
@@ -383,6 +393,8 @@ def _set_policy_state(policy: SemiPolicy, state: dict) -> None:
     policy.fractions = None if state["fractions"] is None else tuple(state["fractions"])
     before = state.get("before_resize")  # None: older saves
     policy.before_resize = None if before is None else tuple(before)
+    for k in ("before_fixed", "basis_fixed"):  # None: older saves
+        setattr(policy, k, None if state.get(k) is None else tuple(state[k]))
     for k in _POLICY_COUNTS:
         setattr(policy, k, state.get(k) if k == "check_since" else state[k])  # None: older saves
     policy.log = [(step, _action(a)) for step, a in state["log"]]

@@ -8,11 +8,18 @@ do not change when a plan moves work, so a decision made from them is stable.
 
 Rank r with speed s_r owning n_r units of which it computes a fraction k_r
 takes ``t_r ∝ n_r k_r / s_r``; the collective after it waits for ``max_r t_r``.
+Where a rank also spends time on work no plan moves (its replicated layers, the
+optimizer, Python: ``SpeedMonitor.fixed()``), ``fixed[r]`` is that time as a share of
+the whole movable compute done at the fastest rank's speed, and ``t_r ∝ n_r k_r / s_r
++ fixed[r] · Σ n``: a rank slow at everything (a throttled host) is also slow at what
+stays with it, so it is given less than its speed's share.
 
     >>> static_plan(64, [1.0, 0.5], quantum=8).sizes
     (40, 24)
     >>> resize_fraction([1.0, 0.5], 1)
     0.5
+    >>> static_plan(1024, [1.0, 0.5], fixed=[0.225, 0.45]).sizes
+    (759, 265)
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Sequence
 from ..plan import ShardPlan
 
 __all__ = ["POLICIES", "PolicyConfig", "Action", "SemiPolicy", "static_plan", "resize_fraction",
-           "resize_fractions", "imbalance", "check_speeds", "agreement"]
+           "resize_fractions", "imbalance", "check_speeds", "check_fixed", "agreement"]
 
 POLICIES = ("even", "static", "resize", "migrate", "semi")  # the names perf.hetero uses too
 
@@ -103,14 +110,46 @@ def check_speeds(speeds: Sequence[float], world: int | None = None) -> tuple[flo
     return out
 
 
+def check_fixed(fixed: Sequence[float] | None, world: int) -> tuple[float, ...]:
+    """Each rank's unmovable time (see the module doc) as floats, zeros if None; refused
+    unless finite, ≥ 0 and one per rank."""
+    if fixed is None:
+        return (0.0,) * world
+    out = tuple(float(f) for f in fixed)
+    if len(out) != world or any(not math.isfinite(f) or f < 0 for f in out):
+        raise ValueError(f"fixed times {list(out)} must be finite and ≥ 0, one per rank "
+                         f"of {world}")
+    return out
+
+
+def _shares(speeds: tuple[float, ...], fixed: tuple[float, ...]) -> tuple[float, ...]:
+    """The shares (summing to 1) that finish every rank together when rank r also spends
+    ``fixed[r]`` (a share of the whole dim at speed 1) on work no plan moves: ``n_r =
+    s_r (X − fixed[r])``. A rank whose unmovable time alone exceeds the pace gets
+    (almost) nothing, and the others share the dim without it."""
+    active = list(range(len(speeds)))
+    while True:
+        pace = (1.0 + sum(speeds[r] * fixed[r] for r in active)) / sum(speeds[r] for r in active)
+        out = [speeds[r] * (pace - fixed[r]) if r in active else 0.0
+               for r in range(len(speeds))]
+        starved = [r for r in active if out[r] <= 0]
+        if not starved or len(starved) == len(active):
+            return tuple(max(v, 1e-9) for v in out)
+        active = [r for r in active if r not in starved]
+
+
 def static_plan(total: int, speeds: Sequence[float], quantum: int = 1, *,
-                allow_empty: bool = False) -> ShardPlan:
-    """``total`` units in shares proportional to ``speeds``, in whole quanta, summing exactly.
+                allow_empty: bool = False, fixed: Sequence[float] | None = None) -> ShardPlan:
+    """``total`` units in shares proportional to ``speeds``, in whole quanta, summing exactly;
+    with ``fixed`` (each rank's unmovable time, see the module doc) the shares that finish
+    every rank together.
 
     Every rank gets at least one quantum unless ``allow_empty``; a dim with fewer
     quanta than ranks is then refused rather than starving a rank.
     """
     speeds = check_speeds(speeds)
+    if fixed is not None and any(check_fixed(fixed, len(speeds))):
+        speeds = _shares(speeds, check_fixed(fixed, len(speeds)))
     if quantum < 1 or total < 0 or total % quantum:
         raise ValueError(f"total {total} is not a non-negative multiple of the quantum {quantum}; "
                          f"pick a quantum that divides it (e.g. {math.gcd(total, quantum) or 1})")
@@ -121,37 +160,45 @@ def static_plan(total: int, speeds: Sequence[float], quantum: int = 1, *,
 
 
 def resize_fractions(speeds: Sequence[float], plan: ShardPlan | None = None,
-                     max_skip: float = 1.0) -> tuple[float, ...]:
+                     max_skip: float = 1.0,
+                     fixed: Sequence[float] | None = None) -> tuple[float, ...]:
     """The share of its reduction dim each rank keeps so that all finish with the fastest.
 
-    Under ``plan`` (even if None) rank r takes ``n_r k_r / s_r``; the pace is the
-    quickest rank's ``min_r n_r / s_r`` and k_r is clipped to ``[1 - max_skip, 1]``.
+    Under ``plan`` (even if None) rank r takes ``n_r k_r / s_r + u_r`` (``u_r``: its
+    unmovable time, ``fixed[r] · Σ n``); the pace is the quickest rank's whole time
+    ``min_r (n_r / s_r + u_r)`` and k_r is clipped to ``[1 - max_skip, 1]``.
     """
     speeds = check_speeds(speeds)
     sizes = [1] * len(speeds) if plan is None else list(plan.sizes)
     if len(sizes) != len(speeds):
         raise ValueError(f"speeds {list(speeds)} name {len(speeds)} ranks, plan {sizes} {len(sizes)}")
+    unmoved = [f * sum(sizes) for f in check_fixed(fixed, len(speeds))]
     times = [n / s for n, s in zip(sizes, speeds)]
-    pace = min(t for t in times if t > 0) if any(times) else 0.0
-    return tuple(1.0 if t <= pace else max(1.0 - max_skip, pace / t) for t in times)
+    whole = [t + u for t, u in zip(times, unmoved)]
+    pace = min(w for w, t in zip(whole, times) if t > 0) if any(times) else 0.0
+    return tuple(1.0 if w <= pace else max(1.0 - max_skip, max(pace - u, 0.0) / t)
+                 for w, t, u in zip(whole, times, unmoved))
 
 
 def resize_fraction(speeds: Sequence[float], rank: int, plan: ShardPlan | None = None,
-                    max_skip: float = 1.0) -> float:
+                    max_skip: float = 1.0, fixed: Sequence[float] | None = None) -> float:
     """Rank ``rank``'s entry of :func:`resize_fractions`."""
-    fractions = resize_fractions(speeds, plan, max_skip)
+    fractions = resize_fractions(speeds, plan, max_skip, fixed)
     if not 0 <= rank < len(fractions):
         raise ValueError(f"rank {rank} is outside the {len(fractions)} ranks of speeds {list(speeds)}")
     return fractions[rank]
 
 
 def imbalance(speeds: Sequence[float], plan: ShardPlan | None = None,
-              fractions: Sequence[float] | None = None) -> float:
-    """Slowest over fastest rank time (1 = balanced) under ``plan`` and ``fractions``."""
+              fractions: Sequence[float] | None = None,
+              fixed: Sequence[float] | None = None) -> float:
+    """Slowest over fastest rank time (1 = balanced) under ``plan`` and ``fractions``, each
+    rank's unmovable time (``fixed``, see the module doc) included."""
     speeds = check_speeds(speeds)
     sizes = [1] * len(speeds) if plan is None else plan.sizes
     keep = [1.0] * len(speeds) if fractions is None else fractions
-    times = [n * k / s for n, k, s in zip(sizes, keep, speeds) if n * k > 0]
+    unmoved = [f * sum(sizes) for f in check_fixed(fixed, len(speeds))]
+    times = [n * k / s + u for n, k, s, u in zip(sizes, keep, speeds, unmoved) if n * k > 0]
     return max(times) / min(times) if times else 1.0
 
 
@@ -200,6 +247,8 @@ class SemiPolicy:
         static_plan(total, [1.0] * world, config.quantum)  # refuse a dim too small for the group
         self.plan: ShardPlan = self.even
         self.basis: tuple[float, ...] = (1.0,) * world  # the speeds the plan was made for
+        self.fixed: tuple[float, ...] = (0.0,) * world  # each rank's unmovable time, now
+        self.basis_fixed: tuple[float, ...] | None = None  # the unmovable time a plan was made for
         self.fractions: tuple[float, ...] | None = None
         self.imbalanced_steps = 0  # consecutive steps the current plan was out of balance
         self.balanced_steps = 0  # consecutive steps the speeds were balanced
@@ -213,6 +262,7 @@ class SemiPolicy:
         self.check_since: int | None = None
         # the speeds that started the current resizing, read before any rank was resized
         self.before_resize: tuple[float, ...] | None = None
+        self.before_fixed: tuple[float, ...] | None = None  # the unmovable time then
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
 
@@ -223,10 +273,17 @@ class SemiPolicy:
         self.cost_steps = steps
 
     def step(self, speeds: Sequence[float], confidence: float = 1.0,
-             recent: Sequence[Sequence[float]] | None = None) -> Action:
+             recent: Sequence[Sequence[float]] | None = None,
+             fixed: Sequence[float] | None = None) -> Action:
         """``recent``: the newest readings (``SpeedMonitor.recent()``), each one speed per
-        rank; None: ``speeds`` are themselves the newest reading."""
+        rank; None: ``speeds`` are themselves the newest reading. ``fixed``: each rank's
+        unmovable time (``SpeedMonitor.fixed()``, see the module doc); None: none. It shapes
+        every plan and imbalance; departures from a plan's basis are in speeds alone."""
         speeds = check_speeds(speeds, self.world)
+        self.fixed = check_fixed(fixed, self.world)
+        if self.fractions is not None:  # read over the work done, less the skipped work
+            done = sum(n * k for n, k in zip(self.plan.sizes, self.fractions)) / self.total
+            self.fixed = tuple(f * done for f in self.fixed)
         recent = [speeds] if not recent else [check_speeds(r, self.world) for r in recent]
         cfg = self.config
         if confidence < cfg.min_confidence:  # right after a plan change: wait for readings
@@ -238,8 +295,8 @@ class SemiPolicy:
             action, used = self._check_plan(speeds)
             if action.kind != "none":  # the plan's basis: the speeds it was sized for
                 return self._taken(action, used)
-        raw = imbalance(speeds)  # the speeds themselves, whatever the plan
-        on_plan = imbalance(speeds, self.plan)  # the current plan, without resizing
+        raw = imbalance(speeds, fixed=self.fixed)  # on the even plan, whatever the plan
+        on_plan = imbalance(speeds, self.plan, fixed=self.fixed)  # without resizing
         departure = imbalance([s / b for s, b in zip(speeds, self.basis)])
         # every newest reading on its own shows it too, on the same ranks: jitter pushes the
         # window's mean over the trigger now and then, but seldom each newest reading with it
@@ -265,7 +322,8 @@ class SemiPolicy:
     # --- the rules, in priority order --------------------------------------
     def _decide(self, speeds, raw: float, on_plan: float, moved: bool) -> Action:
         cfg, name = self.config, self.config.name
-        figures = f"speeds {_fmt(speeds)}, imbalance {on_plan:.2f} on plan {list(self.plan.sizes)}"
+        figures = (f"speeds {_fmt(speeds)}{self._unmoved()}, imbalance {on_plan:.2f} on plan "
+                   f"{list(self.plan.sizes)}")
         if name == "even":
             return Action("none", "policy even never acts")
         if name == "static":
@@ -298,7 +356,7 @@ class SemiPolicy:
             if action.kind == "migrate":
                 return action
         if self.fractions is not None:
-            current = imbalance(speeds, self.plan, self.fractions)
+            current = imbalance(speeds, self.plan, self.fractions, self.fixed)
             if current >= cfg.trigger and raw < cfg.release:  # the resizing is the imbalance
                 return Action("undo", f"balanced again, and the resizing leaves {current:.2f}:"
                                       f" {figures}")
@@ -315,10 +373,10 @@ class SemiPolicy:
         lasts as long again as it has (``age``; the current one's if None; see the class
         doc), and the figures that say so."""
         def pace(plan):
-            return max(n / s for n, s in zip(plan.sizes, speeds))
+            return max(n / s + f * self.total for n, s, f in zip(plan.sizes, speeds, self.fixed))
 
         age = self.imbalanced_steps if age is None else age
-        target = static_plan(self.total, speeds, self.config.quantum)
+        target = static_plan(self.total, speeds, self.config.quantum, fixed=self.fixed)
         saving = 1.0 - pace(target) / pace(self.plan)
         gain = age * saving
         return gain >= ways * self.cost_steps, (
@@ -333,21 +391,25 @@ class SemiPolicy:
         bias and nothing else: each rank's reading counts only as far as it lies between
         the plan's basis and the readings that started the resizing (``before_resize``; a
         kernel-throttled 2 × rank read 0.60 just after a migration, 0.49 and 0.52 before it,
-        0.46 after). Where the speeds so bounded find the plan ``trigger`` or more out of
+        0.46 after), and its unmovable time likewise (a kernel-throttled 2 × rank's read
+        0.45 and 0.46 of the movable compute before and at the migration, 0.29 just after
+        it, when the fast rank's read 0.24 to 0.27). Where the speeds so bounded find the plan ``trigger`` or more out of
         balance, and correcting repays one migration's cost over the imbalance's age, it is
         migrated once more, to the plan they give; otherwise they become its basis. Never a
         resize on top of it for the same imbalance. Returns the action and the speeds it
         judged by."""
         age, self.check_since = self.steps - self.check_since, None
         before, self.before_resize = self.before_resize, None
+        before_fixed, self.before_fixed = self.before_fixed, None
         if before is not None:  # within [basis, before] rank by rank, fastest = 1 again
-            bounded = [min(max(s, min(b, p)), max(b, p))
-                       for s, b, p in zip(speeds, self.basis, before)]
+            bounded = _within(speeds, self.basis, before)
             speeds = tuple(v / max(bounded) for v in bounded)
-        on_plan = imbalance(speeds, self.plan)
+        if before_fixed is not None and self.basis_fixed is not None:
+            self.fixed = tuple(_within(self.fixed, self.basis_fixed, before_fixed))
+        on_plan = imbalance(speeds, self.plan, fixed=self.fixed)
         figures = (f"readings under plan {list(self.plan.sizes)}"
                    f"{' (bounded by those before resizing)' if before is not None else ''}: "
-                   f"speeds {_fmt(speeds)}, imbalance {on_plan:.2f}")
+                   f"speeds {_fmt(speeds)}{self._unmoved()}, imbalance {on_plan:.2f}")
         if on_plan >= self.config.trigger:
             pays, why = self._pays(speeds, age, ways=1)
             if pays:
@@ -355,23 +417,26 @@ class SemiPolicy:
                                                f"{figures}; {why}")
                 if action.kind == "migrate":
                     return action, speeds
-        self.basis = tuple(speeds)
+        self.basis, self.basis_fixed = tuple(speeds), self.fixed
         return Action("none", f"plan checked, these readings its basis; {figures}"), speeds
 
     def _resize(self, speeds, current: float, reason: str) -> Action:
         """New fractions, if they beat the ``current`` imbalance by the hysteresis ratio (so a
         resizing clipped at ``max_skip`` is not redone at every wiggle of the speeds)."""
         cfg = self.config
-        fractions = resize_fractions(speeds, self.plan, cfg.max_skip)
-        after = imbalance(speeds, self.plan, fractions)
+        fractions = resize_fractions(speeds, self.plan, cfg.max_skip, self.fixed)
+        after = imbalance(speeds, self.plan, fractions, self.fixed)
         if after * cfg.trigger / cfg.release > current:
             return Action("none", f"resizing to {_fmt(fractions)} would leave {after:.2f}; {reason}")
         if all(f == 1.0 for f in fractions):
             return Action("undo", f"no rank needs resizing: {reason}")
         return Action("resize", f"keep {_fmt(fractions)}: {reason}", fractions=fractions)
 
+    def _unmoved(self) -> str:
+        return f", unmovable {_fmt(self.fixed)}" if any(self.fixed) else ""
+
     def _migrate(self, speeds, reason: str) -> Action:
-        plan = static_plan(self.total, speeds, self.config.quantum)
+        plan = static_plan(self.total, speeds, self.config.quantum, fixed=self.fixed)
         if plan == self.plan:  # the plan already fits these speeds: they are its basis now
             self.basis, self.imbalanced_steps, self.peak = tuple(speeds), 0, 1.0
             return Action("none", f"proportional plan {list(plan.sizes)} is the current one; "
@@ -388,12 +453,21 @@ class SemiPolicy:
             self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
             self.peak = 1.0
             self.basis = (1.0,) * self.world if action.plan == self.even else speeds
+            self.basis_fixed = None if action.plan == self.even else self.fixed
+            if self.check_since is None:
+                self.before_fixed = None
         elif action.kind == "resize":
             if self.fractions is None:  # the resizing starts: these readings are unbiased
-                self.before_resize = speeds
+                self.before_resize, self.before_fixed = speeds, self.fixed
             self.fractions = action.fractions
         elif action.kind == "undo":
-            self.fractions, self.before_resize = None, None
+            self.fractions, self.before_resize, self.before_fixed = None, None, None
+
+
+def _within(values: Sequence[float], one: Sequence[float],
+            other: Sequence[float]) -> list[float]:
+    """Each value clamped between ``one`` and ``other`` (either way round), rank by rank."""
+    return [min(max(v, min(a, b)), max(a, b)) for v, a, b in zip(values, one, other)]
 
 
 def agreement(speeds: Sequence[float], recent: Sequence[Sequence[float]],

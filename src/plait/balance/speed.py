@@ -29,7 +29,22 @@ otherwise, which already holds the sleeps (they are not added twice: a 2 × rank
 (``bench hetero --slow-by kernel``) waits for its quota, which is not CPU time, so it is seen
 slow as it is.
 
-Cost: two clock reads per region (CUDA: two events, read only at the
+Unmovable time (``fixed()``): what a rank spends in a training step outside the timed
+layers (its replicated layers, the loss, the optimizer, Python), which no plan moves. The
+step begins at the model's first training forward after the last ``step()`` (a forward
+pre-hook ``attach`` sets; with grad enabled and the model in training mode) and ends at
+``step()``; the rank's thread CPU time over it, less its CPU time in the timed regions, is
+that work's CPU. It is stretched as the rank's timed compute was (the regions' time less
+the straggler emulation's sleeps, over their CPU time: 1 on a rank alone on its core, the
+kernel's throttling on a host with a budget; sleeps slow only the layers, so they are not
+applied to it), so a host slow at everything is slow at this too. Waiting for another rank
+in a collective takes no CPU (gloo's wait blocks), so it is not counted. Each exchange adds
+a reading per rank: that time over the whole window's movable compute done at the fastest
+rank's speed (the share ``plait.balance.policy`` takes). On CUDA, and where a clock other
+than the thread's CPU time or the wall clock times the regions, there is no such reading
+(0: plans by speed alone).
+
+Cost: two clock reads per region (three on a CPU rank) (CUDA: two events, read only at the
 exchange), and one all_gather of a few hundred bytes every ``every`` steps;
 ``overhead_s`` is the time spent in the exchanges (on a rank that arrives early
 it includes waiting for a slower one; the last to arrive measures the exchange).
@@ -88,11 +103,15 @@ def flag_stragglers(speeds: Sequence[float], threshold: float = 1.2) -> tuple[in
     return tuple(r for r, s in enumerate(rel) if s * threshold <= 1.0 + 1e-12)
 
 
+_REAL_CLOCKS = (time.perf_counter, time.thread_time)
+
+
 class _CPUToken(NamedTuple):
     clock: object
     start: float
     straggler: object
     delayed: float
+    cpu: float  # this thread's CPU time at the start
 
 
 def _straggler():
@@ -117,7 +136,8 @@ class LayerTimer:
             return start
         straggler = _straggler()
         clock = compute_clock(device)
-        return _CPUToken(clock, clock(), straggler, straggler.delayed_s if straggler else 0.0)
+        return _CPUToken(clock, clock(), straggler, straggler.delayed_s if straggler else 0.0,
+                         time.thread_time())
 
     def count(self, work: float) -> None:
         """Work done in regions timed piece by piece (counted once, not per piece)."""
@@ -125,10 +145,14 @@ class LayerTimer:
 
     def end(self, token, work: float = 0.0) -> None:
         if isinstance(token, _CPUToken):
-            delayed = 0.0  # the wall clock ran through the sleeps; a CPU clock did not
-            if token.straggler is not None and token.clock is not time.perf_counter:
-                delayed = token.straggler.delayed_s - token.delayed
-            self.monitor._add(self.key, token.clock() - token.start + delayed, work)
+            slept = (token.straggler.delayed_s - token.delayed
+                     if token.straggler is not None else 0.0)
+            # the wall clock ran through the sleeps; a CPU clock did not
+            seconds = token.clock() - token.start
+            seconds += 0.0 if token.clock is time.perf_counter else slept
+            self.monitor._add(self.key, seconds, work)
+            if token.clock in _REAL_CLOCKS:  # a substituted clock (a test's) has no stretch
+                self.monitor._add_busy(time.thread_time() - token.cpu, seconds - slept)
         else:  # CUDA: read the pair at the next exchange, after one synchronize
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()
@@ -160,6 +184,12 @@ class SpeedMonitor:
         self._readings: dict[str, list[deque]] = {}  # key ("" for all) → per rank, last window
         self._last_s: dict[str, list[float]] = {}  # key → per rank, the last reading's seconds
         self._window_steps = 0  # steps in the window being accumulated
+        # unmovable time: this window's CPU outside the regions, the regions' CPU and their
+        # time less the sleeps; the step's start (thread CPU, regions' CPU so far)
+        self._outside_cpu = self._busy_cpu = self._busy_plain = 0.0
+        self._busy_total = 0.0
+        self._begun: tuple[float, float] | None = None
+        self._fixed: list[deque] | None = None  # per rank, the last window's readings
         self.steps = 0
         self.shares = 0
         self.restarts = 0
@@ -172,7 +202,19 @@ class SpeedMonitor:
         names = [name for name, m in model.named_modules() if hasattr(m, "compute_timer")]
         for name in names:
             model.get_submodule(name).compute_timer = self.timer(name)
+
+        def begins(module, args):
+            if module.training and torch.is_grad_enabled():
+                self.begin_step()
+
+        model.register_forward_pre_hook(begins)
         return names
+
+    def begin_step(self) -> None:
+        """A training step begins (the model's forward; see the module doc). Only the first
+        call after ``step()`` counts: a step of several forwards begins at the first."""
+        if self._begun is None:
+            self._begun = (time.thread_time(), self._busy_total)
 
     def timer(self, key: str) -> LayerTimer:
         if key not in self._seconds:
@@ -186,6 +228,19 @@ class SpeedMonitor:
         self._work[key] += work
         self.compute_s += seconds
 
+    def _add_busy(self, cpu: float, plain: float) -> None:
+        """A CPU region's thread CPU time and its time less the emulation's sleeps."""
+        self._busy_cpu += cpu
+        self._busy_plain += plain
+        self._busy_total += cpu
+
+    def _end_step(self) -> None:
+        """The step's CPU outside the timed regions joins the window."""
+        if self._begun is not None:
+            cpu, busy = self._begun
+            self._outside_cpu += max(time.thread_time() - cpu - (self._busy_total - busy), 0.0)
+            self._begun = None
+
     def discard(self) -> None:
         """Forget the figures accumulated since the last exchange (a warm-up step, or the
         old plan's steps); no collective."""
@@ -193,6 +248,8 @@ class SpeedMonitor:
         for key in self.keys:
             self._seconds[key], self._work[key] = 0.0, 0.0
         self._window_steps = 0
+        self._outside_cpu = self._busy_cpu = self._busy_plain = 0.0
+        self._begun = None
 
     def restart(self) -> None:
         """The plan changed: drop every reading and what accumulated since the last exchange
@@ -200,11 +257,13 @@ class SpeedMonitor:
         readings come."""
         self.discard()
         self._readings.clear()
+        self._fixed = None
         self.restarts += 1
 
     # --- the exchange ---------------------------------------------------------
     def step(self) -> bool:
         """End of a training step; every ``every``-th call shares (all ranks). True if it did."""
+        self._end_step()
         self.steps += 1
         self._window_steps += 1
         if self.steps % self.every:
@@ -219,10 +278,13 @@ class SpeedMonitor:
         self.shares += 1
         if not self.keys:  # nothing attached (the same on every rank): nothing to exchange
             return
-        local = torch.tensor([v for k in self.keys for v in (self._seconds[k], self._work[k])],
-                             dtype=torch.float64)  # [2·L]
-        table = self._gather(local).view(self.world, len(self.keys), 2)  # [p, L, (s, work)]
-        self._fold(table, max(self._window_steps, 1))
+        local = torch.tensor([v for k in self.keys for v in (self._seconds[k], self._work[k])]
+                             + [self._outside_cpu, self._busy_cpu, self._busy_plain],
+                             dtype=torch.float64)  # [2·L + 3]
+        table = self._gather(local).view(self.world, -1)
+        self._fold(table[:, :-3].reshape(self.world, len(self.keys), 2),  # [p, L, (s, work)]
+                   max(self._window_steps, 1))
+        self._fold_fixed(table[:, -3:].tolist(), table[:, :-3].reshape(self.world, -1, 2))
         self.discard()
         self.overhead_s += time.perf_counter() - start
 
@@ -256,6 +318,21 @@ class SpeedMonitor:
                         key, [deque(maxlen=self.window) for _ in range(self.world)])
                     ranks[r].append(work / seconds)
 
+    def _fold_fixed(self, rows: list, table: torch.Tensor) -> None:
+        """One reading per rank of its unmovable time over the window's movable compute at
+        the fastest rank's speed (see the module doc); none unless every rank has its
+        figures (CUDA, or a model whose forward ``attach`` did not see, has none)."""
+        seconds, work = table[..., 0].sum(dim=1).tolist(), table[..., 1].sum(dim=1).tolist()
+        if any(s <= 0 or w <= 0 or r[1] <= 0 or r[0] <= 0 for s, w, r in
+               zip(seconds, work, rows)):
+            return
+        fastest = max(w / s for w, s in zip(work, seconds))
+        whole = sum(work) / fastest  # seconds at the fastest rank's speed
+        if self._fixed is None:
+            self._fixed = [deque(maxlen=self.window) for _ in range(self.world)]
+        for r, (outside, cpu, plain) in enumerate(rows):
+            self._fixed[r].append(outside * (plain / cpu) / whole)
+
     # --- what it says ---------------------------------------------------------
     def _speeds(self, key: str) -> tuple[float, ...]:
         ranks = self._readings.get(key)
@@ -282,6 +359,14 @@ class SpeedMonitor:
             return []
         count = min(n, min(len(q) for q in ranks))
         return [relative_speeds([q[len(q) - count + i] for q in ranks]) for i in range(count)]
+
+    def fixed(self) -> tuple[float, ...]:
+        """Every rank's unmovable time per step as a share of the whole movable compute at
+        the fastest rank's speed (see the module doc): the trimmed mean of its readings
+        since the last restart; all 0 before any (and on CUDA)."""
+        if self._fixed is None:
+            return (0.0,) * self.world
+        return tuple(window_speed(list(q)) for q in self._fixed)
 
     def confidence(self) -> float:
         """How full the window is, for the rank with fewest readings since the last
