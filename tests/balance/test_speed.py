@@ -133,7 +133,7 @@ def test_monitor_finds_the_slow_rank_whatever_its_share():
     fast again its speed is the median of the last 3 readings: 1/3 after one fast reading,
     1 after two, while ``recent()`` gives the newest readings themselves (the first fast one
     reads 1 at once). Every rank holds the same figures, and the monitor sends one all-gather
-    of 2 layers × (seconds, work) and 3 figures of unmovable time, float64, per 2 steps,
+    of 2 layers × (seconds, work) and the unmovable seconds, float64, per 2 steps,
     nothing in between."""
     results = run_ranks(_monitor_on_virtual_devices, 2, 2, 12, 8)
     assert results[0] == results[1]  # every rank holds the same figures
@@ -148,7 +148,7 @@ def test_monitor_finds_the_slow_rank_whatever_its_share():
             assert speeds[1] == pytest.approx(w, rel=1e-9), (case, speeds, w)
             assert layer[1] == pytest.approx(w, rel=1e-9), (case, layer, w)
             assert stragglers == ((1,) if w < 1 else ()), (case, stragglers)
-        assert sent == [[], [(2 * 2 + 3) * 8]] * 6, (case, sent)
+        assert sent == [[], [(2 * 2 + 1) * 8]] * 6, (case, sent)
 
 
 class _StallClock(_FlopClock):

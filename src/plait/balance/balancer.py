@@ -249,16 +249,16 @@ class Balancer:
 class ReplicaMonitor(SpeedMonitor):
     """A :class:`SpeedMonitor` of one tp group whose readings are its tp position's slowest
     replica's: after the tp group's exchange, each figure of the table (every tp rank's
-    seconds and work per layer) is the largest over ``dp_group`` (the work is equal on
-    every replica of one plan; the seconds are the slowest replica's). One more small
-    collective per exchange."""
+    seconds and work per layer, and its unmovable seconds) is the largest over ``dp_group``
+    (the work is equal on every replica of one plan; the seconds are the slowest
+    replica's). One more small collective per exchange."""
 
     def __init__(self, group, dp_group, *, every: int = 10, window: int = 5):
         super().__init__(group, every=every, window=window)
         self.dp_group = dp_group
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        return _max_over(super()._gather(local), self.dp_group)  # [p, 2·L]
+        return _max_over(super()._gather(local), self.dp_group)  # [p, 2·L + 1]
 
 
 def _max_over(values: torch.Tensor, group) -> torch.Tensor:

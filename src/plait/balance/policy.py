@@ -439,6 +439,7 @@ class SemiPolicy:
         plan = static_plan(self.total, speeds, self.config.quantum, fixed=self.fixed)
         if plan == self.plan:  # the plan already fits these speeds: they are its basis now
             self.basis, self.imbalanced_steps, self.peak = tuple(speeds), 0, 1.0
+            self.basis_fixed = self.fixed
             return Action("none", f"proportional plan {list(plan.sizes)} is the current one; "
                                   f"{reason}")
         return Action("migrate", f"to {list(plan.sizes)}: {reason}", plan=plan)

@@ -40,11 +40,15 @@ kernel's throttling on a host with a budget; sleeps slow only the layers, so the
 applied to it), so a host slow at everything is slow at this too. Waiting for another rank
 in a collective takes no CPU (gloo's wait blocks), so it is not counted. Each exchange adds
 a reading per rank: that time over the whole window's movable compute done at the fastest
-rank's speed (the share ``plait.balance.policy`` takes). On CUDA, and where a clock other
-than the thread's CPU time or the wall clock times the regions, there is no such reading
-(0: plans by speed alone).
+rank's speed (the share ``plait.balance.policy`` takes). On CUDA, on a CPU rank of several
+threads (the thread's CPU clock sees only its own share), and where a clock other than the
+thread's CPU time or the wall clock times the regions, there is no such reading (0: plans
+by speed alone). What it counts as unmovable is all the work outside the timed layers, some
+of which does move with a plan (the attention itself over a rank's heads, the activation
+over its columns, the optimizer over its shards): a plan that takes work from a rank also
+shortens its reading a little, so the plan takes a little too much from a slow rank.
 
-Cost: two clock reads per region (three on a CPU rank) (CUDA: two events, read only at the
+Cost: two clock reads per region (four on a CPU rank) (CUDA: two events, read only at the
 exchange), and one all_gather of a few hundred bytes every ``every`` steps;
 ``overhead_s`` is the time spent in the exchanges (on a rank that arrives early
 it includes waiting for a slower one; the last to arrive measures the exchange).
@@ -279,12 +283,11 @@ class SpeedMonitor:
         if not self.keys:  # nothing attached (the same on every rank): nothing to exchange
             return
         local = torch.tensor([v for k in self.keys for v in (self._seconds[k], self._work[k])]
-                             + [self._outside_cpu, self._busy_cpu, self._busy_plain],
-                             dtype=torch.float64)  # [2·L + 3]
+                             + [self._unmoved()], dtype=torch.float64)  # [2·L + 1]
         table = self._gather(local).view(self.world, -1)
-        self._fold(table[:, :-3].reshape(self.world, len(self.keys), 2),  # [p, L, (s, work)]
-                   max(self._window_steps, 1))
-        self._fold_fixed(table[:, -3:].tolist(), table[:, :-3].reshape(self.world, -1, 2))
+        pairs = table[:, :-1].reshape(self.world, len(self.keys), 2)  # [p, L, (s, work)]
+        self._fold(pairs, max(self._window_steps, 1))
+        self._fold_fixed(table[:, -1].tolist(), pairs)
         self.discard()
         self.overhead_s += time.perf_counter() - start
 
@@ -318,20 +321,27 @@ class SpeedMonitor:
                         key, [deque(maxlen=self.window) for _ in range(self.world)])
                     ranks[r].append(work / seconds)
 
-    def _fold_fixed(self, rows: list, table: torch.Tensor) -> None:
+    def _unmoved(self) -> float:
+        """This window's unmovable seconds, stretched as the timed compute was (see the module
+        doc); −1: no figure (CUDA, a substituted clock, several threads, no step begun)."""
+        if (self._busy_cpu <= 0 or self._outside_cpu <= 0 or self._busy_plain <= 0
+                or torch.get_num_threads() != 1):
+            return -1.0
+        return self._outside_cpu * self._busy_plain / self._busy_cpu
+
+    def _fold_fixed(self, unmoved: list[float], table: torch.Tensor) -> None:
         """One reading per rank of its unmovable time over the window's movable compute at
-        the fastest rank's speed (see the module doc); none unless every rank has its
-        figures (CUDA, or a model whose forward ``attach`` did not see, has none)."""
+        the fastest rank's speed (see the module doc); none unless every rank has a figure.
+        Under data parallelism each figure is already its slowest replica's."""
         seconds, work = table[..., 0].sum(dim=1).tolist(), table[..., 1].sum(dim=1).tolist()
-        if any(s <= 0 or w <= 0 or r[1] <= 0 or r[0] <= 0 for s, w, r in
-               zip(seconds, work, rows)):
+        if any(s <= 0 or w <= 0 or u < 0 for s, w, u in zip(seconds, work, unmoved)):
             return
         fastest = max(w / s for w, s in zip(work, seconds))
         whole = sum(work) / fastest  # seconds at the fastest rank's speed
         if self._fixed is None:
             self._fixed = [deque(maxlen=self.window) for _ in range(self.world)]
-        for r, (outside, cpu, plain) in enumerate(rows):
-            self._fixed[r].append(outside * (plain / cpu) / whole)
+        for r, u in enumerate(unmoved):
+            self._fixed[r].append(u / whole)
 
     # --- what it says ---------------------------------------------------------
     def _speeds(self, key: str) -> tuple[float, ...]:
