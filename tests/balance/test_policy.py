@@ -583,13 +583,19 @@ def test_equal_unmovable_time_leaves_the_proportional_plan():
     assert static_plan(1024, [1.0, 0.5], fixed=[0.24, 0.45]).sizes == (754, 270)  # a run logged it
 
 
-def test_semi_reads_unmovable_time_over_the_work_resizing_left():
-    """The monitor's unmovable time is over the movable compute done; under resizing that
-    is less than the dim's whole, so the policy scales it back to the whole."""
-    policy = SemiPolicy(PolicyConfig(), total=64, world=2)
-    policy.fractions = (1.0, 0.5)
-    policy.step([1.0, 0.5], 1.0, fixed=[0.4, 0.8])
-    assert policy.fixed == pytest.approx((0.3, 0.6))
+def test_semi_keeps_the_unmovable_times_from_before_resizing_while_resized():
+    """Read under resizing, unmovable times hold the resizing's own work, which the migration
+    ends: semi sizes the migration by those read before the resizing started."""
+    cfg = PolicyConfig(confirm_steps=1, spike_steps=6)
+    policy = SemiPolicy(cfg, total=1024, world=2)
+    acts = [(t, a) for t in range(12) if (a := policy.step(
+        [1.0, 0.5], 1.0, fixed=[0.24, 0.45] if t == 0 else [0.25, 0.55])).kind != "none"]
+    assert [a.kind for _, a in acts] == ["resize", "migrate"], acts
+    assert acts[1][1].plan == static_plan(1024, [1.0, 0.5], fixed=[0.24, 0.45])
+    assert acts[1][1].plan != static_plan(1024, [1.0, 0.5], fixed=[0.25, 0.55])
+    assert policy.basis_fixed == (0.24, 0.45)
+    policy.step([1.0, 0.5], 1.0, fixed=[0.25, 0.55])  # no longer resized: as read
+    assert policy.fixed == (0.25, 0.55)
     with pytest.raises(ValueError, match="fixed times"):
         policy.step([1.0, 0.5], 1.0, fixed=[0.4])
 
@@ -605,21 +611,19 @@ class _UnboundedFixed(SemiPolicy):
 @pytest.mark.parametrize("world", [2, 3])
 def test_semi_plan_check_bounds_unmovable_time_by_the_readings_before_resizing(world):
     """What a kernel-throttled run logged (2 ranks, 2 × rank 1): unmovable times 0.24 and
-    0.42 when the resizing started, 0.25 and 0.52 under it (0.75 of the work done: 0.19 and
-    0.39 of the whole), then on the first confident readings under the migrated plan 0.27
-    and 0.29 (a throttled rank that now waits spends its quota at full speed; 0.25 here, low
-    enough that correcting to it repays its cost), then 0.24 and 0.45 again. Bounded, the
-    check keeps the plan; unbounded, it moves work back to the slow rank (what that run did
-    with readings it did not scale for the resizing: [768, 256] to [676, 348])."""
+    0.42 when the resizing started (the migration is sized by these), then on the first
+    confident readings under the migrated plan 0.27 and 0.29 (a throttled rank that now
+    waits spends its quota at full speed; 0.25 here, low enough that correcting to it repays
+    its cost), then 0.24 and 0.45 again. Bounded, the check keeps the plan; unbounded, it
+    moves work back to the slow rank (what that run did: [768, 256] to [676, 348])."""
     cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
     fast = [1.0] * (world - 1)
-    done = (world - 0.5) / world  # the slow rank resized to half its share
 
     def fixed(f_fast, f_slow):
         return [f_fast] * (world - 1) + [f_slow]
 
     trace = ([(fast + [0.51], 1.0, fixed(0.24, 0.42))] * 3
-             + [(fast + [0.54], 1.0, fixed(0.19 / done, 0.39 / done))] * 9
+             + [(fast + [0.54], 1.0, fixed(0.25, 0.52))] * 9
              + [([1.0] * world, 0.0, None)] * 3 + [(fast + [0.53], 1.0, fixed(0.27, 0.25))]
              + [(fast + [0.50], 1.0, fixed(0.24, 0.45))] * 40)
 
@@ -630,9 +634,10 @@ def test_semi_plan_check_bounds_unmovable_time_by_the_readings_before_resizing(w
     policy = SemiPolicy(cfg, total=1024 * world, world=world)
     acts = drive(policy)
     assert [a.kind for _, a in acts] == ["resize", "migrate"], acts
-    by_speed = static_plan(1024 * world, fast + [0.51])
-    assert acts[1][1].plan.sizes[-1] < 0.85 * by_speed.sizes[-1], (acts, by_speed)
-    assert policy.basis_fixed[-1] == pytest.approx(0.39)  # 0.29, bounded by [0.39, 0.42]
+    by_speed = static_plan(1024 * world, fast + [0.54])
+    assert acts[1][1].plan == static_plan(1024 * world, fast + [0.54], fixed=fixed(0.24, 0.42))
+    assert acts[1][1].plan.sizes[-1] < 0.9 * by_speed.sizes[-1], (acts, by_speed)
+    assert policy.basis_fixed[-1] == pytest.approx(0.42)  # 0.25, bounded by [0.42, 0.42]
     if world == 2:
         unbounded = drive(_UnboundedFixed(cfg, total=1024 * world, world=world))
         assert [a.kind for _, a in unbounded][:3] == ["resize", "migrate", "migrate"], unbounded
