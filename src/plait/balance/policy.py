@@ -142,7 +142,8 @@ def static_plan(total: int, speeds: Sequence[float], quantum: int = 1, *,
                 allow_empty: bool = False, fixed: Sequence[float] | None = None) -> ShardPlan:
     """``total`` units in shares proportional to ``speeds``, in whole quanta, summing exactly;
     with ``fixed`` (each rank's unmovable time, see the module doc) the shares that finish
-    every rank together.
+    every rank together in the module doc's model, a sum over the whole step (the step's
+    collectives split it into segments, which that model does not see).
 
     Every rank gets at least one quantum unless ``allow_empty``; a dim with fewer
     quanta than ranks is then refused rather than starving a rank.

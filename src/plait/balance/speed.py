@@ -140,8 +140,11 @@ class LayerTimer:
             return start
         straggler = _straggler()
         clock = compute_clock(device)
+        # the thread's CPU clock first: reading it settles the kernel's accounting, which may
+        # throttle the thread there, and that wait belongs before the region, not in it
+        cpu = time.thread_time()
         return _CPUToken(clock, clock(), straggler, straggler.delayed_s if straggler else 0.0,
-                         time.thread_time())
+                         cpu)
 
     def count(self, work: float) -> None:
         """Work done in regions timed piece by piece (counted once, not per piece)."""
