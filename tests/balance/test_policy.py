@@ -401,10 +401,14 @@ def test_semi_corrects_a_plan_sized_under_resizing_and_resizes_nothing_on_top(wo
 
 
 class _Unbounded(SemiPolicy):
-    """SEMI whose plan check takes the first readings under the new plan as they are."""
+    """SEMI whose plan check takes the first readings under the new plan as they are: the
+    readings before the resizing named by ``forget`` (``before_resize``: the speeds;
+    ``before_fixed``: the unmovable times) are dropped before it bounds by them."""
+
+    forget = "before_resize"
 
     def _check_plan(self, speeds):
-        self.before_resize = None
+        setattr(self, self.forget, None)
         return super()._check_plan(speeds)
 
 
@@ -600,12 +604,10 @@ def test_semi_keeps_the_unmovable_times_from_before_resizing_while_resized():
         policy.step([1.0, 0.5], 1.0, fixed=[0.4])
 
 
-class _UnboundedFixed(SemiPolicy):
+class _UnboundedFixed(_Unbounded):
     """SEMI whose plan check takes the unmovable times under the new plan as they are."""
 
-    def _check_plan(self, speeds):
-        self.before_fixed = None
-        return super()._check_plan(speeds)
+    forget = "before_fixed"
 
 
 @pytest.mark.parametrize("world", [2, 3])
