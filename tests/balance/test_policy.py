@@ -367,8 +367,39 @@ def test_semi_migrates_a_persistent_straggler_once_its_resizing_undone(world):
     assert policy.fractions is None and policy.plan.sizes[-1] < policy.even.sizes[-1]
 
 
-class _Unchecked(SemiPolicy):
-    """SEMI without the check of a plan sized under resizing."""
+class _Unfloored(SemiPolicy):
+    """SEMI that sizes a migration from a resizing by the readings under it as they are,
+    however far below those before the resizing (``_sizing``)."""
+
+    def _sizing(self, speeds):
+        return speeds
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_semi_sizes_a_migration_from_resizing_by_the_readings_before_it(world):
+    """A 2× straggler from the start (the window settled when the resizing starts, as in
+    bench hetero's straggler-2x), read at 0.38 while resized (0.76 × its speed; 0.5
+    otherwise): semi migrates once, straight to the plan of its true speed, with nothing
+    after. Unfloored, the migration gives the slow rank too little (what the bench's logs
+    showed: 702 to 752 of 1024 columns to the fast rank where 683 fit) and is corrected."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    trace = _noisy([1.0] * (world - 1) + [0.5], 150, 0.02, world)
+    true_plan = static_plan(1024 * world, [1.0] * (world - 1) + [0.5])
+    policy = SemiPolicy(cfg, total=1024 * world, world=world)
+    acts = _closed_loop(policy, trace, warmup=6, resized_reads=0.76)
+    kinds = [a.kind for _, a in acts]
+    assert kinds[-1] == "migrate" and set(kinds[:-1]) == {"resize"}, acts
+    moved = acts[-1][1].plan.sizes[-1]
+    assert abs(moved - true_plan.sizes[-1]) <= 0.03 * true_plan.sizes[-1], acts
+    assert "no lower than before resizing" in acts[-1][1].reason, acts
+    unfloored = _closed_loop(_Unfloored(cfg, total=1024 * world, world=world), trace,
+                             warmup=6, resized_reads=0.76)
+    first = next(a for _, a in unfloored if a.kind == "migrate")
+    assert first.plan.sizes[-1] < 0.9 * true_plan.sizes[-1], unfloored
+
+
+class _Unchecked(_Unfloored):
+    """SEMI without the check of a plan sized under resizing (nor the floor)."""
 
     def _apply(self, action, speeds):
         super()._apply(action, speeds)
@@ -377,17 +408,19 @@ class _Unchecked(SemiPolicy):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_semi_corrects_a_plan_sized_under_resizing_and_resizes_nothing_on_top(world):
-    """A 2× straggler read at 0.38 while resized (0.76 × its speed, as a quiet bench hetero
-    run read it; 0.5 otherwise): the migration sized from those readings gives it too little,
-    and the first confident readings under that plan correct it, once, to the plan of its
-    true speed; no resize on top, nothing after. Unchecked, the too-small plan is bridged by
-    resizing the fast rank (what the bench's log showed: keep 0.80 on rank 0)."""
+    """A 2× straggler from step 10, read at 0.38 while resized (0.76 × its speed, as a quiet
+    bench hetero run read it; 0.5 otherwise). Without the floor (a resizing that starts on a
+    window still holding readings from before the onset has none), the migration sized from
+    the readings under it gives the slow rank too little, and the first confident readings under
+    that plan correct it, once, to the plan of its true speed; no resize on top, nothing
+    after. Unchecked, the too-small plan is bridged by resizing the fast rank (what the
+    bench's log showed: keep 0.80 on rank 0)."""
     cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
     trace = _noisy([1.0] * world, 150, 0.02, world)
     for t in range(10, 150):
         trace[t][world - 1] /= 2.0
     true_plan = static_plan(1024 * world, [1.0] * (world - 1) + [0.5])
-    policy = SemiPolicy(cfg, total=1024 * world, world=world)
+    policy = _Unfloored(cfg, total=1024 * world, world=world)
     acts = _closed_loop(policy, trace, resized_reads=0.76)
     kinds = [a.kind for _, a in acts]
     assert kinds[-2:] == ["migrate", "migrate"] and set(kinds[:-2]) == {"resize"}, acts
@@ -400,7 +433,7 @@ def test_semi_corrects_a_plan_sized_under_resizing_and_resizes_nothing_on_top(wo
     assert any(a.kind == "resize" and a.fractions[0] < 1 for _, a in unchecked), unchecked
 
 
-class _Unbounded(SemiPolicy):
+class _Unbounded(_Unfloored):
     """SEMI whose plan check takes the first readings under the new plan as they are: the
     readings before the resizing named by ``forget`` (``before_resize``: the speeds;
     ``before_fixed``: the unmovable times) are dropped before it bounds by them."""

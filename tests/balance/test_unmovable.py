@@ -16,6 +16,7 @@ from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.testing import run_ranks
 
 STEPS = 24
+MEASURED = 44  # steps of _measured: a window of 9 readings after 4 warm-up steps and more
 
 
 def _mlp():
@@ -38,18 +39,20 @@ def _extra(rank: int, on: int, n: int) -> float:
 
 
 def _measured(n_extra: int):
-    """A real step loop, the monitor attached (every 2 steps, window 5): this rank's extra
-    unmovable CPU per step, its timed compute per step, and the monitor's unmovable times."""
+    """A real step loop, the monitor attached (every 2 steps, window 9: with 5, one rank of
+    two read 0.20 and the other 0.30 without extra work in 1 run of 3 on a 2-core machine),
+    this rank's extra unmovable CPU per step, its timed compute per step, and the monitor's
+    unmovable times."""
     from plait.balance import SpeedMonitor
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    monitor = SpeedMonitor(every=2, window=5)
+    monitor = SpeedMonitor(every=2, window=9)
     monitor.attach(model)
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     extra, seen = [], 0.0
-    for step in range(STEPS):
+    for step in range(MEASURED):
         loss = model(x).square().mean()
         extra.append(_extra(rank, world - 1, n_extra))
         loss.backward()
@@ -64,7 +67,7 @@ def _measured(n_extra: int):
             model(x)
             _extra(rank, 0, n_extra)
             model.train()
-    return (statistics.median(extra[4:]), (monitor.compute_s - seen) / (STEPS - 4),
+    return (statistics.median(extra[4:]), (monitor.compute_s - seen) / (MEASURED - 4),
             monitor.fixed())
 
 
@@ -73,7 +76,7 @@ def test_the_monitor_reads_a_ranks_extra_unmovable_work(world):
     """The last rank does extra matrix products outside the layers each step. Every rank holds
     the same unmovable times; the last rank's exceeds the others' by its extra CPU time over
     the step's whole movable compute (every rank's timed seconds: equal speeds), within 25 %;
-    without the extra work the ranks read alike (within 0.05). Rank 0 does as much work in
+    without the extra work the ranks read alike (within 0.1). Rank 0 does as much work in
     an evaluation between steps, which is not counted. On 3 ranks two share a core: the
     monitor times by the thread's CPU clock there, so it holds."""
     out = run_ranks(_measured, world, 60)
@@ -86,7 +89,9 @@ def test_the_monitor_reads_a_ranks_extra_unmovable_work(world):
     assert extra > 0.3 * whole, (extra, whole)  # the extra work is large beside the layers
     assert fixed[-1] - statistics.fmean(fixed[:-1]) == pytest.approx(extra / whole, rel=0.25)
     alike = run_ranks(_measured, world, 0)[0][2]
-    assert max(alike) - min(alike) <= 0.05, alike
+    # two ranks alone on their cores read up to 0.10 apart (0.24 and 0.30, in 1 of 8 runs
+    # of a 2-core machine); the extra work moves the last rank's by 0.5
+    assert max(alike) - min(alike) <= 0.1, alike
     assert min(alike) > 0, alike
 
 

@@ -237,9 +237,11 @@ class SemiPolicy:
     (:func:`agreement`): jitter with no persistent straggler pushes the window's mean over the
     trigger now and then, but seldom every newest reading with it in the same direction.
 
-    A migration sized by readings taken under resizing is checked by the first confident
-    readings under the new plan (:meth:`_check_plan`): corrected by one more migration
-    where they find it out of balance, else those readings become its basis.
+    A migration from a resizing is sized by readings floored, for the resized ranks, at
+    those taken before it (:meth:`_sizing`), where the window had settled then; one sized
+    by readings taken under resizing is checked by the first confident readings under the
+    new plan (:meth:`_check_plan`): corrected by one more migration where they find it out
+    of balance, else those readings become its basis.
     """
 
     def __init__(self, config: PolicyConfig, total: int, world: int):
@@ -264,6 +266,9 @@ class SemiPolicy:
         # the speeds that started the current resizing, read before any rank was resized
         self.before_resize: tuple[float, ...] | None = None
         self.before_fixed: tuple[float, ...] | None = None  # the unmovable time then
+        # the same speeds while they bound a migration's sizing from below (_sizing)
+        self.floor: tuple[float, ...] | None = None
+        self.settled = True  # this step's window agreed with each of its newest readings
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
 
@@ -314,7 +319,31 @@ class SemiPolicy:
         self.back_steps = self.back_steps + 1 if departure < cfg.release else 0
         # the window lags: a slowdown that has ended fills it for `window` more readings
         self.fresh = min(imbalance([s / b for s, b in zip(r, self.basis)]) for r in recent)
-        return self._taken(self._decide(speeds, raw, on_plan, moved), speeds)
+        # the window has settled: each newest reading agrees with it (not a window that still
+        # holds readings from before a slowdown's onset, or from before it moved)
+        self.settled = all(imbalance([a / b for a, b in zip(r, speeds)]) < cfg.trigger
+                           for r in recent)
+        sizing = self._sizing(speeds)
+        action = self._decide(speeds, raw, on_plan, moved, sizing)
+        return self._taken(action, sizing if action.kind == "migrate" else speeds)
+
+    def _sizing(self, speeds: tuple[float, ...]) -> tuple[float, ...]:
+        """The speeds a migration is sized by: ``speeds``, except that while resized a
+        resized rank's reading counts for no less than its reading before the resizing
+        (fastest = 1 again). A resized rank computes a narrower share, which costs more per
+        unit, and does the resizing's own work on top, so it reads slow: in issue 22's
+        command a 2 × rank read 0.36 to 0.46 under resizing, 0.49 to 0.54 before it, and
+        semi's migrations from those readings gave the fast rank 702 to 752 of 1024 columns
+        where 683 fit. One that really got slower under the resizing is sized too fast, and
+        the readings under the new plan depart from its basis: resized, then migrated again.
+        Only readings from a settled window bound it (each newest reading within ``trigger``
+        of the window's: not a window still holding readings from before a slowdown began or
+        moved), and only until the resizing is redone because the speeds moved under it."""
+        if self.fractions is None or self.floor is None:
+            return speeds
+        floored = [max(s, b) if k < 1.0 else s
+                   for s, b, k in zip(speeds, self.floor, self.fractions)]
+        return tuple(v / max(floored) for v in floored)
 
     def _taken(self, action: Action, speeds: tuple[float, ...]) -> Action:
         """Apply ``action`` to the state, log it unless it is none; the step is over."""
@@ -325,7 +354,9 @@ class SemiPolicy:
         return action
 
     # --- the rules, in priority order --------------------------------------
-    def _decide(self, speeds, raw: float, on_plan: float, moved: bool) -> Action:
+    def _decide(self, speeds, raw: float, on_plan: float, moved: bool,
+                sizing: tuple[float, ...]) -> Action:
+        """``sizing``: the speeds a migration is sized by (:meth:`_sizing`)."""
         cfg, name = self.config, self.config.name
         figures = (f"speeds {_fmt(speeds)}{self._unmoved()}, imbalance {on_plan:.2f} on plan "
                    f"{list(self.plan.sizes)}")
@@ -352,12 +383,14 @@ class SemiPolicy:
         if persisted and (self.fresh < cfg.trigger or  # a newest reading says it is over
                           math.log(self.fresh) < 0.5 * math.log(self.peak)):
             persisted, figures = False, f"{figures}; newest readings depart {self.fresh:.2f}"
+        if sizing != speeds:
+            figures = f"{figures}; sized by {_fmt(sizing)} (no lower than before resizing)"
         if out and persisted:
-            pays, why = self._pays(speeds)
+            pays, why = self._pays(sizing)
             persisted, figures = pays, f"{figures}; {why}"
         if out and (name == "migrate" or persisted):
             why = "persisted" if name == "semi" else "policy migrate"
-            action = self._migrate(speeds, f"{why} ({self.imbalanced_steps} steps): {figures}")
+            action = self._migrate(sizing, f"{why} ({self.imbalanced_steps} steps): {figures}")
             if action.kind == "migrate":
                 return action
         if self.fractions is not None:
@@ -457,6 +490,7 @@ class SemiPolicy:
             if self.check_since is None:
                 self.before_resize = None
             self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
+            self.floor = None
             self.peak = 1.0
             self.basis = (1.0,) * self.world if action.plan == self.even else speeds
             self.basis_fixed = None if action.plan == self.even else self.fixed
@@ -465,9 +499,13 @@ class SemiPolicy:
         elif action.kind == "resize":
             if self.fractions is None:  # the resizing starts: these readings are unbiased
                 self.before_resize, self.before_fixed = speeds, self.fixed
+                self.floor = speeds if self.settled else None
+            else:  # redone: the speeds moved under it, so they no longer bound a migration
+                self.floor = None
             self.fractions = action.fractions
         elif action.kind == "undo":
             self.fractions, self.before_resize, self.before_fixed = None, None, None
+            self.floor = None
 
 
 def _within(values: Sequence[float], one: Sequence[float],
