@@ -211,3 +211,22 @@ def test_a_sigkilled_launcher_takes_its_ranks_with_it(tmp_path):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"
+
+
+def _progress_until_stopped():
+    from plait.runtime.progress import mark
+
+    while True:
+        mark("a step")
+        time.sleep(0.05)
+
+
+def test_a_deadline_over_ranks_still_running_blames_the_deadline():
+    """Ranks that keep making progress until the deadline: the error says the run passed
+    its deadline while they ran, not that a rank stopped answering (a new user's trial read
+    "stopped answering: it made no progress, ..., no progress for 0 s" there)."""
+    with pytest.raises(RankError, match="deadline") as info:
+        launch(_progress_until_stopped, 2, timeout_s=5, deadline_s=2, threads=1)
+    summary = info.value.summary
+    assert summary.startswith("had not finished (last in a step)"), summary
+    assert "stopped answering" not in summary and "no progress for" not in summary, summary

@@ -257,15 +257,21 @@ def _collect(procs: list, conns: list, deadline_s: float | None,
         now = time.monotonic()
         if first_failure_at is not None and now - first_failure_at > _GRACE_S:
             break
-        stop = None
         if deadline_s is not None and now - start > deadline_s:
-            stop = f"the run passed its {deadline_s:g} s deadline"
-        elif watchdog.expired(now):
-            stop = (f"no rank made progress for {watchdog.limit_s:g} s (the collective "
-                    f"timeout + {watchdog.grace_s:g} s)")
-        if stop is not None:
+            # the deadline, not a hang: name the rank furthest behind and where it was
+            rank, _ = watchdog.blame(sorted(pending), pids, now)
+            where, quiet = watchdog.board.last_op(rank), watchdog.quiet_s(rank, now)
+            state = ", ".join(([f"last in {where}"] if where else [])
+                              + ([f"no progress for {quiet:.0f} s"] if quiet >= 1 else []))
+            failures.append((rank, f"had not finished{f' ({state})' if state else ''} when "
+                                   f"the run passed its {deadline_s:g} s deadline",
+                             "", None, None))
+            break
+        if watchdog.expired(now):
             rank, why = watchdog.blame(sorted(pending), pids, now)
-            failures.append((rank, f"{why}; {stop}, so every rank was stopped", "", None, None))
+            failures.append((rank, f"{why}; no rank made progress for {watchdog.limit_s:g} s "
+                                   f"(the collective timeout + {watchdog.grace_s:g} s), so "
+                                   f"every rank was stopped", "", None, None))
             break
         handles = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
         for handle in wait(list(handles), timeout=0.1):

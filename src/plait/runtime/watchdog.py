@@ -65,6 +65,11 @@ class Watchdog:
             return False
         return now - max(self._changed_at) > self.limit_s
 
+    def quiet_s(self, rank: int, now: float) -> float:
+        """Seconds since ``rank`` last marked progress (since the watch began if never)."""
+        self.poll(now)
+        return now - self._changed_at[rank]
+
     def blame(self, ranks: list[int], pids: dict[int, int | None], now: float) -> tuple[int, str]:
         """Of ``ranks`` (those that never answered), the one to name and why: a stopped
         process first, else the one with the least progress, then the one quiet longest."""
