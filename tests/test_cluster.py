@@ -178,12 +178,16 @@ if __name__ == "__main__":
 
 @needs_netns
 @pytest.mark.netns
-def test_the_next_run_removes_what_a_sigkilled_run_left(tmp_path, caplog):
-    # SIGKILL runs no handler: the namespaces and the launch folder stay until the next run
+def test_the_next_run_removes_what_a_sigkilled_run_left(tmp_path, caplog, monkeypatch):
+    # SIGKILL runs no handler: the namespaces and the launch folder stay until the next run.
+    # The killed run's temporary folder is the test's (here too): it also leaves
+    # multiprocessing's pymp-* folder (its forkserver's socket), which no later run can
+    # tell from a live one's, and a CI run of the suite left one in /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = tmp_path / "killed.py"
     script.write_text(_KILLED)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, cwd=tmp_path)
+                            text=True, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         tag = proc.stdout.readline().strip()
         _wait_for_ranks(tmp_path, proc)
