@@ -80,6 +80,9 @@ ROWS = [
     ("tp-heads-uneven", ["bench", "tp", "--n-head", "3"], "n_head 3", ()),
     ("hetero-one-rank", ["bench", "hetero", "--ranks", "1"], "at least 2 ranks", ()),
     ("hetero-policy-unknown", ["bench", "hetero", "--policies", "fastest"], "fastest", ()),
+    # a new user's trial read "--warmup must be in [0, --steps)" for a --steps they gave
+    ("hetero-steps-under-warmup", ["bench", "hetero", "--steps", "3"],
+     "--steps 3 leaves no timed step", ()),
     ("bench-missing", ["bench"], "required", ()),
     ("bench-unknown", ["bench", "nccl"], "invalid choice", ()),
     # plait simulate

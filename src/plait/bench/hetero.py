@@ -168,7 +168,9 @@ class HeteroBenchConfig:
         if self.spike_at < 0:
             raise ValueError(f"--spike-at must be a step (≥ 0), got {self.spike_at}")
         if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"--warmup must be in [0, --steps), got {self.warmup}")
+            raise ValueError(f"--steps {self.steps} leaves no timed step after the "
+                             f"{self.warmup} warm-up steps (--warmup): need --warmup in "
+                             f"[0, --steps)")
         if self.neighbour and self.spike_at >= self.steps:
             raise ValueError(f"the noisy neighbour (from step {self.spike_at}, --spike-at) "
                              f"does not start within --steps {self.steps}")
