@@ -401,8 +401,8 @@ def test_semi_sizes_a_migration_from_resizing_by_the_readings_before_it(world):
 class _Unchecked(_Unfloored):
     """SEMI without the check of a plan sized under resizing (nor the floor)."""
 
-    def _apply(self, action, speeds):
-        super()._apply(action, speeds)
+    def _apply(self, action, speeds, settled):
+        super()._apply(action, speeds, settled)
         self.check_since = None
 
 

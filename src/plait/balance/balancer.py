@@ -375,7 +375,8 @@ def _policy_state(policy: SemiPolicy) -> dict:
             "before_resize": (None if policy.before_resize is None
                               else list(policy.before_resize)),
             **{k: None if getattr(policy, k) is None else list(getattr(policy, k))
-               for k in ("before_fixed", "basis_fixed", "floor")},
+               for k in ("before_fixed", "basis_fixed")},
+            "floored": policy.floored,
             **{k: getattr(policy, k) for k in _POLICY_COUNTS},
             "log": [(step, _plain_action(a)) for step, a in policy.log]}
 
@@ -393,8 +394,9 @@ def _set_policy_state(policy: SemiPolicy, state: dict) -> None:
     policy.fractions = None if state["fractions"] is None else tuple(state["fractions"])
     before = state.get("before_resize")  # None: older saves
     policy.before_resize = None if before is None else tuple(before)
-    for k in ("before_fixed", "basis_fixed", "floor"):  # None: older saves
+    for k in ("before_fixed", "basis_fixed"):  # None: older saves
         setattr(policy, k, None if state.get(k) is None else tuple(state[k]))
+    policy.floored = bool(state.get("floored", state.get("floor")))  # older saves: a tuple or none
     for k in _POLICY_COUNTS:
         setattr(policy, k, state.get(k) if k == "check_since" else state[k])  # None: older saves
     policy.log = [(step, _action(a)) for step, a in state["log"]]

@@ -266,9 +266,8 @@ class SemiPolicy:
         # the speeds that started the current resizing, read before any rank was resized
         self.before_resize: tuple[float, ...] | None = None
         self.before_fixed: tuple[float, ...] | None = None  # the unmovable time then
-        # the same speeds while they bound a migration's sizing from below (_sizing)
-        self.floor: tuple[float, ...] | None = None
-        self.settled = True  # this step's window agreed with each of its newest readings
+        # whether those speeds bound a migration's sizing from below (_sizing)
+        self.floored = False
         self.log: list[tuple[int, Action]] = []
         self.steps = 0
 
@@ -321,11 +320,11 @@ class SemiPolicy:
         self.fresh = min(imbalance([s / b for s, b in zip(r, self.basis)]) for r in recent)
         # the window has settled: each newest reading agrees with it (not a window that still
         # holds readings from before a slowdown's onset, or from before it moved)
-        self.settled = all(imbalance([a / b for a, b in zip(r, speeds)]) < cfg.trigger
-                           for r in recent)
+        settled = all(imbalance([a / b for a, b in zip(r, speeds)]) < cfg.trigger
+                      for r in recent)
         sizing = self._sizing(speeds)
         action = self._decide(speeds, raw, on_plan, moved, sizing)
-        return self._taken(action, sizing if action.kind == "migrate" else speeds)
+        return self._taken(action, sizing if action.kind == "migrate" else speeds, settled)
 
     def _sizing(self, speeds: tuple[float, ...]) -> tuple[float, ...]:
         """The speeds a migration is sized by: ``speeds``, except that while resized a
@@ -339,15 +338,17 @@ class SemiPolicy:
         Only readings from a settled window bound it (each newest reading within ``trigger``
         of the window's: not a window still holding readings from before a slowdown began or
         moved), and only until the resizing is redone because the speeds moved under it."""
-        if self.fractions is None or self.floor is None:
+        if self.fractions is None or not self.floored:
             return speeds
         floored = [max(s, b) if k < 1.0 else s
-                   for s, b, k in zip(speeds, self.floor, self.fractions)]
+                   for s, b, k in zip(speeds, self.before_resize, self.fractions)]
         return tuple(v / max(floored) for v in floored)
 
-    def _taken(self, action: Action, speeds: tuple[float, ...]) -> Action:
-        """Apply ``action`` to the state, log it unless it is none; the step is over."""
-        self._apply(action, speeds)
+    def _taken(self, action: Action, speeds: tuple[float, ...], settled: bool = False) -> Action:
+        """Apply ``action`` to the state, log it unless it is none; the step is over.
+        ``settled``: each newest reading agreed with the window's (a resizing that starts
+        then is floored, :meth:`_sizing`)."""
+        self._apply(action, speeds, settled)
         if action.kind != "none":
             self.log.append((self.steps, action))
         self.steps += 1
@@ -501,7 +502,7 @@ class SemiPolicy:
                                   f"{reason}")
         return Action("migrate", f"to {list(plan.sizes)}: {reason}", plan=plan)
 
-    def _apply(self, action: Action, speeds: tuple[float, ...]) -> None:
+    def _apply(self, action: Action, speeds: tuple[float, ...], settled: bool) -> None:
         if action.kind == "migrate":
             resized = self.fractions is not None and action.plan != self.even
             self.check_since = (self.steps - self.imbalanced_steps
@@ -509,7 +510,7 @@ class SemiPolicy:
             if self.check_since is None:
                 self.before_resize = None
             self.plan, self.fractions, self.imbalanced_steps = action.plan, None, 0
-            self.floor = None
+            self.floored = False
             self.peak = 1.0
             self.basis = (1.0,) * self.world if action.plan == self.even else speeds
             self.basis_fixed = None if action.plan == self.even else self.fixed
@@ -518,13 +519,13 @@ class SemiPolicy:
         elif action.kind == "resize":
             if self.fractions is None:  # the resizing starts: these readings are unbiased
                 self.before_resize, self.before_fixed = speeds, self.fixed
-                self.floor = speeds if self.settled else None
+                self.floored = settled
             else:  # redone: the speeds moved under it, so they no longer bound a migration
-                self.floor = None
+                self.floored = False
             self.fractions = action.fractions
         elif action.kind == "undo":
             self.fractions, self.before_resize, self.before_fixed = None, None, None
-            self.floor = None
+            self.floored = False
 
 
 def _within(values: Sequence[float], one: Sequence[float],
