@@ -107,7 +107,11 @@ def _balanced(n_extra: int):
     rank_context().straggler = slow
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    balancer = Balancer(model, opt, None, PolicyConfig(name="migrate"), every=2, warmup=2)
+    # a window of 9 readings: with 5, one run in 5 on a 2-core machine read a fast rank's
+    # unmovable time at 0.41 against the slow one's 0.53 with extra work, or 0.42 on the slow
+    # one without it (a plan 0.82 of the one by speed)
+    balancer = Balancer(model, opt, None, PolicyConfig(name="migrate"), every=2, window=9,
+                        warmup=2)
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
         slow.set_step(step)
