@@ -6,11 +6,11 @@ By hand: two ranks, rank 1 2 × slower, each with 100 units of work a step: rank
 what compute does not explain is 10 − 8 = 2 ms; the ideal 7.33 ms, × ideal 1.36: what
 ``bench hetero``'s ``ideal_step(t_none = 2 + 4, c = 4, [1, 2])`` gives.
 
-A real run: one launch of 2 ranks, rank 1 2 × slower (straggler emulation), the same GPT
+A real run: one launch of 2 ranks, rank 1 3 × slower (straggler emulation), the same GPT
 under ``--balance even`` and then ``semi``. Every step's record carries every rank's timed
 compute, work and slowdown; the ideal recomputed here from those figures is the reported
 one, and the figures agree with the balancer's own speed monitor. Even's slowest rank
-computes 1.5 × what the capacity needs (2 u against 2 · 2 u / 3) and semi's less; so even's
+computes 2 × what the capacity needs (3 u against 2 · 3 u / 4) and semi's less; so even's
 × ideal is above semi's. × ideal itself is judged only against semi's: it is
 ``step / (step − (slowest compute − ideal compute))``, and load on a shared machine
 stretches the step's wall time (measured: 1.04 for even at a load average of 8 on 2 cores,
@@ -73,14 +73,14 @@ def _by_hand(records: list[dict]) -> float:
 
 
 def test_train_reports_the_ideal_and_semi_comes_closer():
-    results = launch(_even_then_semi, 2, slow=[parse_slow("1:2")], timeout_s=120,
+    results = launch(_even_then_semi, 2, slow=[parse_slow("1:3")], timeout_s=120,
                      threads=1, deadline_s=600)
     even, semi = results[0]["even"], results[0]["semi"]
     for run in (even, semi):
         ideal = run["ideal"]
         assert ideal["t_ideal_s"] == pytest.approx(_by_hand(run["records"]), rel=1e-9)
         assert ideal["steps"] == CFG.steps - 5
-        assert all(r["slow"] == [1.0, 2.0] for r in run["records"])
+        assert all(r["slow"] == [1.0, 3.0] for r in run["records"])
         assert all(r["work"][0] > 0 and r["work"][1] > 0 for r in run["records"])
     # the tally times what the balancer's monitor times (every step's compute, eval none)
     for rank in (0, 1):
@@ -88,12 +88,16 @@ def test_train_reports_the_ideal_and_semi_comes_closer():
         monitor = results[rank]["semi"]["balance"]["compute_s_per_step"] * CFG.steps
         assert mine == pytest.approx(monitor, rel=0.05), rank
     # The size of the gap is judged by what the machine's load cannot move: compute timed by
-    # CPU time plus the emulation's sleeps. Even: the slowest rank computes 2 u a step where
-    # the capacity needs 2 · 2 u / 3 (1.5 ×); semi moves (or first skips) work.
+    # CPU time plus the emulation's sleeps. Even: the slowest rank computes 3 u a step where
+    # the capacity needs 2 · 3 u / 4 (2 ×); semi moves (or first skips) work. The rank is 3 ×
+    # slow, not 2 ×: this GPT's unmovable time (1.2-1.3 of its movable compute) left a 2 × rank
+    # an imbalance near the trigger's 1.2, and a clean-clone run made no decision in 44 steps.
     even_gap = even["ideal"]["max_compute_s"] / even["ideal"]["ideal_compute_s"]
     semi_gap = semi["ideal"]["max_compute_s"] / semi["ideal"]["ideal_compute_s"]
-    assert 1.25 < even_gap < 2.2, even["ideal"]  # 1.5 expected; clean-clone CI runs: 1.89, 1.35
-    assert semi_gap < 1.25, semi["ideal"]
+    assert 1.6 < even_gap < 2.9, even["ideal"]  # 2 expected
+    # semi: balanced after its migration, up to two noisy ranks' max and a narrow share's
+    # per-unit cost (1.21-1.35 measured at 3 ×); one that moved nothing would read even's
+    assert semi_gap < 1 + (even_gap - 1) / 2, (semi["ideal"], even["ideal"])
     # × ideal is step / (step − that gap's seconds): above 1 for even, nearer 1 for semi (how
     # far above 1 shrinks as load stretches the step's other parts)
     assert even["ideal"]["ratio_to_ideal"] > semi["ideal"]["ratio_to_ideal"] > 0.9, \
