@@ -135,8 +135,8 @@ def test_a_rank_slow_at_unmovable_work_too_is_given_less_than_its_speeds_share(w
     at everything) is migrated to the plan that finishes every rank together, counting that
     time: less than its speed's share, by the amount the policy's formula gives for the
     measured figures (``static_plan`` with ``fixed``, the single-process reference). Without
-    the extra work the ranks read alike and the plan is the one by speed alone (within
-    15 %: the readings are noisy)."""
+    the extra work the ranks read alike (apart by under half what the extra work moved) and
+    the plan is the one by speed alone (within 15 %: the readings are noisy)."""
     from plait.balance import static_plan
 
     out = run_ranks(_balanced, world, 30)
@@ -149,11 +149,13 @@ def test_a_rank_slow_at_unmovable_work_too_is_given_less_than_its_speeds_share(w
     print(f"\nspeeds {[round(s, 2) for s in speeds]}, unmovable {[round(f, 2) for f in fixed]}:"
           f" plan {sizes}, by speed alone {by_speed}")
     assert fixed[-1] > 1.5 * max(fixed[:-1]), fixed
+    moved = fixed[-1] - statistics.fmean(fixed[:-1])  # what the extra work moves
     assert sizes[-1] <= 0.85 * by_speed[-1], (sizes, by_speed)
     # without the extra work: alike unmovable times, about the plan by speed alone
     decisions, speeds, fixed = run_ranks(_balanced, world, 0)[0]
     sizes, by_speed = decisions[-1][1], static_plan(1536, speeds).sizes
     print(f"without: speeds {[round(s, 2) for s in speeds]}, unmovable "
           f"{[round(f, 2) for f in fixed]}: plan {sizes}, by speed alone {by_speed}")
-    assert max(fixed) - min(fixed) <= 0.1, fixed
+    # alike, against what the extra work moved (0.34-0.40): a run read 0.35 and 0.46 here
+    assert max(fixed) - min(fixed) < 0.5 * moved, (fixed, moved)
     assert 0.85 * by_speed[-1] <= sizes[-1] <= 1.15 * by_speed[-1], (sizes, by_speed)

@@ -27,7 +27,10 @@ are otherwise measured slow whenever the scheduler runs another rank mid-GEMM); 
 otherwise, which already holds the sleeps (they are not added twice: a 2 × rank would read
 1/3, a 4 × one 1/7). On a host with a CPU budget it is wall time: a rank the kernel throttles
 (``bench hetero --slow-by kernel``) waits for its quota, which is not CPU time, so it is seen
-slow as it is.
+slow as it is. The kernel throttles a thread where its accounting is settled (a tick, a
+system call), and reading the thread's CPU clock settles it; so the timer reads that clock
+before the wall clock at both ends of a region, and a wait for quota spent in the region
+falls inside it.
 
 Unmovable time (``fixed()``): what a rank spends in a training step outside the timed
 layers (its replicated layers, the loss, the optimizer, Python), which no plan moves. The
@@ -154,12 +157,18 @@ class LayerTimer:
         if isinstance(token, _CPUToken):
             slept = (token.straggler.delayed_s - token.delayed
                      if token.straggler is not None else 0.0)
+            # the thread's CPU clock first again: the kernel throttles a thread that ran out of
+            # its quota in the region where this reading settles its accounting; read after
+            # the region's clock, that wait fell outside the region (a half-core budget's
+            # short regions read 0.63-0.92 of a core by their wall time where the thread got
+            # 0.29-0.50 of its runnable time, and 0.50-0.51 read in this order)
+            cpu = time.thread_time() - token.cpu
             # the wall clock ran through the sleeps; a CPU clock did not
             seconds = token.clock() - token.start
             seconds += 0.0 if token.clock is time.perf_counter else slept
             self.monitor._add(self.key, seconds, work)
             if token.clock in _REAL_CLOCKS:  # a substituted clock (a test's) has no stretch
-                self.monitor._add_busy(time.thread_time() - token.cpu, seconds - slept)
+                self.monitor._add_busy(cpu, seconds - slept)
         else:  # CUDA: read the pair at the next exchange, after one synchronize
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()
