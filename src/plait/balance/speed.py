@@ -160,8 +160,8 @@ class LayerTimer:
             # the thread's CPU clock first again: the kernel throttles a thread that ran out of
             # its quota in the region where this reading settles its accounting; read after
             # the region's clock, that wait fell outside the region (a half-core budget's
-            # short regions read 0.63-0.92 of a core by their wall time where the thread got
-            # 0.29-0.50 of its runnable time, and 0.50-0.51 read in this order)
+            # short regions read 0.63-0.93 by their wall time where the thread got 0.29-0.51
+            # of its runnable time; read in this order, within 0.02 of what it got)
             cpu = time.thread_time() - token.cpu
             # the wall clock ran through the sleeps; a CPU clock did not
             seconds = token.clock() - token.start
