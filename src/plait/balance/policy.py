@@ -373,6 +373,10 @@ class SemiPolicy:
             why = "balanced" if settled else "back at the plan's speeds"
             return Action("undo", f"{why} for {cfg.settle_steps} steps (< {cfg.release}): "
                                   f"{figures}")
+        rose = self._rose(speeds)
+        if rose >= cfg.trigger:
+            return Action("undo", f"over: the resized ranks read {rose:.2f} × their speed when "
+                                  f"the resizing began (≥ {cfg.trigger}); {figures}")
         if self.plan != self.even and settled and name in ("migrate", "semi"):
             return Action("migrate", f"slowdown over for {self.balanced_steps} steps: back to "
                                      f"the even plan; {figures}", plan=self.even)
@@ -405,6 +409,19 @@ class SemiPolicy:
             kind = "a spike" if name == "semi" else "a slowdown"
             return self._resize(speeds, on_plan, f"bridging {kind}; {figures}")
         return Action("none", figures)
+
+    def _rose(self, speeds: tuple[float, ...]) -> float:
+        """While resized: how much faster the resized ranks read than when the resizing
+        began, the least of them (1 when not resized). A slowdown that ended shows here
+        first: read under the resizing a rank is a little slow (a narrower GEMM and the
+        resizing's own work: 0.79-0.91 × its speed in kernel-made runs after their spike),
+        and the unmovable times kept from before the resizing were read during the
+        slowdown, so the other tests can see the resizing as still needed (3 of 12 such
+        runs stayed resized to the end, 0.67 pp of held-out accuracy lost)."""
+        if self.fractions is None or self.before_resize is None:
+            return 1.0
+        return min(s / b for s, b, k in zip(speeds, self.before_resize, self.fractions)
+                   if k < 1.0)
 
     def _pays(self, speeds, age: int | None = None, ways: int = 2) -> tuple[bool, str]:
         """Whether migrating now repays its cost there and back (``ways`` 2; 1: a

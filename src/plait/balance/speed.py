@@ -159,9 +159,9 @@ class LayerTimer:
                      if token.straggler is not None else 0.0)
             # the thread's CPU clock first again: the kernel throttles a thread that ran out of
             # its quota in the region where this reading settles its accounting; read after
-            # the region's clock, that wait fell outside the region (a half-core budget's
-            # short regions read 0.63-0.93 by their wall time where the thread got 0.29-0.51
-            # of its runnable time; read in this order, within 0.02 of what it got)
+            # the region's clock, that wait fell outside the region (scripts/clock_order.py:
+            # at half a core, short regions read 0.67-0.97 by their wall time where the
+            # thread got 0.27-0.51 of its runnable time; in this order 0.26-0.50)
             cpu = time.thread_time() - token.cpu
             # the wall clock ran through the sleeps; a CPU clock did not
             seconds = token.clock() - token.start
