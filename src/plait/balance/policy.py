@@ -416,8 +416,8 @@ class SemiPolicy:
         first: read under the resizing a rank is a little slow (a narrower GEMM and the
         resizing's own work: 0.79-0.91 × its speed in kernel-made runs after their spike),
         and the unmovable times kept from before the resizing were read during the
-        slowdown, so the other tests can see the resizing as still needed (3 of 12 such
-        runs stayed resized to the end, 0.67 pp of held-out accuracy lost)."""
+        slowdown, so the other tests can see the resizing as still needed (8 of 12 such
+        runs stayed resized to the end, losing 0.21-0.67 pp of held-out accuracy)."""
         if self.fractions is None or self.before_resize is None:
             return 1.0
         return min(s / b for s, b, k in zip(speeds, self.before_resize, self.fractions)
