@@ -123,8 +123,8 @@ def test_kernel_mode_is_refused_without_one_rank_per_host(monkeypatch):
         HeteroBenchConfig(slow_by="nap")
     monkeypatch.delenv("PLAIT_HOST_CPU", raising=False)
     cfg = HeteroBenchConfig(slow_by="kernel", scenarios=("none",), policies=("even",))
-    for ranks, hosts in ((2, 0), (4, 2)):
-        with pytest.raises(ValueError, match=f"one rank per host: --hosts {ranks}"):
+    for ranks, hosts, given in ((2, 0, "got no --hosts"), (4, 2, "got --hosts 2")):
+        with pytest.raises(ValueError, match=f"one rank per host: --hosts {ranks} .*{given}"):
             bench_hetero(cfg, ranks=ranks, hosts=hosts)
 
 

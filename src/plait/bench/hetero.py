@@ -729,8 +729,9 @@ def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
          cfg.neighbour)) if needed]
     if needs:
         if hosts != ranks:
+            given = f"got --hosts {hosts}" if hosts else "got no --hosts (loopback)"
             raise ValueError(f"{needs[0]}, so it needs one rank per host: --hosts {ranks} for "
-                             f"{ranks} ranks, got --hosts {hosts}")
+                             f"{ranks} ranks, {given}")
         if host_cpu is None and not os.environ.get(HOST_CPU_ENV):
             host_cpu = 1.0
     return run_placed(run_hetero, cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=timeout_s,
