@@ -32,13 +32,11 @@ import sys
 import threading
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from plait.runtime.cgroup import (cpu_controller, make_cgroup, remove_cgroup,  # noqa: E402
+                                  thread_sched)
+
 CASES = [(20, 0.0), (20, 3.0), (20, 6.0), (5, 0.0), (5, 3.0)]  # (matmuls, spin ms)
-
-
-def _sched() -> tuple[float, float]:
-    with open("/proc/thread-self/schedstat") as f:
-        cpu, waited, _ = f.read().split()
-    return int(cpu) / 1e9, int(waited) / 1e9
 
 
 def child(n: int, spin_ms: float, order: str, steps: int = 60) -> dict:
@@ -60,7 +58,7 @@ def child(n: int, spin_ms: float, order: str, steps: int = 60) -> dict:
 
     threading.Thread(target=poller, daemon=True).start()
     wall = cpu = 0.0
-    first = _sched()
+    first = thread_sched()
     for _ in range(steps):
         cpu0 = time.thread_time()
         wall0 = time.perf_counter()
@@ -76,7 +74,7 @@ def child(n: int, spin_ms: float, order: str, steps: int = 60) -> dict:
             go.set()
             done.wait()
             done.clear()
-    last = _sched()
+    last = thread_sched()
     got, waited = last[0] - first[0], last[1] - first[1]
     return {"region": cpu / wall, "thread": got / (got + waited)}
 
@@ -93,9 +91,6 @@ def main() -> int:
             f.write(str(os.getpid()))
         print(json.dumps(child(int(n), float(spin), order)))
         return 0
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    from plait.runtime.cgroup import cpu_controller, make_cgroup, remove_cgroup
-
     controller = cpu_controller()
     if controller is None or os.geteuid() != 0:
         print("clock_order: needs root and a cgroup cpu controller", file=sys.stderr)

@@ -22,7 +22,8 @@ from plait.balance.speed import window_speed
 from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero, with_ideal
 from plait.runtime import EmulatedCluster, SlowSpec, Straggler, launch, rank_context
 from plait.runtime.cgroup import (CpuController, cpu_budget, cpu_controller,
-                                  cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget)
+                                  cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget,
+                                  thread_sched)
 from plait.runtime.straggler import host_throttle
 
 from conftest import budgets_here, needs_netns
@@ -191,14 +192,6 @@ def _fmt(values):
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def _thread_sched() -> tuple[float, float]:
-    """This thread's CPU seconds and the seconds it waited while runnable, for a core or for
-    its cgroup's quota: the kernel's accounting (``/proc/thread-self/schedstat``)."""
-    with open("/proc/thread-self/schedstat") as f:
-        cpu, waited, _ = f.read().split()
-    return int(cpu) / 1e9, int(waited) / 1e9
-
-
 def _spin_monitored(steps: int, n: int):
     """Rank side: ``steps`` steps of a CPU-bound loop of ``n`` matmuls, two to a timed region,
     the last rank 2 × slower by the kernel (``host_throttle``), every step started together; the
@@ -219,7 +212,7 @@ def _spin_monitored(steps: int, n: int):
             straggler.set_step(step)
             dist.barrier()
             if step == 8:
-                first = _thread_sched()
+                first = thread_sched()
             wall.append(0.0)
             thread = time.thread_time()
             for _ in range(n // 2):  # short regions, as a fused operator's pieces are
@@ -231,7 +224,7 @@ def _spin_monitored(steps: int, n: int):
                 timer.end(token, 2.0)
             cpu.append(time.thread_time() - thread)
             monitor.step()
-        last = _thread_sched()
+        last = thread_sched()
     finally:
         straggler.throttle(1.0)
     return monitor.speeds(), monitor.compute_s, cpu, wall, last[0] - first[0], last[1] - first[1]

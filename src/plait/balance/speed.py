@@ -157,11 +157,8 @@ class LayerTimer:
         if isinstance(token, _CPUToken):
             slept = (token.straggler.delayed_s - token.delayed
                      if token.straggler is not None else 0.0)
-            # the thread's CPU clock first again: the kernel throttles a thread that ran out of
-            # its quota in the region where this reading settles its accounting; read after
-            # the region's clock, that wait fell outside the region (scripts/clock_order.py:
-            # at half a core, short regions read 0.67-0.97 by their wall time where the
-            # thread got 0.27-0.51 of its runnable time; in this order 0.26-0.50)
+            # the CPU clock first again, so a wait for quota the region used lands inside it
+            # (the module doc; measured by scripts/clock_order.py)
             cpu = time.thread_time() - token.cpu
             # the wall clock ran through the sleeps; a CPU clock did not
             seconds = token.clock() - token.start

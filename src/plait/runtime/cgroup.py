@@ -32,7 +32,7 @@ from typing import Sequence
 __all__ = ["CpuController", "find_cpu_controller", "cpu_controller", "cpu_support",
            "parse_budgets", "parse_host_cpu", "quota_for", "make_cgroup", "join_cgroup",
            "cgroup_pids", "remove_cgroup", "plait_cgroups", "NoisyNeighbour",
-           "set_cpu_budget", "cpu_budget", "cpu_throttled", "CPU_PERIOD_US", "MIN_BUDGET"]
+           "set_cpu_budget", "cpu_budget", "cpu_throttled", "thread_sched", "CPU_PERIOD_US", "MIN_BUDGET"]
 
 CPU_PERIOD_US = 10_000  # 10 ms: throttling in short slices (the kernel's default is 100 ms)
 MIN_BUDGET = 0.01       # cores; v1 needs a quota of at least 1 ms, so 0.01 takes a 100 ms period
@@ -206,6 +206,14 @@ def cpu_throttled(path: str) -> int:
     with open(os.path.join(path, "cpu.stat")) as f:
         stat = dict(line.split()[:2] for line in f.read().splitlines() if line.strip())
     return int(stat["nr_throttled"])
+
+
+def thread_sched() -> tuple[float, float]:
+    """This thread's CPU seconds and the seconds it waited while runnable, for a core or for
+    its cgroup's quota: the kernel's accounting (``/proc/thread-self/schedstat``)."""
+    with open("/proc/thread-self/schedstat") as f:
+        cpu, waited, _ = f.read().split()
+    return int(cpu) / 1e9, int(waited) / 1e9
 
 
 def join_cgroup(path: str, pid: int | None = None) -> None:
