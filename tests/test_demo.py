@@ -20,11 +20,15 @@ from plait.demo import LOOPBACK, QUICK_DEMO, WARMUP_STEPS, DemoConfig
 
 # 16 steps: semi's first decision came at step 10 in runs at load 8 and 12 here (the agreement
 # rule waits for readings that all show the straggler); at 12 steps that was the last exchange
-# of the run, and one noisy reading would have left it no decision at all
+# of the run, and one noisy reading would have left it no decision at all.
+# Width 128 over 32 tokens: at width 64 over 16 the unmovable time (3.5 × the movable compute)
+# left a 3 × straggler an imbalance of only 1.26 against the trigger of 1.2, and noise took 1 in
+# 3 runs under it (no decision); at 128 × 32 it reads 1.5-1.6
 STEPS, SLOW_FROM, FACTOR = 16, 4, 3.0
+SEQ_LEN, BATCH = 32, 4
 TINY = ["--steps", str(STEPS), "--slow-from", str(SLOW_FROM), "--factor", f"{FACTOR:g}",
-        "--spike-steps", "5", "--n-embd", "64", "--n-head", "4", "--n-layer", "1",
-        "--seq-len", "16", "--batch-size", "4"]
+        "--spike-steps", "5", "--n-embd", "128", "--n-head", "4", "--n-layer", "1",
+        "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH)]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,7 @@ def test_plait_acts_on_the_straggler_after_its_onset(run):
 def test_summary_follows_from_the_runs_and_matches_the_table(run):
     _, text, out, data = run
     runs = _runs(data)
-    tokens = 4 * 16
+    tokens = BATCH * SEQ_LEN
     after = slice(SLOW_FROM + WARMUP_STEPS, STEPS)
     rows = {row["system"]: row for row in data["summary"]}
     assert sorted(rows) == ["plain", "plait"]
