@@ -740,8 +740,33 @@ def test_semi_resizes_only_a_rank_that_slowed():
                 if (a := policy.step(speeds, conf, fixed=fixed)).kind != "none"]
 
     acts = drive(SemiPolicy(cfg, total=1024, world=4))
-    assert [a.kind for _, a in acts][:2] == ["resize", "migrate"], acts
-    assert acts[0][1].fractions[2:] == (1.0, 1.0), acts  # the 1 × hosts had no slowdown
-    assert "resize" not in [a.kind for _, a in acts[2:]], acts
+    # no bridge first: resizing could not bridge the 4 × host's slow unmovable work
+    assert acts[0][1].kind == "migrate" and acts[0][0] < 12, acts
+    assert "resize" not in [a.kind for _, a in acts], acts
     anyrank = drive(_AnyRank(cfg, total=1024, world=4))
-    assert any(a.kind == "resize" and max(a.fractions[1:]) < 1 for _, a in anyrank[2:]), anyrank
+    assert any(a.kind == "resize" and max(a.fractions[1:]) < 1 for _, a in anyrank[1:]), anyrank
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_semi_does_not_bridge_what_a_resizing_cannot(world, monkeypatch):
+    """A host slow at everything is slow at its unmovable work, which no resizing shortens:
+    there semi migrates as soon as that repays its cost, with no resizing first; a slowdown
+    of the layers alone it still bridges. Contrast: with no bar (BRIDGES 0) it resizes and
+    waits ``spike_steps`` under the resizing."""
+    import plait.balance.policy as policy
+
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    slow_all = [1.0] * (world - 1) + [0.25], [0.2] * (world - 1) + [0.8]
+    slow_layers = [1.0] * (world - 1) + [0.33], [0.25] * world
+
+    def acts(speeds, fixed, steps=20):
+        semi = SemiPolicy(cfg, total=1024, world=world)
+        return [(t, a.kind) for t in range(steps)
+                if (a := semi.step(speeds, 1.0, fixed=fixed)).kind != "none"]
+
+    first = acts(*slow_all)
+    assert first and first[0][1] == "migrate" and first[0][0] < cfg.spike_steps, first
+    assert "resize" not in [k for _, k in first], first
+    assert acts(*slow_layers)[0][1] == "resize"
+    monkeypatch.setattr(policy, "BRIDGES", 0.0)
+    assert acts(*slow_all)[:2] == [(2, "resize"), (11, "migrate")]

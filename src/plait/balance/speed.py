@@ -241,6 +241,12 @@ class SpeedMonitor:
         self._work[key] += work
         self.compute_s += seconds
 
+    @property
+    def region_cpu_s(self) -> float:
+        """This rank's thread CPU time in the timed regions since it was made (CPU ranks; 0 on
+        CUDA and with a substituted clock)."""
+        return self._busy_total
+
     def _add_busy(self, cpu: float, plain: float) -> None:
         """A CPU region's thread CPU time and its time less the emulation's sleeps."""
         self._busy_cpu += cpu

@@ -293,6 +293,7 @@ class BalancedRun:
         self.batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
         self.times: list[float] = []  # this rank's, per step (finish takes the slowest)
         self.cpu: list[float] = []  # this process's CPU time per step, all its threads
+        self.movable_cpu: list[float] = []  # its thread CPU time in the timed layers, per step
         self.held: list[float] = []  # kernel: the budget the kernel held each step to (cores)
         self.throttled: list[int] = []  # kernel: periods the kernel throttled in each step
         self.neighbour_cpu: list[float] = []  # CPU seconds this host's neighbour took per step
@@ -333,6 +334,7 @@ class BalancedRun:
             # on the neighbour's host, every run's every step: held, it takes nothing
             neighbour = self.noisy.cpu_s() if self.noisy is not None else 0.0
             start, cpu = time.perf_counter(), time.process_time()
+            movable = self.balancer.monitor.region_cpu_s
             loss = gpt_loss(self.model, batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -340,6 +342,7 @@ class BalancedRun:
             self.balancer.step(step)
             self.times.append(time.perf_counter() - start)
             self.cpu.append(time.process_time() - cpu)
+            self.movable_cpu.append(self.balancer.monitor.region_cpu_s - movable)
             if self.cgroup is not None:
                 self.throttled.append(cpu_throttled(self.cgroup) - throttled)
             self.neighbour_cpu.append(self.noisy.cpu_s() - neighbour
@@ -369,11 +372,13 @@ class BalancedRun:
             dist.all_gather_object(ranks, (self.held, self.throttled,
                                            [c / max(t, 1e-12) for c, t in zip(self.cpu,
                                                                                self.times)],
-                                           self.neighbour_cpu))
+                                           self.neighbour_cpu, self.cpu, self.movable_cpu))
             out["kernel"] = {"held_cores": [r[0] for r in ranks],
                              "throttled_periods": [r[1] for r in ranks],
                              "cpu_share": [r[2] for r in ranks],
-                             "neighbour_cpu_s": [r[3] for r in ranks]}
+                             "neighbour_cpu_s": [r[3] for r in ranks],
+                             "cpu_s": [r[4] for r in ranks],
+                             "movable_cpu_s": [r[5] for r in ranks]}
         out["times"] = agreed_max(self.times)
         return out
 
