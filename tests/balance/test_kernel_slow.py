@@ -115,6 +115,33 @@ def test_kernel_ideal_stretches_the_whole_cpu_time_at_the_budgets_pace():
     assert sleep["t_ideal_s"] == pytest.approx(0.1 - 0.02 + 0.02 * 2 / 1.5)
 
 
+def test_kernel_ideal_is_no_shorter_than_the_slow_hosts_unmovable_work():
+    """A rank slowed by the kernel keeps its unmovable work whatever the plan: the ideal is
+    the longer of the capacity step and that work ``F`` × longer on the slowest host (the
+    CPU time of all threads less the timed layers', over the budget); a run without those
+    figures, and a sleep-made one, keep the capacity step."""
+    cpu = [[0.06] * 3, [0.06] * 3]  # per rank, per step
+    movable = [[0.02] * 3, [0.02] * 3]  # 0.04 s of unmovable CPU: 0.08 s on half a core
+    ref = {"seed": 0, "scenario": "none", "policy": "even", "t_step_s": 0.15,
+           "compute_s_per_step": 0.04, "cpu_s_per_step": 0.06, "losses": [2.0],
+           "factors": [[1.0, 1.0]] * 3, "slow_by": "kernel",
+           "kernel": {"held_cores": [[0.5] * 3, [0.5] * 3], "cpu_s": cpu,
+                      "movable_cpu_s": movable}}
+    graded = {**ref, "scenario": "graded", "t_step_s": 0.4, "factors": [[4.0, 1.0]] * 3}
+    out = with_ideal([dict(ref), dict(graded)], 1)[1]
+    capacity = 0.15 - 0.12 + 0.12 * 2 / 1.25
+    assert out["t_capacity_s"] == pytest.approx(capacity)  # 0.222 s
+    assert out["t_floor_s"] == pytest.approx(0.04 / 0.5 * 4)  # 0.32 s: it binds
+    assert out["t_ideal_s"] == pytest.approx(0.32) and out["ratio_to_ideal"] == pytest.approx(1.25)
+    mild = {**graded, "factors": [[2.0, 1.0]] * 3}  # 0.16 s: the capacity step binds
+    assert with_ideal([dict(ref), mild], 1)[1]["t_ideal_s"] == pytest.approx(
+        0.15 - 0.12 + 0.12 * 2 / 1.5)
+    old = {**ref, "kernel": {"held_cores": [[0.5] * 3, [0.5] * 3]}}
+    assert "t_floor_s" not in with_ideal([old, dict(graded)], 1)[1]
+    sleep = with_ideal([{**ref, "slow_by": "sleep"}, {**graded, "slow_by": "sleep"}], 1)[1]
+    assert "t_floor_s" not in sleep and sleep["t_ideal_s"] == sleep["t_capacity_s"]
+
+
 def test_kernel_mode_is_refused_without_one_rank_per_host(monkeypatch):
     from plait.cli.main import build_parser
 

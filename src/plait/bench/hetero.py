@@ -62,6 +62,17 @@ over its timed steps: the first steps' allocations land on the run that steps fi
 the hosts' mean budget in cores, at most ``t_none``. That holds where the budget binds; on
 a machine that gives a host less than its budget the kernel's ``F`` is not reached either.
 A noisy neighbour, too, slows all the rank's work, so its ideal takes ``c`` the same way.
+
+That capacity-proportional step (``t_capacity_s``) assumes a fast rank can take over any of
+a slow one's work. Where the kernel or a neighbour slows all of it, the slow rank's
+unmovable work (its replicated layers, the optimizer, its share of every collective's CPU,
+Python) stays on it whatever the plan: the step can be no shorter than the slowest rank's
+unmovable CPU time, ``F`` × its time on the whole budget (``t_floor_s``; per rank, from the
+``none`` run: its CPU time, all threads, less its thread's CPU time in the timed layers,
+over its budget). The ideal is the longer of the two, step by step. In a kernel-made graded
+run (4 hosts of half a core, 4 ×, 2 ×, 1 ×, 1 ×) a rank's unmovable CPU was 57-59 ms of its
+94-97 ms a step, so the 4 × host alone took 473 ms where the capacity step was 386 ms; the
+4 × host, migrated down to 1 column and 1 head, spent 67 ms of CPU a step, its whole budget.
 """
 
 from __future__ import annotations
@@ -70,6 +81,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -525,13 +537,40 @@ def with_ideal(records: list[dict], warmup: int) -> list[dict]:
         if ref is None:
             continue
         t_none, c = ref["t_step_s"], _stretched(ref, r)
-        ideal = [ideal_step(t_none, c, f) for f in r["factors"]][warmup:]
+        capacity = [ideal_step(t_none, c, f) for f in r["factors"]][warmup:]
+        unmovable = _unmovable(ref, r, warmup)
+        floor = ([floor_step(unmovable, f) for f in r["factors"]][warmup:]
+                 if unmovable is not None else [0.0] * len(capacity))
         r["t_no_straggler_s"] = t_none
-        r["t_ideal_s"] = statistics.median(ideal)
+        r["t_capacity_s"] = statistics.median(capacity)
+        if unmovable is not None:
+            r["t_floor_s"] = statistics.median(floor)
+        r["t_ideal_s"] = statistics.median(max(a, b) for a, b in zip(capacity, floor))
         r["ratio_to_ideal"] = r["t_step_s"] / r["t_ideal_s"]
         if len(ref["losses"]) == len(r["losses"]):
             r["max_loss_diff_vs_none"] = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
     return records
+
+
+def floor_step(unmovable: Sequence[float], factors) -> float:
+    """The step no plan can beat under per-rank slowdowns ``factors``: the slowest rank's
+    ``unmovable`` work (per rank, in seconds at its whole budget), ``F`` × longer."""
+    return max(u * f for u, f in zip(unmovable, factors))
+
+
+def _unmovable(ref: dict, record: dict, warmup: int) -> list[float] | None:
+    """Per rank, the seconds its unmovable CPU work takes on its whole budget, from its
+    seed's ``none``/``even`` run ``ref``: the median over the timed steps of all its threads'
+    CPU time less its thread's CPU time in the timed layers, over the budget. Only where
+    the kernel (or a neighbour) slows all of a rank's work, and the run recorded both
+    (None otherwise: the floor does not bind where only the layers are slowed)."""
+    kernel = ref.get("kernel") or {}
+    if not (record.get("slow_by") == "kernel" or record["scenario"] == "noisy-neighbour") \
+            or "movable_cpu_s" not in kernel:
+        return None
+    return [statistics.median(c - m for c, m in zip(cpu[warmup:], movable[warmup:]))
+            / held[0] for cpu, movable, held in zip(kernel["cpu_s"], kernel["movable_cpu_s"],
+                                                    kernel["held_cores"])]
 
 
 def _stretched(ref: dict, record: dict) -> float:
@@ -575,7 +614,8 @@ def mean_over_seeds(records: list[dict]) -> list[dict]:
                "heldout_loss": statistics.mean(r["heldout_loss"] for r in rs),
                "heldout_acc": statistics.mean(acc), "heldout_acc_spread": max(acc) - min(acc),
                "decisions": sum(len(r["decisions"]) for r in rs) / len(rs)}
-        for key in ("t_ideal_s", "t_no_straggler_s", "ratio_to_ideal", "max_loss_diff_vs_none"):
+        for key in ("t_ideal_s", "t_capacity_s", "t_floor_s", "t_no_straggler_s",
+                    "ratio_to_ideal", "max_loss_diff_vs_none"):
             values = [r[key] for r in rs if key in r]
             if values:
                 row[key] = statistics.median(values) if key != "max_loss_diff_vs_none" else max(values)

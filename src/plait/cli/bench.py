@@ -319,9 +319,10 @@ def run_hetero(args: argparse.Namespace) -> int:
                   f"{100 * r['heldout_acc']:.1f} % (±{50 * r['heldout_acc_spread']:.1f})",
                   f"{r['decisions']:.0f}"] for r in rows],
                 caption=f"median step time after {cfg.warmup} warm-up steps, slowest rank; a "
-                        "seed's runs interleaved step by step; × ideal: median over seeds, "
-                        "then each seed's; held-out figures the mean over seeds (spread: half "
-                        "the range)", labels=2)
+                        "seed's runs interleaved step by step; ideal: the capacity-proportional "
+                        "step, or where longer the slow host's unmovable work at its budget "
+                        "(--slow-by kernel); × ideal: median over seeds, then each seed's; "
+                        "held-out figures the mean over seeds (spread: half the range)", labels=2)
     summary = summarize_hetero(records, cfg)
     for key, value in summary.items():
         console.print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
