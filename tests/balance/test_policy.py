@@ -770,3 +770,47 @@ def test_semi_does_not_bridge_what_a_resizing_cannot(world, monkeypatch):
     assert acts(*slow_layers)[0][1] == "resize"
     monkeypatch.setattr(policy, "BRIDGES", 0.0)
     assert acts(*slow_all)[:2] == [(2, "resize"), (11, "migrate")]
+
+
+def _dims_loop(policies, speeds, fixed, steps, delay, join=True):
+    """Several dims' policies fed as ``Balancer.step`` feeds them, on steady readings: every
+    dim steps; where one acted, the others may join (``SemiPolicy.join``), and the readings
+    restart (confidence 0 for ``delay`` steps). Returns each dim's (step, kind) actions."""
+    acts = {name: [] for name in policies}
+    quiet_until = 0
+    for t in range(steps):
+        conf = 1.0 if t >= quiet_until else 0.0
+        done = {name: p.step(speeds, conf, fixed=fixed) for name, p in policies.items()}
+        if any(a.kind != "none" for a in done.values()):
+            if join:
+                done = {name: a if a.kind != "none" else policies[name].join(delay)
+                        for name, a in done.items()}
+            quiet_until = t + 1 + delay
+        for name, a in done.items():
+            if a.kind != "none":
+                acts[name].append((t, a.kind))
+    return acts
+
+
+def test_semi_migrates_a_dim_beside_another_if_it_would_repay_by_the_next_readings():
+    """What a kernel-made graded run read (4 hosts at 4 ×, 2 ×, 1 ×, 1 ×; the 4 × host slow
+    at its unmovable work too, so nothing is bridged): the MLP columns (1024) repay their
+    migration a step before the heads (16: a coarser plan saves less). Alone, the heads then
+    wait out the readings' restart (5 steps, at 4 of 16 heads on the 4 × host); joining,
+    they migrate beside the columns. A dim with nothing under way does not join."""
+    cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
+    speeds, fixed = (0.16, 0.52, 1.0, 0.88), (1.28, 0.41, 0.22, 0.21)
+
+    def run(join):
+        dims = {"heads": SemiPolicy(cfg, total=16, world=4),
+                "cols": SemiPolicy(cfg, total=1024, world=4)}
+        return _dims_loop(dims, speeds, fixed, 20, delay=5, join=join)
+
+    alone = run(join=False)
+    assert alone["cols"][0][1] == alone["heads"][0][1] == "migrate", alone
+    assert alone["heads"][0][0] >= alone["cols"][0][0] + 5, alone
+    joined = run(join=True)
+    assert joined["heads"][0] == joined["cols"][0] == alone["cols"][0], joined
+    idle = SemiPolicy(cfg, total=16, world=4)
+    idle.step((1.0,) * 4, 1.0)
+    assert idle.join(5).kind == "none"

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -151,14 +152,27 @@ class Balancer:
             return []
         speeds, confidence = self.monitor.speeds(), self.monitor.confidence()
         fixed = self.monitor.fixed()
-        done = []
+        done, waiting = [], []
         for dim, policy in self.policies.items():
             action = policy.step(speeds, confidence, self.monitor.recent(), fixed)
             if action.kind != "none":
                 done.append(self._apply(step, dim, action))
+            else:
+                waiting.append(dim)
+        if done:  # the restart below holds every dim's next decision: one that would repay
+            for dim in waiting:  # its migration by then migrates now (SemiPolicy.join)
+                action = self.policies[dim].join(self._restart_steps())
+                if action.kind == "migrate":
+                    done.append(self._apply(step, dim, action))
         if done:  # the readings so far were taken under the old plans
             self.monitor.restart()
         return done
+
+    def _restart_steps(self) -> int:
+        """The fewest steps from a restart to readings confident enough to act on: the
+        monitor's first exchange can come one step after it, then one every ``every``."""
+        readings = math.ceil(self.config.min_confidence * self.monitor.window - 1e-9)
+        return max(readings - 1, 0) * self.monitor.every + 1
 
     def _apply(self, step: int, dim: str, action: Action) -> Decision:
         layers = self.dims[dim]
