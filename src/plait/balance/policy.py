@@ -218,7 +218,10 @@ class SemiPolicy:
     saves over the current one; ``cost``: a migration, there and back, in steps of that
     compute, measured by the caller through :meth:`note_migration_cost`). Once the speeds
     are balanced (below ``release``) for ``settle_steps`` the resizing is undone, or the
-    plan returns to even. Readings under ``min_confidence`` (right after a plan change) are
+    plan returns to even. An imbalance a resizing cannot bridge (:meth:`_bridges`) is not
+    resized: it is migrated as soon as that repays, ``spike_steps`` or not; and a dim that
+    would repay by the readings after another dim's decision migrates beside it
+    (:meth:`join`). Readings under ``min_confidence`` (right after a plan change) are
     not acted on; an imbalance under way ages through them. The other names use the parts
     they say.
 
