@@ -269,8 +269,8 @@ def test_the_monitor_reads_a_kernel_throttled_rank_by_the_time_the_kernel_held_i
     0.50-0.56 in 6 runs at 80). It reads the CPU clock before the wall clock at a region's
     end: the kernel throttles a thread at the reading that settles its accounting, and with
     the wall clock read first those waits fell outside the regions and this rank read
-    0.83-1.00 (0.98-1.00 at 80). A loaded machine also slows the other rank (at load 9 on the 2 cores both
-    ranks got about 0.3 of a core)."""
+    0.83-1.00 (0.98-1.00 at 80). A loaded machine also slows the other rank (at load 9 on
+    the 2 cores both ranks got about 0.3 of a core)."""
     budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
         out = launch(_spin_monitored, 2, args=(28, 80), cluster=cluster, threads=1,

@@ -529,9 +529,7 @@ class SemiPolicy:
         three hosts to keep 0.50 for the rest of the run (1.07 and 1.36 pp of held-out
         accuracy lost)."""
         cfg = self.config
-        slowed = self._slowed(speeds)
-        fractions = tuple(f if slow else 1.0 for f, slow in zip(
-            resize_fractions(speeds, self.plan, cfg.max_skip, self.fixed), slowed))
+        fractions = self._fractions(speeds)
         if all(f == 1.0 for f in fractions):
             if self.fractions is None:
                 return Action("none", f"no rank that slowed needs resizing: {reason}")
@@ -550,13 +548,17 @@ class SemiPolicy:
         even plan's step, where migrate alone had migrated. In the stored runs on 258295f
         the bridging resizes of that scenario took 0.17 to 0.25 away, every other one 0.52
         to 1.0 (a kernel-made 3 × spike's 0.60 to 0.64)."""
-        slowed = self._slowed(speeds)
-        fractions = tuple(f if slow else 1.0 for f, slow in zip(
-            resize_fractions(speeds, self.plan, self.config.max_skip, self.fixed), slowed))
+        fractions = self._fractions(speeds)
         after = imbalance(speeds, self.plan, fractions, self.fixed)
         taken = 1.0 - math.log(after) / math.log(current) if current > 1.0 else 1.0
         return taken >= BRIDGES, (f"resizing to {_fmt(fractions)} would leave {after:.2f} of "
                                   f"{current:.2f} ({taken:.2f} of its height)")
+
+    def _fractions(self, speeds) -> tuple[float, ...]:
+        """The resizing these speeds call for, on the ranks that slowed only."""
+        return tuple(f if slow else 1.0 for f, slow in zip(
+            resize_fractions(speeds, self.plan, self.config.max_skip, self.fixed),
+            self._slowed(speeds)))
 
     def _slowed(self, speeds) -> list[bool]:
         """Per rank: its speed over the plan's basis is ``trigger`` or more below the

@@ -69,10 +69,11 @@ unmovable work (its replicated layers, the optimizer, its share of every collect
 Python) stays on it whatever the plan: the step can be no shorter than the slowest rank's
 unmovable CPU time, ``F`` × its time on the whole budget (``t_floor_s``; per rank, from the
 ``none`` run: its CPU time, all threads, less its thread's CPU time in the timed layers,
-over its budget). The ideal is the longer of the two, step by step. In a kernel-made graded
-run (4 hosts of half a core, 4 ×, 2 ×, 1 ×, 1 ×) a rank's unmovable CPU was 57-59 ms of its
-94-97 ms a step, so the 4 × host alone took 473 ms where the capacity step was 386 ms; the
-4 × host, migrated down to 1 column and 1 head, spent 67 ms of CPU a step, its whole budget.
+over its budget). The ideal is the longer of the two, step by step. In two kernel-made
+graded runs (4 hosts of half a core, 4 ×, 2 ×, 1 ×, 1 ×) a rank's unmovable CPU was 55-62 ms
+of its 91-99 ms a step, so the 4 × host alone took 448 and 479 ms where the capacity step was
+370 and 381 ms; migrated down to 1 head and 1 column, it spent 53-60 ms of CPU a step (the
+median), its whole budget.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from typing import Sequence
 __all__ = ["CpuController", "find_cpu_controller", "cpu_controller", "cpu_support",
            "parse_budgets", "parse_host_cpu", "quota_for", "make_cgroup", "join_cgroup",
            "cgroup_pids", "remove_cgroup", "plait_cgroups", "NoisyNeighbour",
-           "set_cpu_budget", "cpu_budget", "cpu_throttled", "thread_sched", "CPU_PERIOD_US", "MIN_BUDGET"]
+           "set_cpu_budget", "cpu_budget", "cpu_throttled", "thread_sched", "CPU_PERIOD_US",
+           "MIN_BUDGET"]
 
 CPU_PERIOD_US = 10_000  # 10 ms: throttling in short slices (the kernel's default is 100 ms)
 MIN_BUDGET = 0.01       # cores; v1 needs a quota of at least 1 ms, so 0.01 takes a 100 ms period
