@@ -222,9 +222,8 @@ class SemiPolicy:
     resized: it is migrated as soon as that repays, ``spike_steps`` or not; and a dim that
     would repay by the readings after another dim's decision migrates beside it
     (:meth:`join`). Readings under ``min_confidence`` (right after a plan change) are
-    not acted on, except that a resizing ends as soon as the newest reading shows its
-    slowdown over (:meth:`_back`); an imbalance under way ages through them. The other
-    names use the parts they say.
+    not acted on; an imbalance under way ages through them. The other names use the parts
+    they say.
 
     Every plan remembers the speeds it was made for (its *basis*: equal speeds
     for the even plan). A plan in whole quanta cannot match its basis exactly, so
@@ -264,7 +263,6 @@ class SemiPolicy:
         self.back_steps = 0  # consecutive steps the speeds were back at the plan's basis
         self.peak = self.departure = 1.0  # the departure at its height this episode, and now
         self.fresh = 1.0  # the smallest departure among the newest readings
-        self.back: str | None = None  # while resized: how the newest reading shows it is over
         self.done_static = False
         self.cost_steps = config.migrate_cost_steps  # one migration, in steps of compute
         # semi, after a migration sized by readings taken under resizing: the step its
@@ -303,13 +301,9 @@ class SemiPolicy:
         if self.fractions is not None and self.before_fixed is not None:
             # read under resizing they hold the resizing's own work, which ends with it
             self.fixed = self.before_fixed
-        newest = check_speeds(recent[-1], self.world) if recent else None
         recent = [speeds] if not recent else [check_speeds(r, self.world) for r in recent]
         cfg = self.config
-        self.back = self._back(newest)
         if confidence < cfg.min_confidence:  # right after a plan change: wait for readings
-            if self.back:  # but not to end a resizing the newest reading shows is over
-                return self._taken(self._undo_back(f"confidence {confidence:.2f}"), speeds)
             self.steps += 1
             if self.imbalanced_steps:  # one under way ages; the next reading says if it ended
                 self.imbalanced_steps += 1
@@ -391,8 +385,6 @@ class SemiPolicy:
         if rose >= cfg.trigger:
             return Action("undo", f"over: the resized ranks read {rose:.2f} × their speed when "
                                   f"the resizing began (≥ {cfg.trigger}); {figures}")
-        if self.back:
-            return self._undo_back(figures)
         if self.plan != self.even and settled and name in ("migrate", "semi"):
             return Action("migrate", f"slowdown over for {self.balanced_steps} steps: back to "
                                      f"the even plan; {figures}", plan=self.even)
@@ -470,31 +462,6 @@ class SemiPolicy:
             return 1.0
         return min(s / b for s, b, k in zip(speeds, self.before_resize, self.fractions)
                    if k < 1.0)
-
-    def _back(self, reading: tuple[float, ...] | None) -> str | None:
-        """While resized: whether the newest ``reading`` alone shows the slowdown over, and
-        its figures (None if not). It must put every resized rank at ``trigger`` × its speed
-        when the resizing began or more, and over halfway back to the fastest rank (in log:
-        ``s ≥ √b``, with ``b`` that speed). The window's mean lags a spike's end by
-        readings, and after the resizing the monitor restarts and waits for confident ones:
-        in issue 22's command (``--scenarios none,spike``, 3 seeds) the window kept the
-        8-step spike (steps 20-27) resized to step 32; the newest reading undid it at step
-        30, reading 0.84-0.94 against 0.35-0.38 before the resizing. Halfway back is the bar
-        jitter does not reach: a 2 × rank that stays slow reads 0.36-0.46 under resizing
-        (:meth:`_sizing`)."""
-        if self.fractions is None or self.before_resize is None or reading is None:
-            return None
-        resized = [(s, b) for s, b, k in zip(reading, self.before_resize, self.fractions)
-                   if k < 1.0]
-        if not resized or not all(s >= self.config.trigger * b and s >= math.sqrt(b)
-                                  for s, b in resized):
-            return None
-        return ", ".join(f"{s:.2f} (was {b:.2f})" for s, b in resized)
-
-    def _undo_back(self, figures: str) -> Action:
-        return Action("undo", f"over: the newest reading puts the resized ranks at "
-                              f"{self.back}, ≥ {self.config.trigger} × and over halfway back "
-                              f"to the fastest; {figures}")
 
     def _pays(self, speeds, age: int | None = None, ways: int = 2) -> tuple[bool, str]:
         """Whether migrating now repays its cost there and back (``ways`` 2; 1: a
