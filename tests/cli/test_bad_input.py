@@ -83,6 +83,13 @@ ROWS = [
     # a new user's trial read "--warmup must be in [0, --steps)" for a --steps they gave
     ("hetero-steps-under-warmup", ["bench", "hetero", "--steps", "3"],
      "--steps 3 leaves no timed step", ()),
+    # refused before the progress bar shows (a trial saw "bench hetero 0/17" above the line)
+    ("hetero-kernel-no-hosts", ["bench", "hetero", "--slow-by", "kernel"],
+     "one rank per host: --hosts 4 for 4 ranks, got no --hosts", ()),
+    ("hetero-neighbour-no-hosts", ["bench", "hetero", "--scenarios", "none,noisy-neighbour"],
+     "noisy-neighbour scenario", ()),
+    ("hetero-scenario-file-missing", ["bench", "hetero", "--scenario-file", "nosuch.json"],
+     "--scenario-file nosuch.json: No such file", ()),
     ("bench-missing", ["bench"], "required", ()),
     ("bench-unknown", ["bench", "nccl"], "invalid choice", ()),
     # plait simulate

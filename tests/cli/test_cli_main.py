@@ -17,7 +17,7 @@ from conftest import needs_netns
 from forkrun import run_plait
 from rich.console import Console
 
-from plait.bench.report import print_table
+from plait.bench.report import print_summary, print_table
 from plait.cli import main as cli_main
 from plait.runtime import cluster_support
 from plait.runtime.errors import RankError
@@ -127,6 +127,33 @@ def test_piped_tables_keep_their_labels_whole():
     print_table("wide", columns, rows, labels=2, to=Console(file=buf, width=80))
     text = buf.getvalue()
     assert "matmul_all_reduce" in text and "1024×1024×1024" in text, text
+
+
+@pytest.mark.parametrize("argv,debug,verbose", [
+    (["--debug", "bench", "hetero"], True, False), (["bench", "hetero", "--debug"], True, False),
+    (["bench", "--debug", "tp"], True, False), (["train", "-v"], False, True),
+    (["-v", "train", "--debug"], True, True), (["bench", "hetero"], False, False),
+    (["cluster", "run", "--", "python", "x.py", "--debug"], False, False)])
+def test_debug_and_verbose_go_before_or_after_the_command(argv, debug, verbose):
+    """As torchrun users write them: ``plait train --debug`` as well as ``plait --debug
+    train`` (a trial's ``--debug`` after the command was refused as unknown); a command
+    ``cluster run`` starts keeps its own."""
+    args = cli_main.build_parser().parse_args(argv)
+    assert (args.debug, args.verbose) == (debug, verbose)
+
+
+def test_summaries_read_without_python_reprs():
+    """A benchmark's summary lines: figures rounded, lists and mappings without Python's
+    quotes and braces (bench hetero printed ``{'spike/even': 0.0, ...}`` and 17-digit
+    floats), brackets kept as text (rich would take ``[b]`` for markup)."""
+    buf = io.StringIO()
+    print_summary({"max_overhead": 0.0129512345, "acc_loss_pp": {"spike/resize": 0.40712},
+                   "ratio_per_seed": [1.0123456, 0.98], "factors": [[1.0, 2.0], [1.0, 1.5]],
+                   "all_agree": True, "note": "[b]kept[/b]"}, to=Console(file=buf, width=80))
+    assert buf.getvalue().splitlines() == [
+        "  max_overhead: 0.01295", "  acc_loss_pp: spike/resize 0.4071",
+        "  ratio_per_seed: 1.012, 0.98", "  factors: [1, 2], [1, 1.5]", "  all_agree: True",
+        "  note: [b]kept[/b]"]
 
 
 def _main(monkeypatch, capsys, argv, error):

@@ -168,7 +168,11 @@ class HeteroBenchConfig:
             twice = sorted({v for v in values if values.count(v) > 1})
             if twice:
                 raise ValueError(f"--{name} names {', '.join(twice)} more than once")
-        scenario = load_scenario(self.scenario_file) if self.scenario_file else None
+        try:
+            scenario = load_scenario(self.scenario_file) if self.scenario_file else None
+        except OSError as err:  # a path the user gave: their mistake, refused as one
+            raise ValueError(f"--scenario-file {self.scenario_file}: {err.strerror or err}") \
+                from None
         if scenario is not None and scenario.name in SCENARIOS:
             raise ValueError(f"{self.scenario_file}: name {scenario.name!r} is a built-in "
                              f"scenario's; choose another")
@@ -205,6 +209,20 @@ class HeteroBenchConfig:
             raise ValueError(f"--n-head {self.n_head} gives some of the {world} ranks no head")
         if self.scenario is not None:
             self.scenario.specs(world, self.steps)  # refuses a rank the group does not have
+
+    def check_placement(self, ranks: int, hosts: int) -> bool:
+        """Whether these runs need one rank per host (``--slow-by kernel``, the noisy
+        neighbour); a ValueError saying so if ``hosts`` (0: loopback) does not give it."""
+        needs = [why for why, needed in (
+            ("--slow-by kernel sets each host's CPU budget from its rank's factor",
+             self.slow_by == "kernel"),
+            ("the noisy-neighbour scenario takes the last rank's host's cores",
+             self.neighbour)) if needed]
+        if needs and hosts != ranks:
+            given = f"got --hosts {hosts}" if hosts else "got no --hosts (loopback)"
+            raise ValueError(f"{needs[0]}, so it needs one rank per host: --hosts {ranks} for "
+                             f"{ranks} ranks, {given}")
+        return bool(needs)
 
     @property
     def neighbour(self) -> bool:
@@ -768,17 +786,11 @@ def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
 
     cfg = replace(cfg)
     cfg.check_world(ranks)
-    needs = [why for why, needed in (
-        ("--slow-by kernel sets each host's CPU budget from its rank's factor",
-         cfg.slow_by == "kernel"),
-        ("the noisy-neighbour scenario takes the last rank's host's cores",
-         cfg.neighbour)) if needed]
-    if needs:
-        if hosts != ranks:
-            given = f"got --hosts {hosts}" if hosts else "got no --hosts (loopback)"
-            raise ValueError(f"{needs[0]}, so it needs one rank per host: --hosts {ranks} for "
-                             f"{ranks} ranks, {given}")
-        if host_cpu is None and not os.environ.get(HOST_CPU_ENV):
-            host_cpu = 1.0
-    return run_placed(run_hetero, cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=timeout_s,
-                      on_progress=on_progress, host_cpu=host_cpu)
+    if cfg.check_placement(ranks, hosts) and host_cpu is None \
+            and not os.environ.get(HOST_CPU_ENV):
+        host_cpu = 1.0
+    records, where = run_placed(run_hetero, cfg, ranks=ranks, hosts=hosts, link=link,
+                                timeout_s=timeout_s, on_progress=on_progress, host_cpu=host_cpu)
+    if cfg.slow_by == "kernel":  # the budget above is the whole; a slowed host gets less
+        where += "; --slow-by kernel: a host F × slower is held to its budget ÷ F each step"
+    return records, where

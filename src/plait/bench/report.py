@@ -15,8 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["console", "make_table", "print_table", "write_json", "progress_bar", "human_bytes",
-           "machine_meta"]
+__all__ = ["console", "make_table", "print_table", "print_summary", "summary_text",
+           "write_json", "progress_bar", "human_bytes", "machine_meta"]
 
 # Piped output (CI logs, `| tee`) gets 120 columns instead of rich's 80, so tables stay whole.
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -87,6 +87,26 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
         to.print(table)
     finally:
         to.width = width
+
+
+def summary_text(value: Any, fmt: str = ".4g") -> str:
+    """A summary figure as a person reads it: a float by ``fmt``, a list as its items
+    (a nested one in brackets), a mapping as ``key value`` pairs; no Python quotes."""
+    if isinstance(value, float):
+        return format(value, fmt)
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {summary_text(item, fmt)}" for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(f"[{summary_text(item, fmt)}]" if isinstance(item, (list, tuple))
+                         else summary_text(item, fmt) for item in value)
+    return str(value)
+
+
+def print_summary(summary: dict, fmt: str = ".4g", to: Console | None = None) -> None:
+    """One ``key: value`` line per figure of a benchmark's summary (:func:`summary_text`)."""
+    to = to or console
+    for key, value in summary.items():
+        to.print(f"  {key}: {summary_text(value, fmt)}", markup=False)
 
 
 def machine_meta() -> dict:

@@ -8,7 +8,8 @@ import os
 from ..bench.collectives import (LINK_SHARE_OK, CollectiveBenchConfig, bench_collectives,
                                  plot_bandwidth, shortfalls)
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
-from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
+from ..bench.report import (console, human_bytes, print_summary, print_table, progress_bar,
+                            write_json)
 from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_over_seeds,
                             plot_hetero, ratio_cell, summarize_hetero)
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
@@ -180,8 +181,7 @@ def run_ops(args: argparse.Namespace) -> int:
                         f"{limit_text}, efficiency = limit/fused (! = beats the limit: a bug); "
                         "beside = compute and transfer at once with no dependency")
     summary = summarize(records)
-    for key, value in summary.items():
-        console.print(f"  {key}: {value:.3f}" if isinstance(value, float) else f"  {key}: {value}")
+    print_summary(summary, ".3f")
     for r in records:
         if r["beats_limit"]:
             console.print(f"[red]  {r['op']} {r['shape']}: fused {_ms(r['t_fused_s'])} ms beats "
@@ -281,8 +281,7 @@ def run_tp(args: argparse.Namespace) -> int:
     else:
         _print_tp(records, ranks, cfg)
     summary = summarize_tp(records)
-    for key, value in summary.items():
-        console.print(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
+    print_summary(summary, ".3g")
     if args.json:
         write_json(args.json, records, {"command": "bench tp", "where": where, "summary": summary})
         console.print(f"wrote {args.json}")
@@ -294,6 +293,7 @@ def run_hetero(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(HeteroBenchConfig, args, defaults=QUICK_HETERO if args.quick else None)
     cfg.check_world(ranks)
+    cfg.check_placement(ranks, hosts)  # before the progress bar shows
     check_outputs(args, "json", "plot")
     runs = len(cfg.runs())
     with progress_bar("bench hetero", runs, enabled=not args.no_progress) as advance:
@@ -316,7 +316,8 @@ def run_hetero(args: argparse.Namespace) -> int:
                   ms(r, "t_no_straggler_s"),
                   ratio_cell(r),
                   f"{r['heldout_loss']:.3f}",
-                  f"{100 * r['heldout_acc']:.1f} % (±{50 * r['heldout_acc_spread']:.1f})",
+                  f"{100 * r['heldout_acc']:.1f} %" + (
+                      f" (±{50 * r['heldout_acc_spread']:.1f})" if cfg.seeds > 1 else ""),
                   f"{r['decisions']:.0f}"] for r in rows],
                 caption=f"median step time after {cfg.warmup} warm-up steps, slowest rank; a "
                         "seed's runs interleaved step by step; ideal: the capacity-proportional "
@@ -324,8 +325,7 @@ def run_hetero(args: argparse.Namespace) -> int:
                         "(--slow-by kernel); × ideal: median over seeds, then each seed's; "
                         "held-out figures the mean over seeds (spread: half the range)", labels=2)
     summary = summarize_hetero(records, cfg)
-    for key, value in summary.items():
-        console.print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    print_summary(summary)
     if args.json:
         write_json(args.json, records, {"command": "bench hetero", "where": where,
                                         "summary": summary, "table": rows})

@@ -18,7 +18,17 @@ __all__ = ["main", "build_parser", "package_version"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose refusals are one line (its usage block is one ``--help`` away)."""
+    """argparse whose refusals are one line (its usage block is one ``--help`` away), and
+    whose every command takes ``--debug`` and ``-v`` before or after its name (set only
+    where given, so one given before the command's name stands)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="debug logging")
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="on a failure, the full traceback (and the failed rank's) after "
+                               "the one-line message (also PLAIT_DEBUG=1)")
 
     def error(self, message: str):
         self.exit(2, f"plait: error: {message} (see: {self.prog} --help)\n")
@@ -65,10 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
                                   "tensor parallelism for PyTorch.")
     parser.add_argument("--version", action="version", version=f"plait {package_version()}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--debug", action="store_true",
-                        help="on a failure, the full traceback (and the failed rank's) after the "
-                             "one-line message (also PLAIT_DEBUG=1)")
+    parser.set_defaults(verbose=False, debug=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (demo, bench, cluster, simulate, train, elastic):
         module.register(sub)
