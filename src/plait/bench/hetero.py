@@ -101,14 +101,17 @@ from ..train import TrainConfig, build_gpt, evaluate_gpt, gpt_loss, lr_at
 
 __all__ = ["HeteroBenchConfig", "SCENARIOS", "DEFAULT_SCENARIOS", "ideal_step", "QUICK_HETERO",
            "scenario_specs", "run_hetero", "bench_hetero", "summarize_hetero", "plot_hetero", "train_balanced", "BalancedRun",
-           "ratio_cell"]
+           "ratio_cell", "paired_gaps", "PAIRS"]
 
 SCENARIOS = ("none", "straggler-2x", "graded", "spike", "noisy-neighbour")
 # what runs without --scenarios: noisy-neighbour needs one rank per host, so it is asked for
 DEFAULT_SCENARIOS = SCENARIOS[:4]
 QUICK_HETERO = dict(steps=50, seeds=1)
-# semi beside the policy that alone fits the scenario best: migrate what persists, resize a spike
-PAIRS = (("straggler-2x", "migrate"), ("spike", "resize"), ("noisy-neighbour", "migrate"))
+# semi beside the policy that alone fits the scenario best: migrate what persists, resize a
+# spike; and beside even with no straggler, where it makes no decision and computes the same:
+# the gap two runs of the same work show, the noise floor of every other gap
+PAIRS = (("none", "even"), ("straggler-2x", "migrate"), ("spike", "resize"),
+         ("noisy-neighbour", "migrate"))
 
 
 
@@ -692,7 +695,7 @@ def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
         out["spike_semi_react_steps"] = [s["react_steps"] for s in spikes]
         out["spike_semi_return_steps"] = [s["return_steps"] for s in spikes]
     out.update(_targets(rows, base))
-    out.update(_paired_gaps(records, cfg.warmup))
+    out.update(paired_gaps(records, cfg.warmup))
     factors = neighbour_factors(records, cfg)
     if factors:
         out["noisy-neighbour_even_factor_per_seed"] = factors
@@ -702,7 +705,7 @@ def summarize_hetero(records: list[dict], cfg: HeteroBenchConfig) -> dict:
 
 def _targets(rows: dict, base: dict | None) -> dict:
     """Per seed, what issue 22 asks of semi: its ratio and its decisions in every scenario
-    (none and a jitter file: no decision), the gap to the policy alone of :data:`PAIRS`;
+    (none and a jitter file: no decision), the gap to the policy of :data:`PAIRS`;
     and per scenario and policy, held-out accuracy below the ``none`` run (pp, the mean)."""
     out: dict = {}
     for scenario, other in PAIRS:
@@ -724,9 +727,9 @@ def _targets(rows: dict, base: dict | None) -> dict:
     return out
 
 
-def _paired_gaps(records: list[dict], warmup: int) -> dict:
-    """Per seed, semi's gap to the policy alone of :data:`PAIRS` (migrate on ``straggler-2x``,
-    resize on ``spike``), paired by step: the median over the timed steps of ``(t_semi − t_other) /
+def paired_gaps(records: list[dict], warmup: int) -> dict:
+    """Per seed, semi's gap to the policy of :data:`PAIRS` (migrate on ``straggler-2x``,
+    resize on ``spike``, even on ``none``: the noise floor), paired by step: the median over the timed steps of ``(t_semi − t_other) /
     t_ideal``. The runs of a seed are interleaved step by step, so step i of each ran under
     the same load; the gap of the two medians takes each run's own noise as well."""
     by = {(r["seed"], r["scenario"], r["policy"]): r for r in records}
