@@ -449,7 +449,7 @@ def hetero_checks(runs: list[Run]) -> str:
                 rows.append([f"{scenario}: {policy} × ideal after its last decision"]
                             + [each(v, ".2f") if v else "–" for v in values])
     acc = figures(runs, lambda r: max(r.data["meta"]["summary"]["acc_loss_pp"].values()))
-    rows.append(["held-out accuracy lost, worst run (≤ 0.5 pp)"] + [fmt(v, ".2f") for v in acc])
+    rows.append(["held-out accuracy lost, worst scenario and policy (mean over seeds; ≤ 0.5 pp)"] + [fmt(v, ".2f") for v in acc])
     return table(["check, each seed"] + [f"run {r.k}" for r in runs], rows)
 
 

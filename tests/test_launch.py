@@ -230,3 +230,24 @@ def test_a_deadline_over_ranks_still_running_blames_the_deadline():
     summary = info.value.summary
     assert summary.startswith("had not finished (last in a step)"), summary
     assert "stopped answering" not in summary and "no progress for" not in summary, summary
+
+
+def _plait_logging():
+    import logging
+
+    logger = logging.getLogger("plait")
+    return (logger.level, logger.propagate,
+            [h.formatter._fmt for h in logger.handlers if h.formatter is not None])
+
+
+def test_verbose_reaches_every_rank(monkeypatch):
+    """``plait -v`` sets PLAIT_VERBOSE; each rank then logs plait's lines at DEBUG on stderr,
+    naming itself (the balancer's decisions are logged on the ranks); without it, nothing
+    is set up on them."""
+    from plait.runtime.launch import VERBOSE_ENV
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    assert [r[2] for r in run_ranks(_plait_logging, 2)] == [[], []]
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    assert run_ranks(_plait_logging, 2) == [(10, False, [f"plait: rank {r}: %(message)s"])
+                                             for r in range(2)]

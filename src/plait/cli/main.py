@@ -25,10 +25,11 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                          help="debug logging")
+                          help="plait's debug logging")
         self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                           help="on a failure, the full traceback (and the failed rank's) after "
-                               "the one-line message (also PLAIT_DEBUG=1)")
+                               "the one-line message (also PLAIT_DEBUG=1); a refused argument "
+                               "stays one line")
 
     def error(self, message: str):
         self.exit(2, f"plait: error: {message} (see: {self.prog} --help)\n")
@@ -115,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("PLAIT_DEBUG", "") not in ("", "0")
     handler = logging.StreamHandler()
     handler.setFormatter(_OnePrefix("%(message)s"))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        handlers=[handler])
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    if args.verbose:  # plait's own debug lines, not every library's (matplotlib's fonts)
+        logging.getLogger("plait").setLevel(logging.DEBUG)
+        from ..runtime.launch import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # and every rank's (runtime.launch)
     if getattr(args, "deadline", None) is not None:
         os.environ["PLAIT_DEADLINE_S"] = f"{args.deadline:g}"  # read by runtime.launch
     previous = _catch_stop_signals()

@@ -49,6 +49,8 @@ from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
 from .watchdog import Watchdog, process_state
 
+VERBOSE_ENV = "PLAIT_VERBOSE"  # set by ``plait -v``: every rank logs plait's debug lines
+
 __all__ = ["launch"]
 
 _CLONE_NEWNET = 0x40000000
@@ -80,6 +82,8 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
         if host.cgroup is not None:  # the host's CPU budget, before any of fn's work
             join_cgroup(host.cgroup)
         os.environ.update(env)
+        if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+            _log_debug_to_stderr(rank)
         # every rank of a launch shares this machine's cores, whatever host it emulates
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           PLAIT_RANKS_ON_MACHINE=str(world_size), GLOO_SOCKET_IFNAME=host.ifname,
@@ -110,6 +114,19 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
         conn.send_bytes(payload)
     finally:
         conn.close()
+
+
+def _log_debug_to_stderr(rank: int) -> None:
+    """``plait -v`` (PLAIT_VERBOSE): this rank's plait logging, at DEBUG, on stderr, each
+    line naming the rank (a balancer's decisions, apply_tp's plan)."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"plait: rank {rank}: %(message)s"))
+    logger = logging.getLogger("plait")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
 
 
 def exit_with(pid: int) -> None:
@@ -205,8 +222,9 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
     hosts = [cluster.host_of_rank(r, world_size) if cluster else Host(0, None, "lo", "127.0.0.1")
              for r in range(world_size)]
     link = cluster.link_label if cluster else "loopback"
+    env = {**{k: os.environ[k] for k in (VERBOSE_ENV,) if k in os.environ}, **(env or {})}
     run = (fn, world_size, args, kwargs or {}, hosts, link, backend, timeout_s, threads,
-           dict(env or {}), tuple(slow), deadline_s, on_progress)
+           env, tuple(slow), deadline_s, on_progress)
     try:
         return _launch_once(*run)
     except RankError as err:
