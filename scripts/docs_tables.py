@@ -434,9 +434,9 @@ def hetero_checks(runs: list[Run]) -> str:
                "noisy-neighbour_even_factor_per_seed", ".2f"),
               ("none: semi's decisions (0)", "none_semi_decisions_per_seed", ".0f"),
               ("none: semi × ideal (it computes what none/even does: the noise)",
-               "none_semi_ratio_per_seed", ".2f")]
-    checks.append(("none: semi − even, paired by step (the same work: the noise floor)",
-                   "none_semi_minus_even_paired_per_seed", "+.3f"))
+               "none_semi_ratio_per_seed", ".2f"),
+              ("none: semi − even, paired by step (the same work: the noise floor)",
+               "none_semi_minus_even_paired_per_seed", "+.3f")]
     rows = []
     for what, key, spec in checks:
         values = figures(runs, lambda r, key=key: _summary(r, key))
@@ -449,7 +449,8 @@ def hetero_checks(runs: list[Run]) -> str:
                 rows.append([f"{scenario}: {policy} × ideal after its last decision"]
                             + [each(v, ".2f") if v else "–" for v in values])
     acc = figures(runs, lambda r: max(r.data["meta"]["summary"]["acc_loss_pp"].values()))
-    rows.append(["held-out accuracy lost, worst scenario and policy (mean over seeds; ≤ 0.5 pp)"] + [fmt(v, ".2f") for v in acc])
+    rows.append(["held-out accuracy lost, worst scenario and policy (mean over seeds; ≤ 0.5 pp)"]
+                + [fmt(v, ".2f") for v in acc])
     return table(["check, each seed"] + [f"run {r.k}" for r in runs], rows)
 
 

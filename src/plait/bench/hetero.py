@@ -729,8 +729,8 @@ def _targets(rows: dict, base: dict | None) -> dict:
 
 def paired_gaps(records: list[dict], warmup: int) -> dict:
     """Per seed, semi's gap to the policy of :data:`PAIRS` (migrate on ``straggler-2x``,
-    resize on ``spike``, even on ``none``: the noise floor), paired by step: the median over the timed steps of ``(t_semi − t_other) /
-    t_ideal``. The runs of a seed are interleaved step by step, so step i of each ran under
+    resize on ``spike``, even on ``none``: the noise floor), paired by step: the median over
+    the timed steps of ``(t_semi − t_other) / t_ideal``. The runs of a seed are interleaved step by step, so step i of each ran under
     the same load; the gap of the two medians takes each run's own noise as well."""
     by = {(r["seed"], r["scenario"], r["policy"]): r for r in records}
     out: dict = {}
