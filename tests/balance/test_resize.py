@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.balance import Balancer, PolicyConfig
 from plait.bench.hetero import HeteroBenchConfig, scenario_specs, with_ideal
@@ -153,30 +152,6 @@ def _resize_refusals_and_priority():
     assert y.shape == (3, 12) and (y[:, [0, 1, 3, 4, 5, 7, 8, 9, 11]] == 0).all()
 
 
-_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
-
-
-class _FlopClock(TorchDispatchMode):
-    """This rank as a device that takes 1 ns per FLOP of its matrix products: ``clock()``, put
-    in place of the CPU clock that the speed monitor and the straggler emulation read, moves
-    only as they run, so what the monitor measures, and with it every decision the balancer
-    takes, is known in advance whatever the machine's load."""
-
-    def __init__(self):
-        super().__init__()
-        self.now = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in _PRODUCTS:
-            a, b = args[-2], args[-1]
-            self.now += 2 * a.numel() * b.shape[-1] * 1e-9
-        return out
-
-    def clock(self, device=None):
-        return lambda: self.now
-
-
 SLOW_UNTIL, STEPS = 9, 15
 
 
@@ -190,13 +165,12 @@ def _balanced_gpt(policies):
     """A float64 GPT (fused, 2 pieces) trained with AdamW under each policy in turn on 2 ranks
     timed by FLOPs, rank 1 emulated 2× slower for the steps before SLOW_UNTIL; the balancer's
     decisions, every step's loss and the final plans. Also the single-process GPT's losses."""
-    from plait.balance import speed
+    from plait.balance.virtual import VirtualDevice
     from plait.models import GPT, GPTConfig
     from plait.nn import apply_tp
-    from plait.runtime import SlowSpec, Straggler, rank_context, straggler
+    from plait.runtime import SlowSpec, Straggler, rank_context
 
-    device = _FlopClock()
-    speed.compute_clock = straggler.compute_clock = device.clock  # in this rank's process only
+    device = VirtualDevice().install(unmovable=False)  # in this rank's process only
     torch.manual_seed(0)
     ref = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=4, n_embd=32)).double()
     batches = _batches(STEPS)

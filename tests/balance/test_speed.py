@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.balance import SpeedMonitor, ema, flag_stragglers, relative_speeds
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
@@ -64,43 +63,15 @@ def _monitor_on_one_rank():
         SpeedMonitor(window=0)
 
 
-_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
-
-
-class _FlopClock(TorchDispatchMode):
-    """This rank as a device that takes 1 ns per FLOP of its matrix products: ``clock()``,
-    put in place of the CPU clock that the monitor and the straggler emulation read, moves
-    only as they run, so a region's time is its FLOPs (× the emulated slowdown, whose sleep
-    the monitor counts) whoever else shares the cores. Records each collective's bytes."""
-
-    def __init__(self):
-        super().__init__()
-        self.now, self.sent = 0.0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in _PRODUCTS:
-            a, b = args[-2], args[-1]
-            self.now += 2 * a.numel() * b.shape[-1] * 1e-9
-        elif func.namespace == "c10d" and "barrier" not in func.name():
-            inputs = args[1] if "allgather" in func.name() else args[0]
-            self.sent.append(sum(t.numel() * t.element_size() for t in inputs))
-        return out
-
-    def clock(self, device=None):
-        return lambda: self.now
-
-
 def _monitor_on_virtual_devices(every, steps, slow_until):
     """Rank 1 emulated 3× slower (``SlowSpec``) for the first ``slow_until`` steps, then as
     fast as rank 0; for plans 1:1 and 3:1 (rank 1 with a third of rank 0's work, so its time
     equals rank 0's), plain and fused: after each exchange the speeds, layer 1's speeds and
     the stragglers and the newest 2 readings; per step the bytes the monitor sent."""
-    from plait.balance import speed
-    from plait.runtime import SlowSpec, Straggler, rank_context, straggler
+    from plait.balance.virtual import VirtualDevice
+    from plait.runtime import SlowSpec, Straggler, rank_context
 
-    device = _FlopClock()
-    speed.compute_clock = straggler.compute_clock = device.clock  # in this rank's process only
+    device = VirtualDevice().install(unmovable=False)  # in this rank's process only
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     out = {}
     for sizes in ((1, 1), (3, 1)):
@@ -151,36 +122,18 @@ def test_monitor_finds_the_slow_rank_whatever_its_share():
         assert sent == [[], [(2 * 2 + 1) * 8]] * 6, (case, sent)
 
 
-class _StallClock(_FlopClock):
-    """The FLOP clock, where the next matrix product after ``arm(seconds)`` takes that much
-    longer: a preemption or page fault in the middle of the compute."""
-
-    def __init__(self):
-        super().__init__()
-        self.armed = 0.0
-
-    def arm(self, seconds):
-        self.armed = seconds
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func.overloadpacket in _PRODUCTS:
-            self.now, self.armed = self.now + self.armed, 0.0
-        return out
-
-
 def _migrated_on_virtual_devices(steps):
     """The last rank emulated 2× slower throughout, timed by FLOPs (at step 12 a stall of
     0.1 s, 40-60 steps' compute, in rank 0's first product), an MLP (96 → 192 → 32 columns,
     fused, 2 pieces) balanced by policy ``migrate`` through ``Balancer`` (every 2 steps,
     window 5, no warm-up): after each exchange that no decision followed, (step, speeds,
     confidence, the plan's sizes); the decisions (step, kind, sizes, reason)."""
-    from plait.balance import Balancer, PolicyConfig, speed
-    from plait.runtime import SlowSpec, Straggler, rank_context, straggler
+    from plait.balance import Balancer, PolicyConfig
+    from plait.balance.virtual import VirtualDevice
+    from plait.runtime import SlowSpec, Straggler, rank_context
 
     world = dist.get_world_size()
-    device = _StallClock()
-    speed.compute_clock = straggler.compute_clock = device.clock  # in this rank's process only
+    device = VirtualDevice().install(unmovable=False)  # in this rank's process only
     slow = Straggler([SlowSpec(world - 1, 2.0)], dist.get_rank())
     rank_context().straggler = slow
     kw = dict(overlap=True, chunks=2)
@@ -194,7 +147,7 @@ def _migrated_on_virtual_devices(steps):
     for step in range(steps):
         slow.set_step(step)
         if step == 12 and dist.get_rank() == 0:
-            device.arm(0.1)
+            device.stall(0.1)
         with device:
             model(x).square().mean().backward()
         opt.step()

@@ -184,7 +184,8 @@ class Straggler:
     """Per-rank owner of the emulated slowdown; ``compute()`` wraps each piece of compute.
 
     ``clock`` (seconds, no argument) measures the compute, default :func:`compute_clock`
-    of the device; ``sleep(seconds)`` waits out the delay, default :func:`time.sleep`.
+    of the device; ``sleep(seconds)`` waits out the delay, default :func:`time.sleep` (looked
+    up when it sleeps, so a virtual device, :mod:`plait.balance.virtual`, can stand in).
     ``throttle(factor)``: the kernel makes the slowdown instead (see the module docstring);
     ``set_step`` then calls it with every step's factor, 1 included, and ``compute()``
     delays nothing.
@@ -192,7 +193,7 @@ class Straggler:
 
     def __init__(self, specs: Sequence[SlowSpec | SlowCurve], rank: int, *,
                  clock: Callable[[], float] | None = None,
-                 sleep: Callable[[float], None] = time.sleep,
+                 sleep: Callable[[float], None] | None = None,
                  throttle: Callable[[float], None] | None = None):
         self.specs = [s for s in specs if s.rank == rank]
         self.step = 0
@@ -236,7 +237,7 @@ class Straggler:
             torch.cuda.synchronize(device)
         delay = (factor - 1.0) * (clock() - start)
         self.delayed_s += delay
-        self.sleep(delay)
+        (time.sleep if self.sleep is None else self.sleep)(delay)
 
 
 def host_throttle(cgroup: str, budget: float) -> Callable[[float], None]:
