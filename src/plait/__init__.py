@@ -1,7 +1,7 @@
 """plait: fused compute–collective operators and heterogeneity-aware tensor parallelism."""
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "parallelize", "full_state_dict"]
+__all__ = ["__version__", "parallelize", "full_state_dict", "from_pretrained", "load_shards"]
 
 
 def __getattr__(name: str):
@@ -10,4 +10,8 @@ def __getattr__(name: str):
         from . import parallel
 
         return getattr(parallel, name)
+    if name in ("from_pretrained", "load_shards"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'plait' has no attribute {name!r}")

@@ -49,11 +49,15 @@ from typing import Any
 
 from .checkpointer import Checkpointer, CheckpointError, Loaded
 from .export import export, full_tensors
+from .pretrained import from_pretrained, materialize
+from .shards import load_shards
+from .sources import CheckpointFileError
 from .run_state import SeededStream, rng_state, set_rng_state
 from .store import latest
 
 __all__ = ["Checkpointer", "CheckpointError", "Loaded", "save", "load", "latest", "verify",
-           "export", "full_tensors", "SeededStream", "rng_state", "set_rng_state"]
+           "export", "full_tensors", "SeededStream", "rng_state", "set_rng_state",
+           "from_pretrained", "materialize", "load_shards", "CheckpointFileError"]
 
 
 def save(root: str | os.PathLike, step: int, model, optimizer=None, extra_state: Any = None,
