@@ -52,7 +52,7 @@ names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 open(f"rank{rank}.env.part", "w").write(" ".join(f"{n}={os.environ[n]}" for n in names))
 os.rename(f"rank{rank}.env.part", f"rank{rank}.env")
 if os.environ.get("FAIL") and rank == 1:
-    end = time.monotonic() + 30
+    end = time.monotonic() + 300  # ends a hang: 3 interpreters start in seconds, at load too
     while not all(os.path.exists(f"rank{r}.env") for r in (0, 2)) and time.monotonic() < end:
         time.sleep(0.02)
     sys.exit(3)
@@ -60,9 +60,11 @@ if os.environ.get("FAIL") and rank == 2:
     time.sleep(300)
     open("rank2.done", "w").write("")
 """
-# rank 0 starts a child of its own and waits on it; rank 1 exits 3 once that child runs
+# rank 0 starts a child of its own and waits on it; rank 1 exits 3 once that child runs. The
+# child would sleep far longer than the row's processes are watched after its end (TREE_LEFT_S)
 TREE_SCRIPT = ('if [ "$RANK" = 1 ]; then while [ ! -e child.started ]; do sleep 0.05; done; '
-               'exit 3; fi; sleep 30 & touch child.started; wait')
+               'exit 3; fi; sleep 600 & touch child.started; wait')
+TREE_LEFT_S = 30.0
 
 
 def _rows(root: Path) -> dict[str, dict]:
@@ -92,7 +94,9 @@ def _rows(root: Path) -> dict[str, dict]:
     }
     for name in ("rank-raises", "train", "sigint", "ctrl-c", "exit-3", "all-ok"):
         rows[name]["wait_left_s"] = WAIT_LEFT_S
-    rows["tree"]["wait_left_s"] = 5.0  # a stopped rank's child would run its 30 s
+    # a stopped rank's child left running would still be there; one stopped goes in well
+    # under a second (a scan of /proc every 0.25 s ends the wait as soon as none is left)
+    rows["tree"]["wait_left_s"] = TREE_LEFT_S
     if NETNS:  # the story: nothing, a run that ends well, one SIGKILLed, then status and clean
         rows |= {
             "status-empty": dict(argv=["cluster", "status"]),
