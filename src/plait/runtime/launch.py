@@ -56,6 +56,9 @@ __all__ = ["launch"]
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
 _GRACE_S = 0.5  # after the first failure, how long to listen for the others' reports
+# past its collective timeout, how long a rank may take to report that it timed out (an
+# exception pickled down a pipe: milliseconds, or seconds on a loaded machine)
+_REPORT_S = 5.0
 
 
 def _libc() -> ctypes.CDLL:
@@ -273,7 +276,8 @@ def _collect(procs: list, conns: list, deadline_s: float | None,
     first_failure_at: float | None = None
     while pending:
         now = time.monotonic()
-        if first_failure_at is not None and now - first_failure_at > _GRACE_S:
+        if first_failure_at is not None and now - first_failure_at > _GRACE_S and not \
+                _may_still_report(failures, pending, watchdog, pids, now - first_failure_at, now):
             break
         if deadline_s is not None and now - start > deadline_s:
             # the deadline, not a hang: name the rank furthest behind and where it was
@@ -319,6 +323,24 @@ def _collect(procs: list, conns: list, deadline_s: float | None,
     if failures:
         raise_first(failures, [host_label(h) for h in hosts])
     return [results[r] for r in range(len(procs))]
+
+
+def _may_still_report(failures: list, pending: set[int], watchdog: Watchdog,
+                      pids: dict[int, int | None], since_first: float, now: float) -> bool:
+    """Whether to go on listening past the grace: every failure so far is an echo (a
+    timeout, a peer gone) and a rank yet to report may still report its own. A rank in a
+    collective times out at most the collective timeout after its last progress mark
+    (entering a plait operator marks it); a stopped process, or one that never marked, is
+    not waited for. With the grace alone, where a link went down and the second rank's
+    timeout came over 0.5 s after the first (a loaded machine's lag), it went unheard and
+    the run was blamed on that rank ("stopped answering") instead of the link."""
+    if since_first > watchdog.timeout_s + _REPORT_S:
+        return False
+    if not all(is_secondary(f[1], f[2]) for f in failures):
+        return False
+    return any(watchdog.marked(rank) and process_state(pids[rank]) not in ("T", "t")
+               and watchdog.quiet_s(rank, now) < watchdog.timeout_s + _REPORT_S
+               for rank in pending)
 
 
 def _read_report(conn, proc) -> tuple | None:

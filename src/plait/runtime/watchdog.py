@@ -47,6 +47,7 @@ class Watchdog:
         self.board = board
         self.world_size = world_size
         self.grace_s = grace_s
+        self.timeout_s = timeout_s
         self.limit_s = timeout_s + grace_s
         self._counts = [0] * world_size
         self._changed_at = [time.monotonic()] * world_size
@@ -64,6 +65,10 @@ class Watchdog:
         if not any(self._counts):
             return False
         return now - max(self._changed_at) > self.limit_s
+
+    def marked(self, rank: int) -> bool:
+        """Whether ``rank`` has marked any progress yet."""
+        return self.board.count(rank) > 0
 
     def quiet_s(self, rank: int, now: float) -> float:
         """Seconds since ``rank`` last marked progress (since the watch began if never)."""
