@@ -1,6 +1,6 @@
 """Scenario files (``plait bench hetero --scenario-file``): the format, the factors it gives
-step by step, and a real run of the shipped jitter file on a persistent 2 × straggler (semi
-migrates). Semi under the jitter alone: tests/balance/test_policy.py."""
+step by step, and a run of the shipped jitter file on a persistent 2 × straggler (semi
+migrates) through ``bench hetero`` on virtual devices. Semi under the jitter alone: tests/balance/test_policy.py."""
 
 import json
 import os
@@ -163,24 +163,38 @@ def test_bench_hetero_runs_the_file_as_one_more_scenario_and_records_it():
 
 
 def _control_run(control):
-    """Rank side: bench hetero's run of a small GPT on 2 ranks: semi on the control file."""
+    """Rank side: bench hetero's run of a small GPT on 2 ranks, semi on the control file, the
+    ranks virtual devices (timed by their products' FLOPs, :mod:`plait.balance.virtual`)."""
+    from plait.balance.virtual import VirtualDevice
     from plait.bench.hetero import run_hetero
 
-    cfg = HeteroBenchConfig(scenarios=(), scenario_file=control, policies=("semi",), steps=64,
-                            warmup=4, seeds=1, n_layer=1, n_head=8, n_embd=128, seq_len=32,
+    device = VirtualDevice().install()  # in this rank's process only
+    cfg = HeteroBenchConfig(scenarios=(), scenario_file=control, policies=("semi",), steps=20,
+                            warmup=4, seeds=1, n_layer=1, n_head=4, n_embd=32, seq_len=16,
                             batch_size=8, eval_batches=1, spike_steps=12, confirm_steps=3)
-    return {record["scenario"]: record["decisions"] for record in run_hetero(cfg)}
+    with device:
+        records = run_hetero(cfg)
+    return {record["scenario"]: record["decisions"] for record in records}
 
 
 def test_the_jitter_file_on_a_2x_straggler_is_migrated_in_a_real_run(tmp_path):
-    """The shipped jitter file on top of a 2 × last rank, run through ``bench hetero``: semi
-    migrates work away from the last rank. That semi makes no decision under the jitter
-    alone is judged on the file's draws through the monitor's model
-    (tests/balance/test_policy.py), not in a run on a shared machine, whose real load can be
-    a real imbalance (a CI run: 1.42 × on one rank, bridged by two resizes)."""
+    """The shipped jitter file on top of a 2 × last rank, run through ``bench hetero`` on
+    ranks timed by FLOPs, so the readings are the file's draws and nothing else: semi
+    resizes both dims at step 10 (4 warm-up steps, the window half full and the imbalance
+    confirmed over 3 steps) and migrates them at step 19 (the imbalance has lasted
+    spike_steps = 12 steps) to 3:1 heads and 85:43 columns (``static_plan`` for speeds
+    (1, 0.5), which the readings came to); every rank decides alike. That semi makes no decision under the jitter alone, and
+    migrates under it on a 2 × rank for 10 seeds of the file, is judged on the file's draws
+    through the monitor's model (tests/balance/test_policy.py)."""
+    from plait.balance import static_plan
+
     data = json.load(open(JITTER))
     data["name"] = "jitter-on-2x"
     data["slow"].append({"rank": "last", "factor": 2.0})
-    decisions = run_ranks(_control_run, 2, _write(tmp_path, data))[0]["jitter-on-2x"]
-    moved = [d["sizes"] for d in decisions if d["kind"] == "migrate"]
-    assert any(sizes[1] < sizes[0] for sizes in moved), decisions
+    out = run_ranks(_control_run, 2, _write(tmp_path, data))
+    assert out[0] == out[1], out
+    decisions = out[0]["jitter-on-2x"]
+    units = {"blocks.0.attn": 4, "blocks.0.mlp": 128}
+    want = [(10, dim, "resize", [n // 2] * 2) for dim, n in units.items()] + [
+        (19, dim, "migrate", list(static_plan(n, (1.0, 0.5)).sizes)) for dim, n in units.items()]
+    assert [(d["step"], d["dim"], d["kind"], d["sizes"]) for d in decisions] == want, decisions
