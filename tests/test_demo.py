@@ -1,9 +1,11 @@
 """``plait demo`` end to end on a tiny GPT (loopback): its figures against what the run must
 produce, and its refusals.
 
-Step times on a shared 2-core machine swing by half their size, so the straggler is checked
-where the run measures it without that noise: each rank's compute (its thread's CPU time plus
-the emulated slowness), which is what the balancer reads.
+The CLI run is checked for its structure (every run, figure, table line and file the report
+must have), not for its timings. What the straggler does to the compute the balancer reads,
+and when the balancer acts on it, is checked in a run of :func:`plait.demo.run_demo` on ranks
+that are virtual devices (:mod:`plait.balance.virtual`: timed by their products' FLOPs), where
+both are exact: on a shared 2-core machine a step time swings by half its size.
 """
 
 import html
@@ -17,18 +19,16 @@ import pytest
 from plait.cli.demo import demo_config, demo_placement
 from plait.cli.main import build_parser, main
 from plait.demo import LOOPBACK, QUICK_DEMO, WARMUP_STEPS, DemoConfig
+from plait.runtime.testing import run_ranks
 
-# 16 steps: semi's first decision came at step 10 in runs at load 8 and 12 here (the agreement
-# rule waits for readings that all show the straggler); at 12 steps that was the last exchange
-# of the run, and one noisy reading would have left it no decision at all.
-# Width 128 over 32 tokens: at width 64 over 16 the unmovable time (3.5 × the movable compute)
-# left a 3 × straggler an imbalance of only 1.26 against the trigger of 1.2, and noise took 1 in
-# 3 runs under it (no decision); at 128 × 32 it reads 1.5-1.6
-STEPS, SLOW_FROM, FACTOR = 16, 4, 3.0
-SEQ_LEN, BATCH = 32, 4
+STEPS, SLOW_FROM, FACTOR = 8, 2, 3.0
+SEQ_LEN, BATCH = 16, 4
 TINY = ["--steps", str(STEPS), "--slow-from", str(SLOW_FROM), "--factor", f"{FACTOR:g}",
-        "--spike-steps", "5", "--n-embd", "128", "--n-head", "4", "--n-layer", "1",
+        "--spike-steps", "5", "--n-embd", "64", "--n-head", "4", "--n-layer", "1",
         "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH)]
+# the virtual run: slow from step 4, 11 steps, to the balancer's first decision at step 10
+VIRTUAL = DemoConfig(steps=11, slow_from=4, factor=FACTOR, spike_steps=5, n_embd=32, n_head=4,
+                     n_layer=1, seq_len=SEQ_LEN, batch_size=BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -67,32 +67,58 @@ def test_demo_runs_every_system_and_scenario(run):
             assert r["decisions"] == [], (system, scenario)  # even shards never move
 
 
-def test_the_straggler_turns_slow_at_its_step(run):
-    """Under even shards rank 1's compute is about rank 0's before the onset and FACTOR × it
-    after (the emulation sleeps (FACTOR − 1) × what the rank computed)."""
-    data = run[3]
-    compute = _runs(data)[("plain", "slow")]["rank_compute_s"]
-    ratio = [c1 / c0 for c0, c1 in zip(*compute)]
-    before = statistics.median(ratio[1:SLOW_FROM])
-    after = statistics.median(ratio[SLOW_FROM:])
-    assert 0.6 < before < 1.5, ratio
-    assert 0.75 * FACTOR < after < 1.3 * FACTOR, ratio
-    none = _runs(data)[("plain", "none")]["rank_compute_s"]
-    assert 0.6 < statistics.median(c1 / c0 for c0, c1 in zip(*none)) < 1.5
-
-
-def test_plait_acts_on_the_straggler_after_its_onset(run):
+def test_the_decisions_log_lists_the_decisions(run):
     data = run[3]
     decisions = _runs(data)[("plait", "slow")]["decisions"]
-    assert decisions, "the semi balancer never acted on a 3× straggler"
-    assert all(d["step"] >= SLOW_FROM for d in decisions), decisions
-    first = decisions[0]
-    if first["kind"] == "resize":
-        assert first["fractions"][-1] < 1.0 == first["fractions"][0], first
-    else:
-        assert first["kind"] == "migrate" and first["sizes"][-1] < first["sizes"][0], first
-    log = (run[2] / "decisions.log").read_text().splitlines()
-    assert len(log) == len(decisions) and log[0].startswith(f"step {first['step']:>3}")
+    log = [line for line in (run[2] / "decisions.log").read_text().splitlines() if line]
+    assert len(log) == len(decisions), (log, decisions)
+    for line, d in zip(log, decisions):
+        assert line.startswith(f"step {d['step']:>3}") and d["dim"] in line, (line, d)
+
+
+def _demo_on_virtual_devices(cfg: DemoConfig) -> list[dict]:
+    from plait.balance.virtual import VirtualDevice
+    from plait.demo import run_demo
+
+    device = VirtualDevice().install()  # in this rank's process only
+    with device:
+        return run_demo(cfg)
+
+
+@pytest.fixture(scope="module")
+def virtual():
+    """``run_demo(VIRTUAL)`` on 2 ranks timed by FLOPs: rank 0's records by (system, scenario)."""
+    out = run_ranks(_demo_on_virtual_devices, 2, VIRTUAL)
+    for key in ("rank_compute_s", "decisions", "losses"):  # the same on every rank
+        assert [r[key] for r in out[0]] == [r[key] for r in out[1]], key
+    return _runs({"runs": out[0]})
+
+
+def test_the_straggler_turns_slow_at_its_step(virtual):
+    """Under even shards rank 1's compute (what the monitor timed) is rank 0's before the
+    onset and FACTOR × it from the onset on (the emulation waits (FACTOR − 1) × what the
+    rank computed), exactly; without the straggler it is rank 0's throughout."""
+    for system, scenario in (("plain", "slow"), ("plain", "none"), ("plait", "none")):
+        compute = virtual[(system, scenario)]["rank_compute_s"]
+        ratio = [c1 / c0 for c0, c1 in zip(*compute)]
+        slowed = FACTOR if scenario == "slow" else 1.0
+        want = [1.0] * VIRTUAL.slow_from + [slowed] * (VIRTUAL.steps - VIRTUAL.slow_from)
+        assert ratio == pytest.approx(want, rel=1e-9), (system, scenario, ratio)
+
+
+def test_plait_acts_on_the_straggler_after_its_onset(virtual):
+    """semi's first decision: both dims resized at step 10, rank 1 keeping half (``max_skip``
+    0.5 of the 2/3 its speed would skip). The balancer's 3 warm-up steps leave the exchanges
+    after steps 4, 6, 8 (every 2); the third fills the window of 5 half (speeds (1, 1/3),
+    the first reading's half-slow window trimmed away), and the imbalance is confirmed over
+    3 steps at step 10. No decision before it, none in the other runs."""
+    decisions = virtual[("plait", "slow")]["decisions"]
+    assert [(d["step"], d["dim"], d["kind"], d["sizes"], d["fractions"]) for d in decisions] == [
+        (10, "blocks.0.attn", "resize", [2, 2], [1.0, 0.5]),
+        (10, "blocks.0.mlp", "resize", [64, 64], [1.0, 0.5])], decisions
+    assert "speeds [1.00, 0.33]" in decisions[0]["reason"], decisions[0]
+    for key in (("plain", "slow"), ("plain", "none"), ("plait", "none")):
+        assert virtual[key]["decisions"] == [], key
 
 
 def test_summary_follows_from_the_runs_and_matches_the_table(run):
