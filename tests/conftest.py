@@ -49,6 +49,21 @@ needs_netns = pytest.mark.netns
 _cluster_missing: list[str | None] = []  # cluster_support(), asked once
 
 
+def read_tbf(netns: str, dev: str) -> dict:
+    """What the kernel holds for ``dev``'s root qdisc in ``netns`` (``tc -j -s qdisc``): its
+    kind, and for a tbf its rate (bytes/s), burst (bytes) and latency (µs) as configured,
+    and its counters since it was made: bytes, packets, drops, overlimits (packets it held
+    back for want of tokens)."""
+    import json
+    import subprocess
+
+    out = subprocess.run(["ip", "netns", "exec", netns, "tc", "-j", "-s", "qdisc", "show",
+                          "dev", dev], capture_output=True, text=True, check=True).stdout
+    [root] = [q for q in json.loads(out) if q.get("root")]
+    return {"kind": root["kind"], **root.get("options", {}),
+            **{k: root[k] for k in ("bytes", "packets", "drops", "overlimits")}}
+
+
 def budgets_here() -> None:
     """Skip (a failure under PLAIT_REQUIRE_ALL, as for namespaces) where CPU budgets cannot be
     enforced: no writable cgroup cpu controller."""

@@ -1,13 +1,17 @@
 """The emulated link behaves like a link: point-to-point transfers without stalls or TCP
-timeouts, and the bytes of a collective cross it at its rate, never faster (docs/link.md).
+timeouts, through a shaper that holds the configured rate, never faster (docs/link.md).
 
 One launch on a 2-host cluster at 200 Mbit/s, where a 4 MiB transfer takes 168 ms at line
-rate. What it judges, the machine's load cannot move: the kernel's TCP counters (no
-retransmission timeout, almost nothing resent), the comm threads' scheduling policy (the
-one-second stalls of docs/link.md were SCHED_FIFO comm threads holding both cores until
-the kernel's real-time throttling let go), and each kind of transfer's fastest try, which
-shows what the link carries (a loaded machine only slows a try: at load 8 one exchange of
-4 MiB each way took 6.2 x line rate, with no TCP event; a bound on every try failed there).
+rate. What it judges, the machine's load cannot move: the kernel's qdiscs (each direction's
+tbf reads back the configured rate, carried every byte the ranks sent and held packets back
+for want of tokens), the kernel's TCP counters (no retransmission timeout, almost nothing
+resent), the comm threads' scheduling policy (the one-second stalls of docs/link.md were
+SCHED_FIFO comm threads holding both cores until the kernel's real-time throttling let
+go), and that no transfer beat the link's rate (a loaded machine only slows a transfer).
+How much of the link a transfer reaches is a loaded machine's figure as much as the link's
+(at load 8 one exchange of 4 MiB each way took 6.2 x line rate, with no TCP event): the
+test prints it, and ``plait bench collectives`` records it (``link_share``,
+``pieces_link_share``) with the reasons a collective falls short.
 """
 
 import os
@@ -20,10 +24,11 @@ import torch.distributed as dist
 from plait.bench.collectives import (GLOO_SHORTFALL, LINK_SHARE_OK, CollectiveBenchConfig,
                                      link_share, run_sweep, shortfalls)
 from plait.runtime import EmulatedCluster, launch, parse_rate
+from plait.runtime.cluster import NETNS_PREFIX
 from plait.runtime.priority import comm_threads
 from plait.runtime.timing import agreed_max, time_once
 
-from conftest import needs_netns
+from conftest import needs_netns, read_tbf
 
 LINK = "200mbit"
 EXCHANGE_BYTES = 4 << 20  # each way
@@ -31,14 +36,9 @@ TRIES = 10                # per way of posting
 A2A_BYTES = 8 << 20       # all_to_all_single's buffer: 4 MiB cross the link each way
 PIECES = 8
 A2A_ITERS = 5
-# gloo's one all_to_all_single call posts its send before its receive, so the two directions
-# take turns (docs/link.md): 0.47-0.48 of the link measured here (one try of 5 at 0.91, at
-# load 8); the same bytes as 8 calls in flight 0.71-0.86 (the spread of a loaded machine)
-ONE_CALL_SHARE = 0.35
-PIECES_SHARE = 0.6
-# each way's fastest exchange within this many times line rate: posted send first, the two
-# directions often take turns (2.06-2.28x in most tries here, 1.05-1.25x in the others)
-NEAR_LINE = 2.5
+# what each rank sends its peer, at least (the bench's own transfers come on top): every
+# exchange and its warm-up, and half of every all_to_all buffer, one call and in pieces
+PAYLOAD = (2 * TRIES + 2) * EXCHANGE_BYTES + 2 * (A2A_ITERS + 1) * A2A_BYTES // 2
 # Shaped where it is sent, a host's TCP is held back by its own queue and loses nothing; a
 # queue that drops what arrives too fast (the switch's alone) makes TCP resend 1-4 % of its
 # segments (docs/link.md). What is resent here is tail-loss probes whose ACK came late.
@@ -106,16 +106,23 @@ def _measure():
 def test_the_link_has_no_stalls_no_timeouts_and_its_rate():
     with EmulatedCluster(hosts=2, link=LINK, require=True) as cluster:
         results = launch(_measure, 2, cluster=cluster, threads=1, timeout_s=60)
+        switch = f"{NETNS_PREFIX}{cluster.tag}-sw"
+        qdiscs = {**{f"host {h.index} sends": read_tbf(h.netns, "eth0") for h in cluster.hosts},
+                  **{f"host {h.index} receives": read_tbf(switch, f"p{h.index}")
+                     for h in cluster.hosts}}
     times, _, bench, _ = results[0]
     link_Bps = parse_rate(LINK) / 8
     line_s = EXCHANGE_BYTES / link_Bps
     print(f"\n{LINK}, x line rate: " + "; ".join(
         f"{way} {', '.join(f'{t / line_s:.2f}' for t in times[way])}"
         for way in ("send_first", "recv_first")))
-    for way in ("send_first", "recv_first"):
-        fastest = min(times[way]) / line_s
-        assert fastest <= NEAR_LINE, (f"{way}: the fastest of {TRIES} exchanges of 4 MiB each "
-                                      f"way took {fastest:.2f}× line rate")
+    print("qdiscs: " + "; ".join(f"{name} {q['bytes'] / 2**20:.0f} MiB, dropped {q['drops']}, "
+                                 f"held back {q['overlimits']}" for name, q in qdiscs.items()))
+    # the shaping the cluster configured (cluster._tbf), as the kernel holds it, carried every
+    # byte each way and held packets back: the rate was what limited them
+    for name, q in qdiscs.items():
+        assert (q["kind"], q["rate"], q["lat"]) == ("tbf", link_Bps, 20_000), (name, q)
+        assert q["bytes"] >= PAYLOAD and q["overlimits"] > 0, (name, q)
     fifo = [p for _, _, _, policies in results for p in policies
             if p in (os.SCHED_FIFO, os.SCHED_RR)]
     assert not fifo, "comm threads at a real-time policy: the one-second stalls' cause"
@@ -125,26 +132,21 @@ def test_the_link_has_no_stalls_no_timeouts_and_its_rate():
     sent = sum(counts["OutSegs"] for _, counts, _, _ in results)
     assert resent <= RESENT * sent, f"TCP sent {resent} of {sent} segments again"
     # nccl-tests' busbw for all-to-all on 2 ranks: half the buffer crosses the link each way;
-    # the fastest try, what the link carries (the median was load's: 0.47-0.91 one call)
+    # the fastest try, what the link carries, is never above its rate, whatever the load
     share = {name: A2A_BYTES / 2 / min(times[name]) / link_Bps
              for name in ("one_call", "pieces")}
     medians = [A2A_BYTES / 2 / statistics.median(times[n]) / link_Bps for n in share]
     print(f"share of the link, fastest of {A2A_ITERS}: one call {share['one_call']:.2f}, "
           f"8 pieces {share['pieces']:.2f} (medians {medians[0]:.2f}, {medians[1]:.2f})")
-    assert share["pieces"] >= PIECES_SHARE, \
-        f"8 pieces in flight: {share['pieces']:.0%} of the link"
-    assert share["one_call"] >= ONE_CALL_SHARE, f"one call: {share['one_call']:.0%} of the link"
     for name, value in share.items():
         assert value <= 1.0, f"{name}: {value:.0%} of the link, faster than the link's rate"
-    # the bench's record of the same message says the same (its 2 tries are only checked
-    # against the link's rate: the shares above rest on more tries)
+    # the bench's record of the same message says the same
     [record] = bench
     assert record["wrong"] == 0 and record["link"] == LINK and record["pieces"] == PIECES
     assert record["link_share"] == pytest.approx(record["busbw_GBps"] * 1e9 / link_Bps)
     assert record["pieces_link_share"] == pytest.approx(
         A2A_BYTES / 2 / record["pieces_time_s"] / link_Bps)
     assert 0 < record["link_share"] <= 1.0 and 0 < record["pieces_link_share"] <= 1.0, record
-
 
 
 def _record(collective, share, pieces_share=None, backend="gloo", nbytes=16 << 20):
