@@ -1,5 +1,5 @@
 """Faults injected into DCP's file writes (in a rank's own process): a full disk, a crash,
-a slow disk. They replace ``FileSystem.create_stream`` for the shard files (``*.distcp``)
+a held write. They replace ``FileSystem.create_stream`` for the shard files (``*.distcp``)
 only while the context is open."""
 
 import contextlib
@@ -33,10 +33,15 @@ class _Capped:
         return getattr(self.stream, name)
 
 
+GATE_LIMIT_S = 120.0
+
+
 @contextlib.contextmanager
-def faulty_writes(*, left: int = 4096, crash: bool = False, delay_s: float = 0.0):
+def faulty_writes(*, left: int = 4096, crash: bool = False, gate: str | None = None):
     """Shard files written inside the context fail after ``left`` bytes (ENOSPC, or the
-    process ends with ``crash``), or with ``delay_s`` each start that late instead."""
+    process ends with ``crash``), or with ``gate`` (a path) each starts only once that file
+    exists instead (``GATE_LIMIT_S`` at most: a test that never opens it fails on what it
+    found, not by hanging)."""
     real = FileSystem.create_stream
 
     @contextlib.contextmanager
@@ -44,8 +49,10 @@ def faulty_writes(*, left: int = 4096, crash: bool = False, delay_s: float = 0.0
         with real(self, path, mode) as stream:
             if "w" not in mode or not str(path).endswith(".distcp"):
                 yield stream
-            elif delay_s:
-                time.sleep(delay_s)
+            elif gate is not None:
+                end = time.monotonic() + GATE_LIMIT_S
+                while not os.path.exists(gate) and time.monotonic() < end:
+                    time.sleep(0.01)
                 yield stream
             else:
                 yield _Capped(stream, left, crash)

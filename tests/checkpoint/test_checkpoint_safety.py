@@ -11,7 +11,7 @@ in which a rank dies mid-write):
   every rank with one line, leaves the previous checkpoint loadable and no ``.tmp-``
   directory; with ``on_error="warn"`` the save returns None and training goes on;
 - only the newest ``keep`` checkpoints remain;
-- an asynchronous save returns before the (slowed) write ends and is published only once
+- an asynchronous save returns before its (held) write starts and is published only once
   every rank's write has finished;
 - a rank killed mid-write leaves the previous checkpoint loadable; the leftover
   ``.tmp-step-N`` is removed by the next load.
@@ -127,19 +127,32 @@ def _failed_saves(root):
         ckpt.save(step, model, opt)
     out["kept"] = sorted(os.listdir(root))
     out["first"] = str(first)
-    # asynchronous: rank 1's shard file starts 4 s late (the save's return, timed on a shared
-    # machine, must not reach that; 2 s left too little room under load)
-    with faulty_writes(delay_s=4.0) if rank() == 1 else _nothing():
-        start = time.perf_counter()
+    # asynchronous: rank 1's shard file is held until rank 0 opens the gate, which it does
+    # once rank 1's save has returned and it has looked at what is published (each waits
+    # _HOLD_S at most: a save that does not return ends as a failed check, not a hang)
+    gate, returned = Path(root).parent / "gate", Path(root).parent / "returned"
+    with faulty_writes(gate=str(gate)) if rank() == 1 else _nothing():
         ckpt.save(5, model, opt, {"at": 5}, blocking=False)
-        out["async returned after s"] = time.perf_counter() - start
-        out["latest while writing"] = str(ckpt.latest())
-        time.sleep(0.5)
-        out["latest while writing, later"] = str(ckpt.latest())
+        if rank() == 1:
+            out["returned before its write"] = not gate.exists()
+            returned.touch()
+        else:
+            _wait_for(returned)
+            out["latest while writing"] = str(ckpt.latest())
+            gate.touch()
         out["waited"] = str(ckpt.wait())
     out["latest after wait"] = str(ckpt.latest())
     out["saved"] = full(model, opt)
     return out
+
+
+_HOLD_S = 60.0  # under the gate's own limit (_ckpt_faults.GATE_LIMIT_S)
+
+
+def _wait_for(path: Path) -> None:
+    end = time.monotonic() + _HOLD_S
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.01)
 
 
 class _nothing:
@@ -162,10 +175,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_async_publishes_when_wr
         assert r["warned"] is None
     assert out["after full disk"] == ["step-1"]  # the partial .tmp-step-2 is gone
     assert out["kept"] == ["step-3", "step-4"]
-    assert out["async returned after s"] < 3.0, out["async returned after s"]
-    assert out["latest while writing"].endswith("step-4")
-    assert out["latest while writing, later"].endswith("step-4")
-    assert out["waited"].endswith("step-5") and out["latest after wait"].endswith("step-5")
+    assert ranks[1]["returned before its write"]
+    assert out["latest while writing"].endswith("step-4")  # rank 1's write was still held
+    assert all(r["waited"].endswith("step-5") and r["latest after wait"].endswith("step-5")
+               for r in ranks), ranks
     model, opt = build(seed=1)
     found = checkpoint.load(root, model, opt)
     assert found.step == 5 and found.extra_state == {"at": 5}
