@@ -14,4 +14,12 @@ def __getattr__(name: str):
         from . import checkpoint
 
         return getattr(checkpoint, name)
+    if name in _SUBPACKAGES:  # plait.parallel.dp_tp_mesh after a bare ``import plait``
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
+
+
+_SUBPACKAGES = ("parallel", "checkpoint", "nn", "ops", "balance", "runtime", "models", "plan",
+                "perf")

@@ -16,8 +16,9 @@ the model plus one checkpoint file's mapping (``plait bench load`` measures it).
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,13 @@ __all__ = ["from_pretrained", "materialize"]
 def from_pretrained(path: str | os.PathLike, plan: Mapping[str, Any] | str = "auto", *,
                     dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                     group=None, mesh=None, shards=None, overlap: bool = True, chunks="auto",
-                    dp_kind: str | None = "auto", model_class=None) -> nn.Module:
+                    dp_kind: str | None = "auto", model_class=None, **config_kwargs) -> nn.Module:
     """The causal LM saved at ``path`` (``save_pretrained``: config.json and safetensors)
     made tensor-parallel by ``plan`` over ``group`` or ``mesh``, every rank reading only its
     shards; in eval mode, as transformers returns a loaded model. ``dtype``: the model's
-    (default: the config's); ``model_class``: another class than the config's causal LM.
+    (default: the config's); ``model_class``: another class than the config's causal LM;
+    ``config_kwargs`` change the config as transformers' ``from_pretrained`` takes them
+    (``experts_implementation="eager"``, ``attn_implementation="sdpa"``).
     The other arguments are :func:`plait.parallelize`'s. A missing or truncated file, or a
     tensor that does not fit, is one ``CheckpointFileError`` line, before any rank builds
     anything."""
@@ -48,7 +51,7 @@ def from_pretrained(path: str | os.PathLike, plan: Mapping[str, Any] | str = "au
     path = Path(path)
     store = SafetensorsDir(path)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **config_kwargs)
     except (OSError, ValueError) as err:
         raise CheckpointFileError(f"{path / 'config.json'}: {str(err).splitlines()[0]}") from None
     dtype = dtype or _config_dtype(config)
@@ -68,19 +71,87 @@ def from_pretrained(path: str | os.PathLike, plan: Mapping[str, Any] | str = "au
     return model
 
 
-def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
-    """``model.to_empty(device)``, keeping tied parameters one parameter (``to_empty``
-    allocates each module's parameters anew, which would untie them)."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for key, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((module, key))
-    model.to_empty(device=device)
-    for shared in owners.values():
-        first, key = shared[0]
-        for module, other in shared[1:]:
-            setattr(module, other, getattr(first, key))
+def materialize(model: nn.Module, device: str | torch.device, *,
+                buffers: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """``model.to_empty(device)``: this rank's tensors allocated, to be filled by a loader
+    (:func:`~plait.checkpoint.shards.load_shards`, ``plait.checkpoint.load``), and the
+    buffers no checkpoint holds computed (non-persistent ones: transformers' rotary
+    ``inv_freq``) by ``buffers(model)``, default transformers' own ``_init_weights`` on
+    their modules; another model built on the meta device must pass ``buffers``.
+
+    Each
+    parameter the same object with its gradient hooks (copied K/V heads' sum, a replicated
+    parameter's all-reduce) and attributes. Plain ``to_empty`` makes new parameters on a
+    change of device, and even swapping them in place leaves the hooks behind with the old
+    storage (autograd keeps them there): both would drop them silently. So the tensors are
+    swapped in place, and each one's hooks registered again and attributes set again."""
+    kept = [(t, dict(vars(t)), list((t._backward_hooks or {}).values()))
+            for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()]
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    for tensor, attributes, hooks in kept:
+        for key, value in attributes.items():
+            setattr(tensor, key, value)
+        if hooks:
+            tensor._backward_hooks = OrderedDict()
+            for hook in hooks:
+                tensor.register_hook(hook)
+    with torch.no_grad():
+        _fill_buffers(model, buffers)
     return model
+
+
+def _fill_buffers(model: nn.Module, buffers) -> None:
+    """Non-persistent buffers: computed by ``buffers(model)`` or transformers' initialisation.
+    Each is filled with 0, computed, then with 1 and computed again: a buffer the two
+    passes leave different was not computed, and is refused (whatever its dtype)."""
+    saved = set(model.state_dict())
+    missing = {}
+    for path, module in model.named_modules():
+        for key, value in module.named_buffers(recurse=False):
+            name = f"{path}.{key}" if path else key
+            if name not in saved and value is not None:
+                missing[name] = (module, value)
+    if not missing:
+        return
+    if buffers is None:
+        if not hasattr(model, "_init_weights"):
+            raise CheckpointFileError(
+                f"{next(iter(missing))}: a buffer no checkpoint holds, built on the meta "
+                "device: pass buffers=fn to compute it (or build the model with real buffers)")
+        buffers = _transformers_init(list({id(m): m for m, _ in missing.values()}.values()))
+    passes = []
+    for mark in (0, 1):
+        for _, value in missing.values():
+            value.fill_(mark)
+        buffers(model)
+        passes.append([_bits(value) for _, value in missing.values()])
+    left = [name for name, a, b in zip(missing, *passes) if not torch.equal(a, b)]
+    if left:
+        raise CheckpointFileError(f"{left[0]}: a buffer no checkpoint holds, which "
+                                  f"{getattr(buffers, '__name__', 'buffers')} did not compute; "
+                                  "pass buffers=fn")
+
+
+def _transformers_init(modules: list[nn.Module]):
+    """transformers' own ``_init_weights`` on ``modules``, the ones holding such buffers (it
+    also draws their parameters, which the load then overwrites)."""
+    def transformers_init(model: nn.Module) -> None:
+        from transformers import initialization as init
+
+        with init.guard_torch_init_functions():
+            for module in modules:
+                model._init_weights(module)
+    return transformers_init
+
+
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    flat = value.detach().contiguous().view(-1)
+    return flat.view(torch.uint8).clone() if flat.dtype != torch.bool else flat.clone()
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -10,12 +10,8 @@ loader asks the source (:mod:`plait.checkpoint.sources`) for exactly those piece
 file, so a rank reads its share and nothing else, and holds at most one file mapped at a
 time besides its own tensors. Tensors no plan splits are read whole.
 
-Buffers that are not in the checkpoint (transformers' rotary ``inv_freq``, a scaled
-embedding's ``embed_scale``: non-persistent, computed at construction) hold nothing after
-``to_empty``: a transformers model recomputes them with its own ``_init_weights`` (after the
-loaded tensors are marked initialised, so it touches nothing else); they are filled with NaN
-first, and one left NaN is refused, naming it. Any other model built on the meta device
-must bring them itself (``buffers=``).
+Buffers no checkpoint holds (non-persistent: transformers' rotary ``inv_freq``) are
+:func:`plait.checkpoint.pretrained.materialize`'s to compute.
 
 Every rank checks the whole checkpoint against the model before it reads a byte: a missing
 tensor, a shape that differs, an unreadable conversion or a missing or truncated file is one
@@ -27,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -41,18 +37,15 @@ __all__ = ["load_shards", "CheckpointFileError"]
 log = logging.getLogger("plait.checkpoint")
 
 
-def load_shards(model: nn.Module, source, *, buffers: Callable[[nn.Module], None] | None = None,
-                strict: bool = True) -> dict:
-    """Copy this rank's pieces of every tensor of ``model`` from ``source``: a transformers
-    checkpoint directory (``save_pretrained``), a full ``state_dict``, or a source object.
-    ``buffers(model)``: fills the non-persistent buffers the checkpoint lacks (default:
-    transformers' own initialisation; refused for other models). ``strict``: a checkpoint
-    tensor the model does not hold is an error too. Returns ``{"read_bytes", "tensors",
-    "files"}``: what this rank read."""
+def load_shards(model: nn.Module, source, *, strict: bool = True) -> dict:
+    """Copy this rank's pieces of every tensor of ``model.state_dict()`` from ``source``: a
+    transformers checkpoint directory (``save_pretrained``), a full ``state_dict``, or a
+    source object. ``strict``: a checkpoint tensor the model does not hold is an error too.
+    Returns ``{"read_bytes", "tensors", "files"}``: what this rank read."""
     store = _store(source)
     sources = named_sources(model, store) if isinstance(store, SafetensorsDir) else \
         {name: store.leaf(name) for name in store.keys()}
-    wanted = dict(model.state_dict(keep_vars=True))
+    wanted = _one_name_each(model.state_dict(keep_vars=True), sources)
     layouts = model_layouts(model)
     plan = _plan(wanted, layouts, sources, strict)
     read = 0
@@ -62,12 +55,22 @@ def load_shards(model: nn.Module, source, *, buffers: Callable[[nn.Module], None
             with opened:
                 for name, tensor, src in items:
                     read += _fill(tensor, src, layouts.get(name))
-        for tensor in wanted.values():
-            tensor._is_hf_initialized = True
-        _fill_buffers(model, set(wanted), buffers)
     files = sorted({f for f in _by_file(plan) if f is not None})
     log.info("loaded %d tensors (%.1f MB read) from %d files", len(plan), read / 1e6, len(files))
     return {"read_bytes": read, "tensors": len(plan), "files": files}
+
+
+def _one_name_each(state: dict, sources: dict) -> dict:
+    """``state`` with each tensor once (tied ones share a tensor under several names), under
+    the name the checkpoint holds it by where it holds one (transformers saves one)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        names.setdefault(id(tensor), []).append(name)
+    out = {}
+    for group in names.values():
+        name = next((n for n in group if n in sources), group[0])
+        out[name] = state[name]
+    return out
 
 
 def _store(source):
@@ -134,51 +137,3 @@ def _fill(tensor: torch.Tensor, src, layout: Layout | None) -> int:
         tensor.narrow(layout.dim, local, box_sizes[layout.dim]).copy_(value)
         read += value.numel() * value.element_size()
     return read
-
-
-def _fill_buffers(model: nn.Module, loaded: set[str], buffers) -> None:
-    """Non-persistent buffers: computed by ``buffers(model)`` or transformers' initialisation.
-    Each is filled with 0, computed, then with 1 and computed again: a buffer the two
-    passes leave different was not computed, and is refused (whatever its dtype)."""
-    missing = {}
-    for path, module in model.named_modules():
-        for key, value in module.named_buffers(recurse=False):
-            name = f"{path}.{key}" if path else key
-            if name not in loaded and value is not None:
-                missing[name] = (module, value)
-    if not missing:
-        return
-    if buffers is None:
-        if not hasattr(model, "_init_weights"):
-            raise CheckpointFileError(
-                f"{next(iter(missing))}: a buffer no checkpoint holds, built on the meta "
-                "device: pass buffers=fn to compute it (or build the model with real buffers)")
-        buffers = _transformers_init(list({id(m): m for m, _ in missing.values()}.values()))
-    passes = []
-    for mark in (0, 1):
-        for _, value in missing.values():
-            value.fill_(mark)
-        buffers(model)
-        passes.append([_bits(value) for _, value in missing.values()])
-    left = [name for name, a, b in zip(missing, *passes) if not torch.equal(a, b)]
-    if left:
-        raise CheckpointFileError(f"{left[0]}: a buffer no checkpoint holds, which "
-                                  f"{getattr(buffers, '__name__', 'buffers')} did not compute; "
-                                  "pass buffers=fn")
-
-
-def _transformers_init(modules: list[nn.Module]):
-    """transformers' own ``_init_weights`` on ``modules`` (the loaded tensors are marked
-    initialised, so it touches only what is not)."""
-    def transformers_init(model: nn.Module) -> None:
-        from transformers import initialization as init
-
-        with init.guard_torch_init_functions():
-            for module in modules:
-                model._init_weights(module)
-    return transformers_init
-
-
-def _bits(value: torch.Tensor) -> torch.Tensor:
-    flat = value.detach().contiguous().view(-1)
-    return flat.view(torch.uint8).clone() if flat.dtype != torch.bool else flat.clone()

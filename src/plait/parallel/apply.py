@@ -282,7 +282,8 @@ class _Run:
         modules = dict(self.model.named_modules())
         for embed, heads in self.ties:  # one [V_r, D] shard, cut alike: one parameter again
             for head in heads:
-                assert torch.equal(modules[head].weight, modules[embed].weight), (embed, head)
+                assert modules[head].weight.is_meta or \
+                    torch.equal(modules[head].weight, modules[embed].weight), (embed, head)
                 modules[head].weight = modules[embed].weight
             self._note(embed, f"tied to {', '.join(heads)}: one parameter, split by the same "
                        "vocabulary rows")
