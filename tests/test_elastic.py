@@ -88,13 +88,11 @@ def test_training_survives_losing_a_host():
     result = run_elastic(cfg)
     assert result["worlds"][0] == 3 and result["final_world_size"] == 2, result
     assert result["steps"] == 12
-    assert result["last_step_before_kill"] >= 5
-    # the last checkpoint published before the kill: step 4, or 8 where a loaded machine ran
-    # steps 6-8 before the kill landed (the launcher polls every 0.05 s)
-    every, resumed = cfg.checkpoint_every, result["resumed_from"]
-    assert resumed % every == 0 and every <= resumed <= result["last_step_before_kill"]
-    assert result["last_step_before_kill"] - resumed <= every, result
-    assert 1 <= result["steps_lost"] <= cfg.checkpoint_every
+    # the killed host waits for its kill after step 5 (and the others cannot do step 6
+    # without it), so the kill lands there whatever the machine's speed or load; the
+    # survivors resume from the last checkpoint published before it, step 4
+    assert result["last_step_before_kill"] == 5, result
+    assert result["resumed_from"] == 4 and result["steps_lost"] == 1, result
     assert result["recovery_s"] is not None and result["recovery_s"] > 0
     reference = run_reference(cfg)
     assert math.isfinite(result["heldout_loss"])
@@ -111,7 +109,7 @@ def _torchelastic() -> list[str]:
 def test_a_killed_launcher_takes_its_agents_and_workers_with_it(tmp_path):
     """SIGKILL of `plait elastic` (no clean-up of its own can run): its torchrun agents die with
     it (PR_SET_PDEATHSIG) and each worker with its agent, within seconds, though training
-    had 400 steps to go; `plait cluster clean` then removes the namespaces and the run's
+    had 100000 steps to go; `plait cluster clean` then removes the namespaces and the run's
     folder. (Before: the 3 agents and 3 workers trained on to step 111 and beyond.)"""
     import json
     import signal
@@ -121,7 +119,7 @@ def test_a_killed_launcher_takes_its_agents_and_workers_with_it(tmp_path):
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "plait", "elastic", "--hosts", "3", "--link", "1gbit",
-         "--steps", "400", "--checkpoint-every", "50", "--n-embd", "32", "--seq-len", "16",
+         "--steps", "100000", "--checkpoint-every", "50", "--n-embd", "32", "--seq-len", "16",
          "--batch-size", "4", "--no-progress"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -137,12 +135,12 @@ def test_a_killed_launcher_takes_its_agents_and_workers_with_it(tmp_path):
         assert len(workers) >= 6, workers  # 3 agents and their workers, training
         proc.kill()
         proc.wait()
-        end = time.monotonic() + 20
+        end = time.monotonic() + 60  # ends the wait: they go in seconds
         while _leftovers(proc.pid)[2] and time.monotonic() < end:
             time.sleep(0.2)
         assert _leftovers(proc.pid)[2] == [], "agents or workers outlived the launcher"
         clean = subprocess.run([sys.executable, "-m", "plait", "cluster", "clean"],
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=300)
         assert clean.returncode == 0, clean.stderr
         assert _leftovers(proc.pid) == ([], [], [])
     finally:

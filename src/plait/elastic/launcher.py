@@ -13,8 +13,11 @@ are left, and the new workers load the last checkpoint under the new world's pla
 
 Fault injection: when rank 0's log shows step ``kill_at``, every process of host
 ``kill_host`` (its agent and its worker; with namespaces, everything in its namespace)
-gets SIGKILL. Host 0 holds the rendezvous store (c10d has no fail-over), so it is not
-the one to kill. Everything is stopped and removed on success, failure, Ctrl-C, SIGTERM
+gets SIGKILL. That host's worker waits for it after step ``kill_at`` (``HOLD_ENV``), so
+the kill lands there however fast the machine runs: no rank can finish the next step
+without it (before, a machine that ran steps faster than the launcher's poll lost 1 to 4
+steps, and one fast enough could finish before the kill). Host 0 holds the rendezvous
+store (c10d has no fail-over), so it is not the one to kill. Everything is stopped and removed on success, failure, Ctrl-C, SIGTERM
 and at the deadline.
 """
 
@@ -36,6 +39,7 @@ from .._fields import help_meta as _h
 from ..runtime.cluster import EmulatedCluster, Host
 from ..runtime.leftovers import ELASTIC_DIR_PREFIX, remove_leftovers
 from .report import read_incarnations, summarize
+from .worker import HOLD_ENV
 
 __all__ = ["ElasticConfig", "run_elastic", "run_reference", "RDZV_PORT", "TMP_PREFIX"]
 
@@ -152,6 +156,8 @@ def _env(host: Host, cfg: ElasticConfig, work: Path) -> dict[str, str]:
     # 20 s a failed round here). A fresh store per round, on rank 0's worker, has no stale keys.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.pop("PLAIT_DEADLINE_S", None)
+    if host.index == cfg.kill_host:
+        env[HOLD_ENV] = str(cfg.kill_at)
     return env
 
 
