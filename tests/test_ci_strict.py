@@ -86,7 +86,7 @@ def test_ci_run_turns_a_skip_into_a_failure(tmp_path):
     (tmp_path / "tiny" / "test_tiny.py").write_text(_TINY.format(allowed=allowed))
     (tmp_path / "tiny" / "test_tiny_module_skip.py").write_text(_TINY_MODULE_SKIP)
     runs = {"ci": _start(tmp_path, "ci", ci), "plain": _start(tmp_path, "plain", {})}
-    out = {name: proc.communicate(timeout=120)[0] for name, (proc, _) in runs.items()}
+    out = {name: proc.communicate(timeout=300)[0] for name, (proc, _) in runs.items()}
     codes = {name: proc.returncode for name, (proc, _) in runs.items()}
 
     assert codes["plain"] == 0, out["plain"]

@@ -194,14 +194,14 @@ def test_a_sigkilled_launcher_takes_its_ranks_with_it(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), str(folder)],
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # ends a hang: a cold start loads torch twice
         while len(os.listdir(folder)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.2)
         ranks = [int(p) for p in os.listdir(folder)]
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # they would sleep 120 s
         while any(map(_running, ranks)) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [p for p in ranks if _running(p)]

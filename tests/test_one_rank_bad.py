@@ -28,8 +28,10 @@ from plait.ops.pieces import even_sizes
 from plait.runtime.testing import run_ranks
 
 TOL = 1e-10
-TIMEOUT_S = 20  # the group's collective timeout: no case may come near it
-FAST_S = 5.0    # a refusal takes one small gather (and one more to explain it)
+TIMEOUT_S = 60  # the group's collective timeout (and rendezvous): no case may come near it
+# a refusal takes one small gather (and one more to explain it): milliseconds, and what a
+# peer's lag on a loaded machine adds; a fifth of the timeout tells it from a wait for it
+FAST_S = 12.0
 F64 = torch.float64
 
 # what a refusal's message must name, by the kind of bad argument
