@@ -165,9 +165,34 @@ def _moved_then_reloaded(path):
     return model.model.layers[0].self_attn.q_proj.plan.sizes, plait.full_state_dict(model)
 
 
+def _tied(path):
+    import plait
+
+    model = plait.from_pretrained(path, dtype=torch.float64)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return _figures(model)
+
+
+def _on_two(paths, dcp):
+    """Every 2-rank case, in one launch."""
+    return {"llama": _loaded(paths["llama"]), "tied": _tied(paths["tied"]),
+            "mixtral": _loaded(paths["mixtral"], experts_implementation="eager"),
+            "state_dict": _from_state_dict(paths["state"]), "dcp": _from_dcp(dcp),
+            "moved": _moved_then_reloaded(paths["llama"]), "misfit": _misfit(paths["llama"])}
+
+
+def _on_three(paths, dcp):
+    """Every 3-rank case, in one launch; it also saves the DCP checkpoint the 2 ranks load."""
+    _saved_dcp(dcp)
+    plan = {**_mixtral()._tp_plan, "model.layers.*.mlp.experts": "moe_tp_experts"}
+    return {"llama": _loaded(paths["llama"], "auto", {"heads": (2, 1, 1), "mlp": (80, 64, 48)}),
+            "mixtral": _loaded(paths["mixtral"], plan, {"experts": (40, 24, 32)},
+                               experts_implementation="eager")}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The two checkpoints and their reference figures (one process, the whole model)."""
+    """The checkpoints and their reference figures (one process, the whole model)."""
     root = tmp_path_factory.mktemp("pretrained")
     out = {}
     for name, make in (("llama", _llama), ("mixtral", _mixtral),
@@ -178,6 +203,18 @@ def saved(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(saved, tmp_path_factory):
+    """The launches on 3, 2 and 4 ranks; each rank's results."""
+    paths = {name: str(path) for name, (path, _, _) in saved.items()}
+    paths["state"] = saved["llama"][2]
+    dcp = str(tmp_path_factory.mktemp("dcp"))
+    three = run_ranks(_on_three, 3, paths, dcp, timeout_s=60)
+    two = run_ranks(_on_two, 2, paths, dcp, timeout_s=60)
+    four = run_ranks(_dp_tp, 4, paths["llama"], timeout_s=60)
+    return {2: two, 3: three, 4: four}
+
+
 def _same(got: dict, want: dict, case) -> None:
     assert float((got["logits"] - want["logits"]).abs().max()) < TOL, case
     assert abs(got["loss"] - want["loss"]) < TOL, case
@@ -185,61 +222,43 @@ def _same(got: dict, want: dict, case) -> None:
     assert got["steps"] == pytest.approx(want["steps"], rel=TOL, abs=0), case
 
 
-@pytest.mark.parametrize("world,shards", [(2, None), (3, {"heads": (2, 1, 1),
-                                                          "mlp": (80, 64, 48)})])
-def test_each_rank_reads_only_its_share_and_matches_one_process(saved, world, shards):
-    path, want, _ = saved["llama"]
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_reads_only_its_share_and_matches_one_process(saved, runs, world):
+    path, want, state = saved["llama"]
     assert len(list(path.glob("*.safetensors"))) > 4  # sharded
-    results = run_ranks(_loaded, world, str(path), "auto", shards, timeout_s=60)
+    results = [r["llama"] for r in runs[world]]
     for rank, got in enumerate(results):
         _same(got, want, (world, rank))
         assert got["read"] == got["own"], (rank, got["read"], got["own"])
-    whole = sum(t.numel() * t.element_size() for t in saved["llama"][2].values())
+    whole = sum(t.numel() * t.element_size() for t in state.values())
     assert sum(r["read"] for r in results) < whole * 1.05  # the replicated norms only
 
 
-def _tied(path):
-    import plait
-
-    model = plait.from_pretrained(path, dtype=torch.float64)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    return _figures(model)
+def test_a_tied_head_stays_one_parameter(saved, runs):
+    for rank in runs[2]:
+        _same(rank["tied"], saved["tied"][1], "tied")
 
 
-def test_a_tied_head_stays_one_parameter(saved):
-    path, want, _ = saved["tied"]
-    for got in run_ranks(_tied, 2, str(path)):
-        _same(got, want, "tied")
-
-
-def test_mixtral_experts_saved_one_by_one_load_expert_parallel_and_ffn_split(saved):
-    path, want, model_state = saved["mixtral"]
-    ep = run_ranks(_loaded, 2, str(path), "auto", None, experts_implementation="eager")
-    from transformers import MixtralForCausalLM  # noqa: F401  (the plan below is the model's)
-
-    plan = {**_mixtral()._tp_plan, "model.layers.*.mlp.experts": "moe_tp_experts"}
-    ffn = run_ranks(_loaded, 3, str(path), plan, {"experts": (40, 24, 32)},
-                    experts_implementation="eager")
-    for rank, got in enumerate(ep + ffn):
-        _same(got, want, rank)
+def test_mixtral_experts_saved_one_by_one_load_expert_parallel_and_ffn_split(saved, runs):
+    assert any(".experts.0.w1.weight" in k for k in
+               (saved["mixtral"][0] / "model.safetensors.index.json").read_text().split('"'))
+    for rank, got in enumerate(r["mixtral"] for world in (2, 3) for r in runs[world]):
+        _same(got, saved["mixtral"][1], rank)
         assert got["read"] == got["own"], (rank, got["read"], got["own"])
 
 
-def test_a_full_state_dict_and_a_plait_dcp_checkpoint_load_into_a_meta_model(saved, tmp_path):
-    path, want, state = saved["llama"]
-    for got in run_ranks(_from_state_dict, 2, state):
-        _same(got, want, "state_dict")
-    run_ranks(_saved_dcp, 3, str(tmp_path / "dcp"))
-    for got in run_ranks(_from_dcp, 2, str(tmp_path / "dcp")):
-        _same(got, want, "dcp")
+def test_a_full_state_dict_and_a_plait_dcp_checkpoint_load_into_a_meta_model(saved, runs):
+    for rank in runs[2]:
+        _same(rank["state_dict"], saved["llama"][1], "state_dict")
+        _same(rank["dcp"], saved["llama"][1], "dcp")
 
 
-def test_dp_tp_mesh_and_a_moved_plan(saved):
-    path, want, state = saved["llama"]
-    for loss, logits in run_ranks(_dp_tp, 4, str(path), timeout_s=60):
+def test_dp_tp_mesh_and_a_moved_plan(saved, runs):
+    _, want, state = saved["llama"]
+    for loss, logits in runs[4]:
         assert abs(loss - want["loss"]) < TOL
         assert float((logits - want["logits"]).abs().max()) < TOL
-    sizes, full = run_ranks(_moved_then_reloaded, 2, str(path))[0]
+    sizes, full = runs[2][0]["moved"]
     assert sizes == (3, 1)
     assert all(torch.equal(full[k], v) for k, v in state.items()), "reloaded weights differ"
 
@@ -294,9 +313,8 @@ def _misfit(path):
     return None, None
 
 
-def test_a_tensor_of_another_shape_is_refused_before_any_changes(saved):
-    path = saved["llama"][0]
-    for text, untouched in run_ranks(_misfit, 2, str(path)):
+def test_a_tensor_of_another_shape_is_refused_before_any_changes(runs):
+    for text, untouched in (r["misfit"] for r in runs[2]):
         assert text is not None and text.count("\n") == 0, text
         assert text == ("model.layers.0.mlp.gate_proj.weight: the checkpoint holds [192, 128], "
                         "the model [256, 128] (and 5 more)"), text
