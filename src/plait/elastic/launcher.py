@@ -13,10 +13,11 @@ are left, and the new workers load the last checkpoint under the new world's pla
 
 Fault injection: when rank 0's log shows step ``kill_at``, every process of host
 ``kill_host`` (its agent and its worker; with namespaces, everything in its namespace)
-gets SIGKILL. That host's worker waits for it after step ``kill_at`` (``HOLD_ENV``), so
-the kill lands there however fast the machine runs: no rank can finish the next step
-without it (before, a machine that ran steps faster than the launcher's poll lost 1 to 4
-steps, and one fast enough could finish before the kill). Host 0 holds the rendezvous
+gets SIGKILL. That host's worker waits for it after step ``kill_at``, before that step's
+checkpoint (``HOLD_ENV``), so the kill lands there however fast the machine runs: no rank
+can finish the next step or publish that checkpoint without it (before, the kill landed
+when the launcher's 0.05 s poll saw the step, a step or more later on a loaded machine, and
+a fast one could finish first). Host 0 holds the rendezvous
 store (c10d has no fail-over), so it is not the one to kill. Everything is stopped and removed on success, failure, Ctrl-C, SIGTERM
 and at the deadline.
 """

@@ -32,8 +32,9 @@ import torch
 __all__ = ["parse_args", "train_config", "batch_at", "main", "HOLD_ENV"]
 
 HOLD_ENV = "PLAIT_ELASTIC_HOLD_AT"
-"""A step: the worker stops after it (checkpoint saved) and waits to be killed (the
-launcher's fault injection sets it on the host it kills)."""
+"""A step: the worker stops after it, before its checkpoint (which no rank can then
+publish), and waits to be killed (the launcher's fault injection sets it on the host it
+kills)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         done = step + 1
         log.write(event="step", step=done, loss=loss.item(), world_size=topo.world_size,
                   restart=restart)
-        if done % args.checkpoint_every == 0 or done == args.steps:
-            ckpt.save(done, model, optimizer, extra_state={"step": done})
         if done == int(os.environ.get(HOLD_ENV, "0")):
             while True:  # until the launcher's SIGKILL, or this worker's agent's end
                 time.sleep(3600)
+        if done % args.checkpoint_every == 0 or done == args.steps:
+            ckpt.save(done, model, optimizer, extra_state={"step": done})
     final = evaluate_gpt(model, corpus, cfg)
     log.write(event="end", world_size=topo.world_size, restart=restart, **final)
     ckpt.close()
