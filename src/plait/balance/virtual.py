@@ -40,9 +40,19 @@ PRODUCTS = frozenset({torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bm
                       torch.ops.aten.baddbmm})
 
 
+def _tensors(value):
+    """The tensors in ``value``: a tensor, or lists of them nested (a gather's outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
 class VirtualDevice(TorchDispatchMode):
     """This rank as a device taking ``seconds_per_flop`` per FLOP of its matrix products;
-    see the module doc. ``now`` is its clock, ``sent`` every collective's bytes (in order)."""
+    see the module doc. ``now`` is its clock, ``sent`` the bytes this rank gave each
+    collective, in order (a receive and a barrier give none and are not listed)."""
 
     def __init__(self, seconds_per_flop: float = 1e-9):
         super().__init__()
@@ -60,9 +70,11 @@ class VirtualDevice(TorchDispatchMode):
             a, b = args[-2], args[-1]
             self.now += 2 * a.numel() * b.shape[-1] * self.seconds_per_flop + self.stall_s
             self.stall_s = 0.0
-        elif func.namespace == "c10d" and "barrier" not in func.name():
-            inputs = args[1] if "allgather" in func.name() else args[0]
-            self.sent.append(sum(t.numel() * t.element_size() for t in inputs))
+        elif func.namespace == "c10d" and not any(k in func.name() for k in ("barrier", "recv")):
+            # (outputs, inputs, ...) for the gathers, scatters and all-to-alls, else (tensors, ...)
+            second = any(k in func.name() for k in ("gather", "scatter", "alltoall"))
+            self.sent.append(sum(t.numel() * t.element_size()
+                                 for t in _tensors(args[1] if second else args[0])))
         return out
 
     def read(self) -> float:
