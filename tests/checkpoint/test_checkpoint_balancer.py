@@ -4,9 +4,11 @@ on with exactly the losses, and the decisions, of the run never stopped.
 Each rank runs ``plait train``'s own (``plait.train.train_rank``), whose ``resume_run`` and
 ``checkpoint_after`` are given its ``RankParallel``, so the checkpoints hold each rank's
 balancer state and a resume restores it (``plait.train_resume.restore_balancer``). Rank 1 is 4 × slower at
-compute (straggler emulation): the semi policy resizes it to half its heads and MLP
-columns (``max_skip`` 0.5 clips it, so the fractions do not follow the timings' noise) at
-step 10, and would migrate only from step 19 on (``spike_steps`` 12); the run stops at 18.
+compute (straggler emulation) and every rank a virtual device (timed by its products' FLOPs,
+:mod:`plait.balance.virtual`), so the semi policy resizes it to half its heads and MLP columns
+(``max_skip`` 0.5 clips it) at step 10 exactly (3 warm-up steps, the window half full after
+step 8, confirmed over 3 steps), and would migrate only from step 19 on (``spike_steps``
+12); the run stops at 18.
 
 1. One run of 18 steps, float64, checkpointing every 4 steps (keeping 5): its records and
    decisions. Its checkpoints up to step-12 are copied to another directory, as if it had
@@ -52,14 +54,19 @@ def _killed_then_resumed(cfg: TrainConfig, resumed_dir: str) -> tuple[dict, dict
     resumed from a copy of its checkpoints up to step-12 (as if killed after it)."""
     import torch.distributed as dist
 
-    first = _train_rank(cfg)
+    from plait.balance.virtual import VirtualDevice
+
+    device = VirtualDevice().install()  # in this rank's process only
+    with device:
+        first = _train_rank(cfg)
     if dist.get_rank() == 0:
         resumed = Path(resumed_dir)
         resumed.mkdir()
         for step in range(EVERY, RESUME_AT + 1, EVERY):
             shutil.copytree(Path(cfg.checkpoint_dir) / f"step-{step}", resumed / f"step-{step}")
     dist.barrier()
-    return first, _train_rank(replace(cfg, checkpoint_dir=resumed_dir, resume=True))
+    with device:
+        return first, _train_rank(replace(cfg, checkpoint_dir=resumed_dir, resume=True))
 
 
 def test_balanced_run_resumes_with_its_balancer(tmp_path):
@@ -72,8 +79,8 @@ def test_balanced_run_resumes_with_its_balancer(tmp_path):
     print("decisions of the run never stopped:", [(d["step"], d["dim"], d["kind"],
                                                      d.get("fractions")) for d in decisions])
     # what the test is about: rank 1 resized before the checkpoint, nothing after it
-    assert decisions and all(d["kind"] == "resize" and d["step"] < RESUME_AT
-                             for d in decisions), decisions
+    assert [(d["step"], d["dim"], d["kind"], d["fractions"]) for d in decisions] == [
+        (10, dim, "resize", [1.0, 0.5]) for dim in ("blocks.0.attn", "blocks.0.mlp")], decisions
     assert [r["final"]["blocks.0.mlp"]["keep"] for r in before] == [1.0, 0.5], before
     line = after[0]["resumed"]
     print(line)
