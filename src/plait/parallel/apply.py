@@ -32,6 +32,7 @@ from .data import DP_KINDS, data_parallel
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
 from .layers import CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn
+from .probe import Verdict, verify
 from .resolve import auto_plan, check_shards, expand, shard_for, split_shards
 from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel,
@@ -48,7 +49,7 @@ _UNITS = {"heads": "KV-head groups or sub-groups", "mlp": "hidden columns", "col
 
 def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, group=None,
                 mesh=None, shards: Mapping[str, ShardPlan] | None = None, overlap: bool = True,
-                chunks="auto", dp_kind: str | None = "auto") -> nn.Module:
+                chunks="auto", dp_kind: str | None = "auto", check: bool = True) -> nn.Module:
     """Make ``model`` tensor-parallel over ``group`` (or the ``"tp"`` dim of ``mesh``) in place
     and return it. Every rank calls it with the same plan, on the same full model.
 
@@ -67,6 +68,11 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     KV-head groups), "mlp" (hidden columns), "experts", "vocab", "columns", "seq".
     ``overlap``: plait's fused compute–collective operators (False: compute, then the
     collective); ``chunks``: their pieces ("auto": the cost model's choice).
+    ``check``: before any weight changes, run the model once on example token ids and
+    simulate every rank's share of each split module on this process against the module's
+    own forward and backward (:mod:`plait.parallel.probe`): a fused q/k/v read per head, an
+    attention that views by a global head count, a per-head norm's or an activation's
+    parameters, a scaled embedding are handled; what cannot be split exactly is refused.
 
     The model keeps its forward signature, its ``state_dict`` keys (each rank holds its
     shard; ``plait.nn.full_state_dict(model)`` gathers the whole) and its methods
@@ -93,7 +99,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
         raise ValueError("the plan names no module to split: an empty plan would leave every "
                          "rank a whole copy of the model (give plan='auto' or module path → "
                          "style entries)")
-    run = _Run(model, group, info, shard_plans, overlap, chunks)
+    run = _Run(model, group, info, shard_plans, overlap, chunks, check)
     mine = problem = None
     try:
         run.resolve(expand(model, styles, strict=not auto))
@@ -120,6 +126,8 @@ class _Run:
     shards: Mapping[str, ShardPlan]
     overlap: bool
     chunks: Any
+    check: bool = True
+    verdict: Verdict = field(default_factory=Verdict)
     styles: dict = field(default_factory=dict)
     dims: list = field(default_factory=list)
     plans: dict = field(default_factory=dict)   # path → ShardPlan for one-module styles
@@ -170,6 +178,27 @@ class _Run:
                 self.plans[path] = shard_for(self.shards, self.used, [path], kind)
         check_shards(self.shards, self.used, self.model)
         self._check_tied(modules)
+        if self.check and self.info.world > 1:
+            summed = {f"{path}.{name}" if path else name
+                      for path, style in self.styles.items()
+                      if isinstance(style, SequenceParallel) or
+                      (isinstance(style, Replicated) and style.grad_sum)
+                      for name, _ in modules[path].named_parameters()}
+            self.verdict = verify(self.model, self.dims, self.info.world,
+                                  self._replaced(modules), self.plans, summed)
+            self.notes.extend(self.verdict.notes)
+
+    def _replaced(self, modules: dict) -> dict[str, str]:
+        """The modules plait replaces by layers of its own, by what ``verify`` checks."""
+        kinds = {}
+        for path, style in self.styles.items():
+            if isinstance(style, VocabParallel):
+                kinds[path] = "embedding"
+            elif isinstance(style, (Colwise, Rowwise)):
+                kinds[path] = "linear"
+            elif isinstance(style, (ExpertsEP, ExpertsTP)):
+                kinds[path] = "experts-ep" if isinstance(style, ExpertsEP) else "experts-tp"
+        return kinds
 
     def _check_module(self, path: str, style, module: nn.Module) -> None:
         if isinstance(style, VocabParallel) and not isinstance(module, nn.Embedding):
@@ -233,7 +262,8 @@ class _Run:
             if isinstance(style, VocabParallel):
                 seq = style.output.dim if style.output.is_shard() else None
                 built[path] = _at(path, lambda: VocabParallelEmbedding(
-                    module, self.group, plan=plan, seq_dim=seq, seq_plan=self.shards.get("seq")))
+                    module, self.group, plan=plan, seq_dim=seq, seq_plan=self.shards.get("seq"),
+                    scale=self.verdict.scales.get(path)))
                 self._note(path, "vocabulary-parallel embedding, lookups summed by a plain "
                            + ("all-reduce" if seq is None else "reduce-scatter"))
             elif isinstance(style, ExpertsEP):
@@ -292,12 +322,19 @@ class _Run:
             self._share_inputs(dim, modules)
         for path, style in self.styles.items():
             self._hook(path, style, modules[path])
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name in sorted(self.verdict.partial):  # used on a rank's share: a partial sum
+            mark_partial_grad(params[name], self.group)
+            self._note(name.rpartition(".")[0], "gradient summed over the ranks (it is applied "
+                       "to a rank's share of the heads or columns)")
         self._record(modules)
 
     def _hook_dim(self, dim: Dim, modules: dict) -> None:
         if dim.groups_local is not None:
             modules[dim.name].num_key_value_groups = dim.groups_local
             self._note(dim.name, dim.note)
+        for name, per_rank in self.verdict.attrs.get(dim.name, {}).items():
+            setattr(modules[dim.name], name, per_rank[self.info.rank])
         for path in dim.cols + dim.rows:
             style, layer = self.styles[path], modules[path]
             if isinstance(style, Colwise) and style.output == Replicate():

@@ -4,7 +4,7 @@ A *dim* is what one ``ShardPlan`` splits: the column-parallel layers under one
 parent module and the row-parallel layers that read their outputs (attention:
 q/k/v and o; an MLP: gate/up and down). The plan counts:
 
-- attention (the parent has an integer ``head_dim``): **KV-head groups**, each one
+- attention (the parent has an integer ``head_dim``, ``head_size`` or ``attention_head_size``): **KV-head groups**, each one
   K/V head and the ``g = heads / kv_heads`` query heads that read it, so every
   rank keeps the model's grouping (local q heads / local kv heads = g, which
   ``repeat_kv`` and SDPA's ``enable_gqa`` assume). Groups need not divide by the
@@ -79,12 +79,21 @@ def find_dims(linears: dict[str, tuple[object, object]], modules: dict) -> list[
         if not cols and not rows:
             continue
         layer = {p: linears[p][1] for p in cols + rows}
-        head_dim = getattr(modules.get(parent), "head_dim", None)
-        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and cols and rows:
+        head_dim = _head_dim(modules.get(parent))
+        if head_dim is not None and cols and rows:
             dims.append(_attention(parent, cols, rows, layer, head_dim, linears))
         else:
             dims.append(_columns(parent, cols, rows, layer, linears))
     return dims
+
+
+def _head_dim(module) -> int | None:
+    """The attention module's head width, by the names models give it."""
+    for name in ("head_dim", "head_size", "attention_head_size"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _attention(parent, cols, rows, layer, hd, linears) -> Dim:

@@ -21,7 +21,8 @@ gives the original [kv_heads · hd, K] weight (the first copy of each head).
 VocabParallelEmbedding: ``weight`` [V_r, D] (rows ``plan.slice_of(r)``); ids
 outside this rank's rows look up zeros, and the ranks' lookups are summed
 (all-reduce), or reduce-scattered along the sequence (``seq_dim``): the
-lookup of every id comes from exactly one rank.
+lookup of every id comes from exactly one rank. ``scale``: the sum multiplied
+by it, as a scaled embedding (Gemma's ``embed_scale``) does its lookup.
 
 Experts split by their FFN dim (``shard_experts_ffn``, in place): transformers'
 fused experts keep their class and forward (any of its experts
@@ -103,7 +104,8 @@ class VocabParallelEmbedding(nn.Module):
     """An nn.Embedding whose rows are split by ``plan``; see the module docstring."""
 
     def __init__(self, embedding: nn.Embedding, group=None, *, plan: ShardPlan | None = None,
-                 seq_dim: int | None = None, seq_plan: ShardPlan | None = None):
+                 seq_dim: int | None = None, seq_plan: ShardPlan | None = None,
+                 scale: torch.Tensor | float | None = None):
         super().__init__()
         name = f"VocabParallelEmbedding({embedding.num_embeddings}, {embedding.embedding_dim})"
         if not isinstance(embedding, nn.Embedding):
@@ -118,6 +120,9 @@ class VocabParallelEmbedding(nn.Module):
         self.seq_dim, self.seq_plan = seq_dim, seq_plan
         rows = shard_of(embedding.weight.detach(), self.plan, self.info.rank, 0)  # [V_r, D]
         self.weight = nn.Parameter(rows)
+        # a scaled embedding's forward (Gemma's: lookup · embed_scale in the weight's dtype);
+        # scaling the summed lookup is exact: every row comes from one rank, the rest are 0
+        self.scale = None if scale is None else torch.as_tensor(scale).detach().clone()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = self.plan.slice_of(self.info.rank)
@@ -127,9 +132,13 @@ class VocabParallelEmbedding(nn.Module):
         pad = pad - mine.start if pad is not None and mine.start <= pad < mine.stop else None
         out = F.embedding(local, self.weight, pad) * inside.unsqueeze(-1).to(self.weight.dtype)
         if self.seq_dim is None:
-            return reduce_from_region(out, self.group)  # [..., D], each id's row from its owner
-        sizes = None if self.seq_plan is None else list(self.seq_plan.sizes)
-        return reduce_scatter_region(out, self.group, self.seq_dim, sizes)  # [B, S_r, D]
+            out = reduce_from_region(out, self.group)  # [..., D], each id's row from its owner
+        else:
+            sizes = None if self.seq_plan is None else list(self.seq_plan.sizes)
+            out = reduce_scatter_region(out, self.group, self.seq_dim, sizes)  # [B, S_r, D]
+        if self.scale is not None:
+            out = out * self.scale.to(device=out.device, dtype=self.weight.dtype)
+        return out
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         w = self.weight
@@ -139,8 +148,9 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         out = "all-reduced" if self.seq_dim is None else \
             f"reduce-scattered along dim {self.seq_dim}"
+        scaled = "" if self.scale is None else f", scaled by {float(self.scale):g}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, plan={list(self.plan.sizes)} rows, "
-                f"{out}")
+                f"{out}{scaled}")
 
 
 def experts_shape(module: nn.Module, path: str) -> tuple[int, int, int]:

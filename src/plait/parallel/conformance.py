@@ -1,0 +1,170 @@
+"""One architecture through ``plait.parallelize(model, "auto")`` against the model on one process.
+
+``check(model_type, dtype)`` runs on every rank of a launch (``plait.runtime.launch`` or
+``run_ranks``): each rank builds the tiny model (:mod:`plait.parallel.tiny_hf`, one seed)
+as the reference and a deep copy it makes parallel, then
+
+- 3 SGD steps on both, on fixed batches: each step's loss and every parameter's gradient
+  (the parallel model's gathered by name with ``full_state_dict(grads=True)``), and the
+  first forward's logits, against the reference's;
+- greedy ``generate()`` from a 5-token prompt after the steps: the same tokens;
+
+or, where ``parallelize`` refuses, the refusal: its message (one line) and whether the
+model's weights, buffers and modules are what they were (a refusal before any weight
+changes). What is compared is a relative error per tensor (``max|a - b| / max|b|``):
+exact is within ``TOL`` of the dtype (float64 1e-9: reduction order alone; a wrong cut of
+a weight shows at 1e-3 and more).
+
+Outcomes: ``exact``, ``refused``, ``DIFFERENT`` (numbers differ, silently: the one outcome
+plait must never give), ``ERROR`` (parallelize accepted the model and a later call raised:
+not silent, but not a one-line refusal either).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+__all__ = ["check", "reference_dtype", "TOL", "STEPS"]
+
+TOL = {torch.float64: 1e-9, torch.float32: 2e-4}
+STEPS = 3
+LR = 0.1
+PROMPT, NEW_TOKENS = 5, 4
+
+
+def _batch(vocab: int, seed: int, rows: int = 2, seq: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (rows, seq), generator=g)  # clear of pad/bos/eos ids
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| (inf where the shapes differ; 0 for two empty tensors)."""
+    if a.shape != b.shape:
+        return float("inf")
+    if b.numel() == 0:
+        return 0.0
+    a, b = a.detach().double(), b.detach().double()
+    scale = float(b.abs().max())
+    return float((a - b).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+def _snapshot(model: torch.nn.Module) -> tuple:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    kinds = [(n, type(m).__name__) for n, m in model.named_modules()]
+    return state, kinds
+
+
+def _unchanged(model: torch.nn.Module, before: tuple) -> bool:
+    state, kinds = before
+    now = model.state_dict()
+    return (set(now) == set(state) and all(torch.equal(now[k], v) for k, v in state.items())
+            and [(n, type(m).__name__) for n, m in model.named_modules()] == kinds)
+
+
+def _vocab(model) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def reference_dtype(model_type: str):
+    """The dtype the tiny model runs in on one process (float64, else float32) and the
+    reason it does not run at all (None where it does)."""
+    from .tiny_hf import NotBuilt, tiny_model
+
+    why = None
+    for dtype in (torch.float64, torch.float32):
+        try:
+            model = tiny_model(model_type, dtype)
+            _steps_and_generate(model)
+            return dtype, None
+        except NotBuilt as err:
+            return None, str(err)
+        except Exception as err:  # noqa: BLE001 - whatever stops the plain model
+            why = f"{type(err).__name__}: {_first_line(err)}"
+    return None, f"the model does not run on one process: {why}"
+
+
+def _steps_and_generate(model, record=None) -> list:
+    """STEPS SGD steps, then greedy tokens; ``record(step, model, loss, logits)`` after each
+    backward."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    vocab = _vocab(model)
+    for step in range(STEPS):
+        ids = _batch(vocab, 100 + step)
+        out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        if record is not None:
+            record(step, model, out.loss, out.logits)
+        opt.step()
+    ids = _batch(vocab, 7, seq=PROMPT)
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0)
+    return tokens.tolist()
+
+
+def check(model_type: str, dtype_name: str = "float64") -> dict:
+    """Run on every rank: the parallel model against the reference (see the module doc)."""
+    import plait
+    from .tiny_hf import tiny_model
+
+    torch.set_num_threads(1)
+    dtype = getattr(torch, dtype_name)
+    ref = tiny_model(model_type, dtype)
+    par = copy.deepcopy(ref)
+    before = _snapshot(par)
+    start = time.perf_counter()
+    try:
+        plait.parallelize(par, "auto")
+        parallelize_s = round(time.perf_counter() - start, 2)
+    except (ValueError, TypeError) as err:
+        return {"outcome": "refused", "why": str(err), "unchanged": _unchanged(par, before),
+                "one_line": "\n" not in str(err).strip()}
+    errors = {"loss": 0.0, "logits": 0.0, "grads": 0.0}
+    worst = {"grads": ""}
+    refs: list = []
+
+    def keep(step, model, loss, logits):
+        grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                 for n, p in model.named_parameters()}
+        refs.append((loss.detach().clone(), logits.detach().clone() if step == 0 else None,
+                     grads))
+
+    want_tokens = _steps_and_generate(ref, keep)
+    seen: list = []
+
+    def compare(step, model, loss, logits):
+        want_loss, want_logits, want_grads = refs[step]
+        errors["loss"] = max(errors["loss"], _rel(loss, want_loss))
+        if want_logits is not None:
+            errors["logits"] = _rel(logits, want_logits)
+        grads = plait.full_state_dict(model, grads=True)
+        for name, want in want_grads.items():
+            got = grads.get(name)
+            e = float("inf") if got is None else _rel(got, want)
+            if e > errors["grads"]:
+                errors["grads"], worst["grads"] = e, name
+        seen.append(step)
+
+    try:
+        got_tokens = _steps_and_generate(par, compare)
+    except Exception as err:  # noqa: BLE001 - accepted, then failed: not a refusal
+        return {"outcome": "ERROR", "why": f"{type(err).__name__}: {_first_line(err)}",
+                "errors": errors, "steps_compared": len(seen)}
+    tol = TOL[dtype]
+    exact = max(errors.values()) <= tol and got_tokens == want_tokens
+    why = "" if exact else (
+        f"first logits {errors['logits']:.1e}, losses {errors['loss']:.1e}, gradients "
+        f"{errors['grads']:.1e} ({worst['grads']}) relative; generated tokens "
+        f"{'equal' if got_tokens == want_tokens else 'differ'}")
+    return {"outcome": "exact" if exact else "DIFFERENT", "errors": errors, "why": why,
+            "worst_grad": worst["grads"], "tokens_equal": got_tokens == want_tokens,
+            "applied": plait.parallel.applied(par)[:1], "parallelize_s": parallelize_s}
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__

@@ -1,0 +1,595 @@
+"""Before the model changes: what every rank will compute, simulated on one process, against the
+modules' own forward on one small batch.
+
+A plan says which linears to cut; it cannot say how the code around them reads their
+shares. A fused q/k/v weight may be three blocks of heads (``[q | k | v]``) or one block of
+heads each ``[q k v]`` (GPT-NeoX, CodeGen); an attention module may view its q by a global
+head count, normalise all heads together, or hold a per-head parameter; an activation may
+have parameters; an embedding subclass may scale its lookups. Run on a rank's share, any of
+these is a shape error at best and a silently different model at worst. So ``verify`` runs
+the model once (ids ``[1, 6]``, eval mode, no gradient, the RNG untouched), keeps the inputs
+of every module the plan touches, and in float64 on this process:
+
+- each attention or MLP whose linears pair up (a *dim*): for every rank, a copy of the
+  module with its linears cut as that rank's will be, the row-parallel outputs replaced by
+  their sum over the simulated ranks (the all-reduce), must give the module's own output;
+  and a backward through it must give every other parameter of the module the reference's
+  gradient, on every rank or summed over them (then plait sums it: a per-head norm, an
+  activation's parameters), else the model is refused. A fused column layer whose blocked
+  cut does not match is tried per head (``[q k v]`` of each head together); an attention
+  module that views by a global head count is tried with its head-count attributes set to
+  the rank's (as torchtitan's ``apply_tp`` does);
+- an embedding or linear whose class has its own forward: the same output as plait's layer
+  computes (an embedding that scales its lookups by ``embed_scale`` keeps its scale);
+- transformers' experts replaced by plait's expert-parallel layer: the same output as
+  ``act(gate) · up`` then ``down``, weighted and summed; experts split by their FFN dim: the
+  sum of the ranks' outputs.
+
+What it decides (:class:`Verdict`) the build and swap apply; what cannot run exactly is a
+``ValueError`` naming the module, raised before any weight changes. A model that cannot be
+run on example ids (no input embedding, weights on the meta device) is not checked, and
+``applied(model)`` says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..nn._shard import shard_of
+from .dims import Dim
+
+__all__ = ["Verdict", "verify", "example_ids"]
+
+_TOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+_HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "n_local_heads",
+               "num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_local_kv_heads",
+               "n_kv_head")
+
+
+@dataclass
+class Verdict:
+    """What ``verify`` found: per-rank attribute values to set on a dim's module, parameters
+    whose gradients are a rank's share (summed by plait), embeddings' scales, and notes."""
+
+    attrs: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # dim → attr → per rank
+    partial: set[str] = field(default_factory=set)   # parameter names (model paths)
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding path → scale
+    notes: list[tuple[str, str]] = field(default_factory=list)
+    checked: bool = True
+
+
+class _Refused(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------ running the model once
+def example_ids(model: nn.Module) -> torch.Tensor | None:
+    """Token ids ``[1, 6]`` for the model's input embedding, or None where it has none."""
+    emb = None
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        return None
+    n = emb.num_embeddings
+    return (torch.arange(6, device=emb.weight.device) * 7 + 3).remainder(n).unsqueeze(0)
+
+
+def _capture(model: nn.Module, paths: list[str]) -> dict | None:
+    """Each path's (args, kwargs) of its first call in one forward on example ids."""
+    ids = example_ids(model)
+    if ids is None or not paths:
+        return None
+    modules = dict(model.named_modules())
+    seen: dict[str, tuple] = {}
+    handles = []
+    for path in paths:
+        def hook(m, args, kwargs, path=path):
+            seen.setdefault(path, (_detach(args), _detach(kwargs)))
+        handles.append(modules[path].register_forward_pre_hook(hook, with_kwargs=True))
+    modes = {m: m.training for m in model.modules()}
+    kw = {"use_cache": False} if "use_cache" in _params(model.forward) else {}
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model(ids, **kw)
+    except Exception:  # noqa: BLE001 - a model that does not run on ids is not checked
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return seen
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _detach(x):
+    return _map(x, lambda t: t.detach().clone())
+
+
+def _map(x, fn):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, tuple):
+        return tuple(_map(v, fn) for v in x)
+    if isinstance(x, list):
+        return [_map(v, fn) for v in x]
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return x
+
+
+def _to(x, dtype):
+    return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _first(out) -> torch.Tensor:
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+def _rel(a, b) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    if b.numel() == 0:
+        return 0.0
+    scale = float(b.detach().abs().max())
+    return float((a.detach() - b.detach()).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+# ------------------------------------------------------------------ a dim, rank by rank
+class _Sim:
+    """One dim's module, simulated on every rank in ``dtype`` (see the module docstring)."""
+
+    def __init__(self, dim: Dim, module: nn.Module, captured: tuple, world: int, dtype):
+        self.dim, self.module, self.world, self.dtype = dim, module, world, dtype
+        self.args, self.kwargs = _to(captured, dtype)
+        self.tol = _TOL.get(dtype, 1e-3)
+        self.seed = 0
+
+    def _rank_module(self, rank: int, attrs: dict, totals: dict, partials: dict,
+                     detach_cols: bool) -> nn.Module:
+        m = copy.deepcopy(self.module).to(self.dtype)
+        dim, prefix = self.dim, self.dim.name + "." if self.dim.name else ""
+        for path in dim.cols + dim.rows:
+            rel = path[len(prefix):]
+            full = m.get_submodule(rel)
+            local = _local_linear(full, dim, path, rank)
+            if path in dim.rows:
+                local.register_forward_hook(_row_hook(path, rank, totals, partials, full.bias))
+            elif detach_cols:
+                local.register_forward_pre_hook(lambda mod, a: (a[0].detach(), *a[1:]))
+            _set(m, rel, local)
+        for name, values in attrs.items():
+            setattr(m, name, values[rank])
+        if dim.groups_local is not None and hasattr(m, "num_key_value_groups"):
+            m.num_key_value_groups = dim.groups_local
+        return m
+
+    def _reference(self, detach_cols: bool):
+        m = copy.deepcopy(self.module).to(self.dtype)
+        if detach_cols:
+            prefix = self.dim.name + "." if self.dim.name else ""
+            for path in self.dim.cols:
+                m.get_submodule(path[len(prefix):]).register_forward_pre_hook(
+                    lambda mod, a: (a[0].detach(), *a[1:]))
+        return m
+
+    def _run(self, m: nn.Module):
+        return m(*copy.deepcopy(self.args), **copy.deepcopy(self.kwargs))
+
+    def forward(self, attrs: dict) -> tuple[float, str]:
+        """The worst relative difference of the ranks' outputs, and why it failed to run."""
+        with torch.no_grad():
+            want = _first(self._run(self._reference(False)))
+            try:
+                outs = self._ranks(attrs, grad=False)
+            except Exception as err:  # noqa: BLE001 - what fails here fails on the ranks
+                return float("inf"), f"{type(err).__name__}: {_line(err)}"
+        return max(_rel(_first(o), want) for o in outs), ""
+
+    def _ranks(self, attrs: dict, grad: bool, detach_cols: bool = False):
+        """Every rank's output: passes until the row-parallel sums settle (rows may feed rows)."""
+        totals: dict = {}
+        outs = []
+        for _ in range(len(self.dim.rows) + 1):
+            partials: dict = {}
+            mods = [self._rank_module(r, attrs, totals, partials, detach_cols)
+                    for r in range(self.world)]
+            outs = [self._run(m) for m in mods]
+            totals = {p: sum(parts[r] for r in range(self.world)).detach()
+                      for p, parts in partials.items()}
+            self.mods = mods
+        return outs
+
+    def gradients(self, attrs: dict) -> dict[str, tuple]:
+        """Per parameter of the module outside the split linears: (the reference's gradient
+        from the paths after the split, the whole reference gradient, each rank's)."""
+        split = {p[len(self.dim.name) + 1 if self.dim.name else 0:] for p in
+                 self.dim.cols + self.dim.rows}
+        names = [n for n, p in self.module.named_parameters()
+                 if p.requires_grad and not any(n == s or n.startswith(s + ".") for s in split)]
+        if not names:
+            return {}
+        with torch.no_grad():
+            want = _first(self._run(self._reference(False)))
+        g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1),
+                        dtype=want.dtype)
+        ref_all = _grads(self._reference(False), self, g, names)
+        ref_after = _grads(self._reference(True), self, g, names)
+        outs = self._ranks(attrs, grad=True, detach_cols=True)
+        per_rank = []
+        for m, out in zip(self.mods, outs):
+            params = dict(m.named_parameters())
+            got = torch.autograd.grad(_first(out), [params[n] for n in names], g,
+                                      allow_unused=True)
+            per_rank.append(dict(zip(names, got)))
+        return {n: (ref_after[n], ref_all[n], [r[n] for r in per_rank]) for n in names}
+
+
+def _grads(m: nn.Module, sim: _Sim, g: torch.Tensor, names: list[str]) -> dict:
+    out = _first(sim._run(m))
+    params = dict(m.named_parameters())
+    got = torch.autograd.grad(out, [params[n] for n in names], g, allow_unused=True)
+    return dict(zip(names, got))
+
+
+def _row_hook(path, rank, totals, partials, bias):
+    def hook(mod, args, out):
+        partials.setdefault(path, {})[rank] = out
+        if path not in totals:
+            return out if bias is None else out + bias
+        total = totals[path] + (0 if bias is None else bias.detach())
+        return total + (out - out.detach())  # the all-reduce's backward: the same gradient
+    return hook
+
+
+def _local_linear(full: nn.Linear, dim: Dim, path: str, rank: int) -> nn.Linear:
+    """The plain linear rank ``rank`` computes for ``path``: its share of the weight (and of a
+    column layer's bias; a row layer's bias is added once, after the sum)."""
+    cut = dim.cuts[path]
+    w, b = full.weight.detach(), None if full.bias is None else full.bias.detach()
+    if path in dim.rows:
+        w_r = shard_of(w, dim.plan, rank, 1, unit=cut.unit)
+        b_r = None
+    else:
+        if cut.copies > 1:
+            heads = w.shape[0] // cut.unit
+            index = torch.arange(heads).repeat_interleave(cut.copies)
+            rows = (index[:, None] * cut.unit + torch.arange(cut.unit)).reshape(-1)
+            w = w.index_select(0, rows)
+            b = None if b is None else b.index_select(0, rows)
+        w_r = shard_of(w, dim.plan, rank, 0, blocks=cut.blocks, unit=cut.unit)
+        b_r = None if b is None else shard_of(b, dim.plan, rank, 0, blocks=cut.blocks,
+                                               unit=cut.unit)
+    local = nn.Linear(w_r.shape[1], w_r.shape[0], bias=b_r is not None, dtype=w_r.dtype)
+    with torch.no_grad():
+        local.weight.copy_(w_r)
+        if b_r is not None:
+            local.bias.copy_(b_r)
+    return local
+
+
+def _set(root: nn.Module, rel: str, module: nn.Module) -> None:
+    parent, _, name = rel.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def _line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text[:160] if text else type(err).__name__
+
+
+# ------------------------------------------------------------------ the checks
+def _fused(dim: Dim) -> list[str]:
+    return [p for p in dim.cols if dim.cuts[p].blocks > 1]
+
+
+def _layouts(dim: Dim):
+    """(name, apply) for each way of reading the fused column layers: as dims found them
+    (blocks of heads or columns), then each unit's blocks together ([q k v] per head)."""
+    fused = _fused(dim)
+    yield "blocked", lambda: None
+    if fused:
+        saved = {p: (dim.cuts[p].blocks, dim.cuts[p].unit) for p in fused}
+
+        def interleave():
+            for p in fused:
+                blocks, unit = saved[p]
+                dim.cuts[p].blocks, dim.cuts[p].unit = 1, blocks * unit
+        yield "interleaved", interleave
+
+        def restore():
+            for p in fused:
+                dim.cuts[p].blocks, dim.cuts[p].unit = saved[p]
+        yield None, restore
+
+
+def _head_attrs(dim: Dim, module: nn.Module, world: int) -> dict[str, list[int]]:
+    """The module's head-count attributes, each rank's local count (torchtitan's apply_tp)."""
+    if dim.kind != "heads":
+        return {}
+    n_q, n_kv, _ = dim.heads
+    per_unit_q = dim.cuts[dim.rows[0]].unit // dim.heads[2]
+    local_kv = list(dim.plan.sizes)  # one K/V head a unit (a copy, under sub-groups)
+    local_q = [u * per_unit_q for u in local_kv]
+    attrs = {}
+    for name in _HEAD_ATTRS:
+        value = getattr(module, name, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if value == n_q:
+            attrs[name] = local_q
+        elif value == n_kv:
+            attrs[name] = local_kv
+    return attrs
+
+
+def _runs_in(module: nn.Module, captured: tuple, dtype) -> bool:
+    """Whether the module's own forward runs in ``dtype`` (a kernel may take no float64)."""
+    args, kwargs = _to(captured, dtype)
+    try:
+        with torch.no_grad():
+            copy.deepcopy(module).to(dtype)(*args, **kwargs)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _dtype_for(module: nn.Module, captured: tuple):
+    """float64 where the module runs in it (the comparison is then exact to 1e-6), else its
+    own dtype (with that dtype's tolerance)."""
+    if _runs_in(module, captured, torch.float64):
+        return torch.float64
+    return next((p.dtype for p in module.parameters()), torch.float32)
+
+
+def _fits(dim: Dim, module: nn.Module) -> bool:
+    """Whether the dim's plan counts its layers' features (else building the layers refuses
+    it, with the sizes)."""
+    prefix = dim.name + "." if dim.name else ""
+    for path in dim.cols + dim.rows:
+        layer, cut = module.get_submodule(path[len(prefix):]), dim.cuts[path]
+        length = layer.in_features if path in dim.rows else layer.out_features * cut.copies
+        if length != cut.blocks * dim.plan.total * cut.unit:
+            return False
+    return True
+
+
+def _check_dim(dim: Dim, module: nn.Module, captured: tuple, world: int, verdict: Verdict,
+               summed) -> None:
+    if not _fits(dim, module):
+        return
+    sim = _Sim(dim, module, captured, world, _dtype_for(module, captured))
+    adapt = _head_attrs(dim, module, world)
+    tried = []
+    chosen = None
+    for layout, apply in _layouts(dim):
+        apply()
+        if layout is None:
+            break
+        for attrs in ({}, adapt) if adapt else ({},):
+            err, why = sim.forward(attrs)
+            tried.append((layout, attrs, err, why))
+            if err <= sim.tol:
+                chosen = (layout, attrs)
+                break
+        if chosen:
+            break
+    if chosen is None:
+        raise _Refused(_why_not(dim, module, tried))
+    layout, attrs = chosen
+    if attrs:
+        verdict.attrs[dim.name] = attrs
+        names = ", ".join(attrs)
+        verdict.notes.append((dim.name, f"{names} set to this rank's heads (the module views "
+                                         "its q/k/v by them)"))
+    if layout == "interleaved":
+        verdict.notes.append((dim.name, f"{', '.join(_fused(dim) or dim.cols)}: each head's "
+                                        "blocks kept together ([q k v] per head)"))
+    _check_grads(dim, module, sim, attrs, verdict, summed)
+
+
+def _why_not(dim: Dim, module: nn.Module, tried: list) -> str:
+    layout, attrs, err, why = min(tried, key=lambda t: t[2])
+    cls = type(module).__name__
+    fused = _fused(dim)
+    if why:
+        what = f"its forward fails on a rank's share ({why})"
+    else:
+        what = f"its forward on a rank's share differs from its own by {err:.1e} (relative)"
+    hint = ""
+    if fused:
+        hint = (f"; {', '.join(fused)} is a fused weight read neither as blocks nor per head: "
+                "pass shards=/a plan that gathers it (colwise_gather_output) or split q, k, v")
+    elif dim.kind == "heads":
+        hint = ("; it may normalise or mix all heads together or read a global head count: "
+                "give a plan that gathers its q/k/v (colwise_gather_output) or leave it whole")
+    by = "heads" if dim.kind == "heads" else "columns"
+    return f"{dim.name} ({cls}) cannot be split by {by}: {what}{hint}"
+
+
+def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: Verdict,
+                 summed) -> None:
+    try:
+        grads = sim.gradients(attrs)
+    except Exception as err:  # noqa: BLE001
+        raise _Refused(f"{dim.name}: its backward fails on a rank's share ({_line(err)})") \
+            from None
+    prefix = dim.name + "." if dim.name else ""
+    for name, (after, whole, ranks) in grads.items():
+        if whole is None:
+            continue
+        zero = lambda t: t is None or float(t.abs().max()) == 0.0  # noqa: E731
+        if all(zero(r) for r in ranks) and zero(after):
+            continue  # used only before the split: the column layers sum its gradient
+        before = whole - (after if after is not None else 0)
+        if float(before.abs().max()) > sim.tol * max(float(whole.abs().max()), 1e-30):
+            raise _Refused(f"{prefix}{name}: used both before and after the split of "
+                           f"{dim.name}, its gradient is neither whole nor a share on a rank")
+        filled = [r if r is not None else torch.zeros_like(whole) for r in ranks]
+        whole_on_each = all(_rel(r, after) <= sim.tol for r in filled)
+        if whole_on_each and prefix + name not in summed:
+            continue
+        if _rel(sum(filled), after) <= sim.tol:
+            if prefix + name not in summed:
+                verdict.partial.add(prefix + name)
+            continue
+        if whole_on_each:
+            raise _Refused(f"{prefix}{name}: the plan sums its gradient over the ranks "
+                           "(replicated_with_grad_allreduce), but every rank computes it whole")
+        raise _Refused(f"{prefix}{name}: its gradient on a rank's share of {dim.name} is "
+                       "neither the whole nor a part of it")
+
+
+def _check_embedding(path: str, module: nn.Embedding, captured: tuple, verdict: Verdict) -> None:
+    if type(module).forward is nn.Embedding.forward:
+        return
+    args, kwargs = captured
+    ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
+    with torch.no_grad():
+        got = module(ids)
+        plain = F.embedding(ids, module.weight, module.padding_idx)
+        if _rel(got, plain) == 0.0:
+            return
+        scale = getattr(module, "embed_scale", None)
+        if scale is not None:
+            s = torch.as_tensor(scale).to(module.weight.dtype)
+            if _rel(got, plain * s) == 0.0:
+                verdict.scales[path] = torch.as_tensor(scale).detach().clone()
+                verdict.notes.append((path, f"{type(module).__name__}: its lookups scaled by "
+                                            "embed_scale, as its forward does"))
+                return
+    raise _Refused(f"{path}: {type(module).__name__}'s forward is not nn.Embedding's lookup "
+                   "(nor a lookup scaled by embed_scale); plait's vocabulary-parallel "
+                   "embedding would not compute it: leave it out of the plan")
+
+
+def _check_linear(path: str, module: nn.Linear, captured: tuple) -> None:
+    if type(module).forward is nn.Linear.forward:
+        return
+    args, kwargs = captured
+    x = args[0] if args else next(iter(kwargs.values()))
+    with torch.no_grad():
+        got = module(x)
+        plain = F.linear(x, module.weight, module.bias)
+    if _rel(_first(got), plain) > _TOL.get(plain.dtype, 1e-3):
+        raise _Refused(f"{path}: {type(module).__name__}'s forward is not nn.Linear's "
+                       "(x·Wᵀ + b); plait's parallel linear would not compute it")
+
+
+def _check_experts(path: str, module: nn.Module, captured: tuple, world: int, ep: bool,
+                   plan=None) -> None:
+    """Experts made expert-parallel: plait computes act(gate)·up then down per (token, expert),
+    weighted and summed; split by FFN columns: the module's own forward on each share."""
+    from .layers import experts_shape
+
+    e, h, f = experts_shape(module, path)
+    dtype = _dtype_for(module, captured)
+    args, kwargs = _to(captured, dtype)
+    ref = copy.deepcopy(module).to(dtype)
+    names = ["hidden_states", "top_k_index", "top_k_weights"]
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    if set(bound) != set(names):
+        raise _Refused(f"{path}: {type(module).__name__} is not called with (hidden_states, "
+                       "top_k_index, top_k_weights), as plait's experts are")
+    with torch.no_grad():
+        want = _first(ref(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+        if ep:
+            act = getattr(module, "act_fn", None)
+            if act is None:
+                raise _Refused(f"{path}: {type(module).__name__} has no act_fn; plait's "
+                               "expert-parallel experts compute act(gate)·up, then down")
+            got = _plain_experts(ref, act, **bound)
+        else:
+            from ..plan import ShardPlan
+
+            plan = plan or ShardPlan.even(f, world)
+            got = 0
+            for r in range(world):
+                m = copy.deepcopy(ref)
+                m.gate_up_proj = nn.Parameter(shard_of(ref.gate_up_proj, plan, r, 1, blocks=2))
+                m.down_proj = nn.Parameter(shard_of(ref.down_proj, plan, r, 2))
+                if hasattr(m, "intermediate_dim"):
+                    m.intermediate_dim = plan.sizes[r]
+                got = got + _first(m(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+    err = _rel(got, want)
+    if err > _TOL.get(dtype, 1e-3):
+        how = "act(gate)·up, then down, per expert" if ep else "its forward on each rank's FFN columns, summed"
+        raise _Refused(f"{path}: {type(module).__name__}'s forward differs from what plait "
+                       f"computes ({how}) by {err:.1e}: leave its experts out of the plan")
+
+
+def _plain_experts(m, act, hidden_states, top_k_index, top_k_weights):
+    out = torch.zeros_like(hidden_states)
+    for slot in range(top_k_index.shape[-1]):
+        for e in top_k_index[:, slot].unique().tolist():
+            rows = (top_k_index[:, slot] == e).nonzero().squeeze(1)
+            x = hidden_states[rows]
+            gate, up = F.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, m.down_proj[e])
+            out.index_add_(0, rows, y * top_k_weights[rows, slot, None].to(y.dtype))
+    return out
+
+
+# ------------------------------------------------------------------ the entry point
+def verify(model: nn.Module, dims: list[Dim], world: int, kinds: dict, plans: dict,
+           summed: set[str] = frozenset()) -> Verdict:
+    """Check what ``parallelize`` is about to do (see the module docstring). ``kinds``: path →
+    "embedding", "linear", "experts-ep" or "experts-tp" for the modules replaced; ``plans``:
+    path → ShardPlan of one-module styles; ``summed``: parameters the plan already sums
+    over the ranks (replicated_with_grad_allreduce)."""
+    verdict = Verdict()
+    if any(p.is_meta for p in model.parameters()):
+        verdict.checked = False
+        verdict.notes.append(("", "not checked against the modules' own forward (weights on "
+                                  "the meta device)"))
+        return verdict
+    paired = [d for d in dims if d.cols and d.rows]
+    paths = sorted({d.name for d in paired} | set(kinds))
+    captured = _capture(model, paths)
+    if captured is None:
+        verdict.checked = False
+        verdict.notes.append(("", "not checked against the modules' own forward (the model "
+                                  "does not run on example token ids)"))
+        return verdict
+    modules = dict(model.named_modules())
+    try:
+        for dim in paired:
+            if dim.name in captured:
+                _check_dim(dim, modules[dim.name], captured[dim.name], world, verdict, summed)
+        for path, kind in sorted(kinds.items()):
+            if path not in captured:
+                continue
+            if kind == "embedding":
+                _check_embedding(path, modules[path], captured[path], verdict)
+            elif kind == "linear":
+                _check_linear(path, modules[path], captured[path])
+            else:
+                _check_experts(path, modules[path], captured[path], world, kind == "experts-ep",
+                               plans.get(path))
+    except _Refused as err:
+        raise ValueError(str(err)) from None
+    return verdict
