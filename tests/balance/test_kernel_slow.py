@@ -1,29 +1,26 @@
 """Slow hosts made by the kernel (``bench hetero --slow-by kernel``): a rank ``F`` × slower is
 its host's CPU budget ÷ ``F`` (cgroup cpu quota) for that step, and the speed monitor sees it.
 
-The real runs are judged by the kernel's own accounting (the budget read back from the cgroup,
-the step's CPU time over its wall time, the periods it throttled), not by wall-time ratios: on
-the shared 2-core machine a loop's wall time moved 0.5-2x between rounds at a full budget
-(tests/test_cgroup.py). The monitor's reading is judged against the ``none`` run's, taken in
-the same launch, step by step interleaved with it.
+The real run is judged by the kernel's own accounting (the budget read back from the cgroup,
+the bound it puts on the step's CPU time over its wall time), not by wall-time ratios: on the
+shared 2-core machine a loop's wall time moved 0.5-2x between rounds at a full budget
+(tests/test_cgroup.py). The monitor's clocks on a budgeted host are checked against fake
+clocks (what it reads, in which order); how closely it follows a real throttled host is
+``plait bench hetero --slow-by kernel``'s to measure.
 """
 
-import os
 import statistics
 import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from plait.balance import SpeedMonitor, speed
-from plait.balance.speed import window_speed
 from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero, with_ideal
 from plait.runtime import EmulatedCluster, SlowSpec, Straggler, launch, rank_context
 from plait.runtime.cgroup import (CpuController, cpu_budget, cpu_controller,
-                                  cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget,
-                                  thread_sched)
+                                  cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget)
 from plait.runtime.straggler import host_throttle
 
 from conftest import budgets_here, needs_netns
@@ -78,24 +75,64 @@ def test_host_throttle_writes_budget_over_factor_and_reads_it_back(tmp_path, ver
         host_throttle(str(path), 0.0)
 
 
+class _Clocks:
+    """A fake wall clock and thread CPU clock, as ``speed`` and ``straggler`` read ``time``:
+    ``perf_counter`` and ``thread_time``, each call recorded in ``reads``; ``sleep`` and
+    ``run`` move the wall clock (``run`` the CPU clock too); reading the CPU clock first
+    waits ``held`` on the wall clock (the kernel throttling the thread where its accounting
+    settles), then ``held`` is spent. Each clock is one object, as ``time``'s functions are
+    (the monitor tells the wall clock by identity)."""
+
+    def __init__(self):
+        self.wall = self.cpu = self.held = 0.0
+        self.reads: list[str] = []
+        self.perf_counter, self.thread_time = self._wall, self._cpu
+
+    def _wall(self) -> float:
+        self.reads.append("wall")
+        return self.wall
+
+    def _cpu(self) -> float:
+        self.reads.append("cpu")
+        self.wall, self.held = self.wall + self.held, 0.0
+        return self.cpu
+
+    def sleep(self, seconds: float) -> None:
+        self.wall += seconds
+
+    def run(self, seconds: float) -> None:
+        self.wall += seconds
+        self.cpu += seconds
+
+
+def _on_a_cpu_budget(monkeypatch) -> _Clocks:
+    """This process as a rank on a host with a CPU budget, its clocks ``_Clocks``: the
+    compute clock (``compute_clock``) is the wall clock."""
+    from plait.runtime import straggler
+
+    clocks = _Clocks()
+    monkeypatch.setattr(straggler, "_on_cpu_budget", lambda: True)
+    monkeypatch.setattr(straggler, "time", clocks)
+    monkeypatch.setattr(speed, "time", clocks)
+    monkeypatch.setattr(speed, "_REAL_CLOCKS", (clocks.perf_counter, clocks.thread_time))
+    return clocks
+
+
 def test_on_the_wall_clock_the_monitor_counts_a_sleep_once(monkeypatch):
     """On a host with a CPU budget the compute clock is wall time, which runs through the sleep
     emulation's sleeps: a 2 × rank's region reads 2 × its compute, not 3 × (the sleep added
-    again). 20 ms of spinning on the wall clock, then the 20 ms sleep."""
-    straggler = Straggler([SlowSpec(rank=0, factor=2.0)], 0, clock=time.perf_counter)
-    monkeypatch.setattr(speed, "compute_clock", lambda device=None: time.perf_counter)
+    again). 20 ms of compute on a fake wall clock, then the 20 ms sleep."""
+    clocks = _on_a_cpu_budget(monkeypatch)
+    straggler = Straggler([SlowSpec(rank=0, factor=2.0)], 0)
     monkeypatch.setattr(speed, "_straggler", lambda: straggler)
     monitor = SpeedMonitor()
     timer = monitor.timer("layer")
     token = timer.begin(None)
     with straggler.compute():
-        end = time.perf_counter() + 0.02
-        while time.perf_counter() < end:
-            pass
+        clocks.run(0.02)
     timer.end(token, 1.0)
-    spun = straggler.delayed_s  # (2 − 1) × the measured compute
-    assert 0.02 <= spun < 0.05, spun
-    assert 1.9 <= monitor.compute_s / spun < 2.6, (monitor.compute_s, spun)
+    assert straggler.delayed_s == 0.02  # (2 − 1) × the compute, slept
+    assert monitor.compute_s == 0.04, monitor.compute_s
 
 
 def test_kernel_ideal_stretches_the_whole_cpu_time_at_the_budgets_pace():
@@ -180,12 +217,14 @@ def _kernel_hetero(steps):
 def test_a_2x_rank_is_held_to_half_its_hosts_budget_through_bench_hetero():
     """2 hosts of 1 core, one rank each, ``none`` and ``straggler-2x`` interleaved step by step
     through bench hetero's own loop: on every ``straggler-2x`` step the kernel held the last
-    rank's host at 0.5 core (read back from the cgroup) and throttled it, on every ``none``
-    step both hosts had their whole core; setting a budget from inside a rank takes well
-    under a millisecond. The whole budget is back after the run, and the cgroups are gone
-    after the cluster. (The monitor's reading is printed here; it is judged on a CPU-bound
-    loop below: bench hetero's small steps are half waiting, and a quota holds back only a
-    host that would use more than it.)"""
+    rank's host at 0.5 core (read back from the cgroup), and its CPU share per step is at
+    most that (the quota is a bound; a loaded machine only lowers it); on every ``none`` step
+    both hosts had their whole core. The whole budget is back after the run, and the cgroups
+    are gone after the cluster. Printed, not judged (they measure the machine): the periods
+    the kernel throttled (none when other load keeps the rank under its quota), what a budget
+    write costs from inside a rank (well under a millisecond on a quiet machine) and the
+    monitor's reading (bench hetero's small steps are half waiting, and a quota holds back
+    only a host that would use more than it)."""
     budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
         out = launch(_kernel_hetero, 2, args=(15,), cluster=cluster, threads=1, timeout_s=60,
@@ -209,8 +248,6 @@ def test_a_2x_rank_is_held_to_half_its_hosts_budget_through_bench_hetero():
           f"{slow['ratio_to_ideal']:.2f}; a budget write {max(costs) * 1e6:.0f} us (median "
           f"of 20, the slower rank's)")
     assert statistics.median(share) <= 0.55, share
-    assert sum(throttled) > 0, throttled
-    assert max(costs) < 1e-3, costs  # two small writes, every step
     assert after == [1.0, 1.0], after
     assert not [n for n in plait_cgroups(HERE) if n.startswith(f"plait-{tag}-")]
 
@@ -219,70 +256,27 @@ def _fmt(values):
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def _spin_monitored(steps: int, n: int):
-    """Rank side: ``steps`` steps of a CPU-bound loop of ``n`` matmuls, two to a timed region,
-    the last rank 2 × slower by the kernel (``host_throttle``), every step started together; the
-    monitor's speeds and seconds, per step the regions' CPU time (with the timer's) and wall
-    time inside the timer, and over steps 8 to 27 (the monitor's window) this thread's CPU
-    time and runnable wait (the kernel's accounting)."""
-    cgroup = rank_context().host.cgroup
-    rank = dist.get_rank()
-    straggler = Straggler([SlowSpec(rank=dist.get_world_size() - 1, factor=2.0)], rank,
-                          throttle=host_throttle(cgroup, cpu_budget(cgroup)))
-    rank_context().straggler = straggler
-    monitor = SpeedMonitor(every=4, window=5)
-    timer = monitor.timer("spin")
-    a = torch.randn(192, 192)
-    cpu, wall = [], []
-    try:
-        for step in range(steps):
-            straggler.set_step(step)
-            dist.barrier()
-            if step == 8:
-                first = thread_sched()
-            wall.append(0.0)
-            thread = time.thread_time()
-            for _ in range(n // 2):  # short regions, as a fused operator's pieces are
-                token = timer.begin(None)
-                start = time.perf_counter()  # no CPU clock here: reading it moves throttling
-                a @ a
-                a @ a
-                wall[-1] += time.perf_counter() - start
-                timer.end(token, 2.0)
-            cpu.append(time.thread_time() - thread)
-            monitor.step()
-        last = thread_sched()
-    finally:
-        straggler.throttle(1.0)
-    return monitor.speeds(), monitor.compute_s, cpu, wall, last[0] - first[0], last[1] - first[1]
-
-
-@needs_netns
-def test_the_monitor_reads_a_kernel_throttled_rank_by_the_time_the_kernel_held_it():
-    """The last rank held to half of its host's core, its compute in short regions (two small
-    matmuls each, as a fused operator's pieces). By the kernel's accounting its thread got at
-    most 0.6 of the time it was runnable (CPU time over CPU time plus runnable wait). The
-    monitor times a region by the wall clock, so it holds the time the kernel held the rank
-    back (by the thread's CPU time it would not: waiting for the quota is not CPU time), and
-    its reading of the last rank is within 0.15 of that share over the other rank's
-    regions' CPU time over their seconds (0.41-0.60 against 0.49-0.53 at 40 matmuls a step,
-    0.50-0.56 in 6 runs at 80). It reads the CPU clock before the wall clock at a region's
-    end: the kernel throttles a thread at the reading that settles its accounting, and with
-    the wall clock read first those waits fell outside the regions and this rank read
-    0.83-1.00 (0.98-1.00 at 80). A loaded machine also slows the other rank (at load 9 on
-    the 2 cores both ranks got about 0.3 of a core)."""
-    budgets_here()
-    with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
-        out = launch(_spin_monitored, 2, args=(28, 80), cluster=cluster, threads=1,
-                     timeout_s=60, deadline_s=120)
-    speeds = out[0][0]
-    held = [c / (c + w) for *_, c, w in out]  # of the time it was runnable, steps 8 to 27
-    fast = sum(out[0][2]) / out[0][1]  # rank 0: its CPU time over the monitor's seconds
-    print(f"\nkernel 2x, short CPU-bound regions: share of runnable time (rank 0, rank 1) "
-          f"{_fmt(held)}, rank 0's CPU over its regions' seconds {fast:.2f}; monitor "
-          f"{_fmt(speeds)}; regions' wall time inside the timer {sum(out[0][3]) * 1e3:.0f} ms "
-          f"on rank 0, {sum(out[1][3]) * 1e3:.0f} ms on rank 1, the monitor's "
-          f"{out[0][1] * 1e3:.0f} and {out[1][1] * 1e3:.0f}; {os.getloadavg()[0]:.1f} load")
-    assert held[1] <= 0.6, held  # unthrottled it reads about 1
-    assert speeds[0] == 1.0, speeds
-    assert speeds[1] == pytest.approx(held[1] / min(fast, 1.0), abs=0.15), (speeds, held, fast)
+def test_the_monitor_reads_a_kernel_throttled_rank_by_the_time_the_kernel_held_it(monkeypatch):
+    """On a host with a CPU budget the monitor times a region by the wall clock, so it holds
+    the time the kernel held the rank back (by the thread's CPU time it would not: waiting
+    for the quota is not CPU time). The kernel throttles a thread at the reading that settles
+    its accounting, so the timer reads the thread's CPU clock before the wall clock at both
+    ends of a region: a wait at the region's start lands before it, one at its end (for the
+    quota the region used) inside it. A fake kernel holds the thread 5 ms at every CPU-clock
+    read: a region of 10 ms of compute reads 15 ms, its CPU time 10 ms. (With the wall clock
+    read first at the end, the waits fell outside the regions and a 2 × rank read 0.83-1.00
+    on real budgets.) How closely the monitor follows a real throttled host is measured by
+    ``plait bench hetero --slow-by kernel`` (its records hold the kernel's accounting beside
+    the monitor's speeds), not judged here."""
+    clocks = _on_a_cpu_budget(monkeypatch)
+    monkeypatch.setattr(speed, "_straggler", lambda: None)
+    monitor = SpeedMonitor()
+    timer = monitor.timer("layer")
+    clocks.held = 0.005
+    token = timer.begin(None)
+    clocks.run(0.01)
+    clocks.held = 0.005
+    timer.end(token, 1.0)
+    assert clocks.reads == ["cpu", "wall", "cpu", "wall"], clocks.reads
+    assert monitor.compute_s == pytest.approx(0.015, rel=1e-12), monitor.compute_s
+    assert monitor.region_cpu_s == pytest.approx(0.01, rel=1e-12), monitor.region_cpu_s
