@@ -6,9 +6,9 @@
 
 Where each of a rank's tensors sits in the full tensor is what plait's DCP checkpoints
 write and read (:func:`plait.checkpoint.layout.model_layouts`: pieces along one dim); the
-loader asks the source (:mod:`plait.checkpoint.sources`) for exactly those pieces, file by
-file, so a rank reads its share and nothing else, and holds at most one file mapped at a
-time besides its own tensors. Tensors no plan splits are read whole.
+loader asks the source (:mod:`plait.checkpoint.sources`) for exactly those pieces, so a rank
+reads its share and nothing else, with one tensor's file mapped at a time (what the mapping
+keeps resident is that tensor's pages, at most). Tensors no plan splits are read whole.
 
 Buffers no checkpoint holds (non-persistent: transformers' rotary ``inv_freq``) are
 :func:`plait.checkpoint.pretrained.materialize`'s to compute.
@@ -50,12 +50,13 @@ def load_shards(model: nn.Module, source, *, strict: bool = True) -> dict:
     plan = _plan(wanted, layouts, sources, strict)
     read = 0
     with torch.no_grad():
-        for file, items in _by_file(plan).items():
-            opened = store.session(file) if file is not None else _nothing()
-            with opened:
-                for name, tensor, src in items:
-                    read += _fill(tensor, src, layouts.get(name))
-    files = sorted({f for f in _by_file(plan) if f is not None})
+        for name, tensor, src in plan:
+            files = src.files()
+            # one tensor's file mapped at a time: what the mapping keeps resident (the pages
+            # its pieces touched; all of them for a split along dim 1) is one tensor's at most
+            with store.session(next(iter(files))) if len(files) == 1 else _nothing():
+                read += _fill(tensor, src, layouts.get(name))
+    files = sorted({f for _, _, src in plan for f in src.files()})
     log.info("loaded %d tensors (%.1f MB read) from %d files", len(plan), read / 1e6, len(files))
     return {"read_bytes": read, "tensors": len(plan), "files": files}
 
@@ -111,16 +112,6 @@ def _plan(wanted: dict, layouts: dict[str, Layout], sources: dict, strict: bool)
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointFileError(problems[0] + more)
     return [(name, tensor, sources[name]) for name, tensor in wanted.items()]
-
-
-def _by_file(plan: list) -> dict:
-    """The plan's items grouped by the one file each reads (None: several, or in memory)."""
-    groups: dict = {}
-    for item in plan:
-        files = item[2].files()
-        key = next(iter(files)) if len(files) == 1 else None
-        groups.setdefault(key, []).append(item)
-    return groups
 
 
 def _fill(tensor: torch.Tensor, src, layout: Layout | None) -> int:

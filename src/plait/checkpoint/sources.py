@@ -9,9 +9,9 @@ the pieces a rank holds (:mod:`plait.checkpoint.layout`), so a rank reads only i
   ``model.safetensors``, or shards and ``model.safetensors.index.json``), read with
   safetensors' slice reads (``safe_open(...).get_slice(name)[...]``). Every file is opened,
   its header checked, before any tensor is read: a missing or truncated file is refused in
-  one line naming it. Reads are grouped by file (:meth:`SafetensorsDir.session`): a file is
-  mapped while its pieces are read and unmapped after, so what the mapping holds resident
-  stays under one file's size.
+  one line naming it. A file is mapped while one tensor's pieces are read
+  (:meth:`SafetensorsDir.session`) and unmapped after, so what the mapping holds resident is
+  one tensor's pages at most.
 - :class:`StateDictSource`: a plain full ``state_dict`` in memory (small models).
 - :class:`Stacked` and :class:`Joined`: a tensor the checkpoint keeps as several
   (transformers' per-expert ``experts.<e>.w1.weight`` of a model that holds one fused
@@ -48,12 +48,11 @@ class Leaf:
         self.store, self.name, self.file, self.shape = store, name, file, tuple(shape)
 
     def read(self, dim: int | None, start: int, length: int) -> torch.Tensor:
-        part = self.store.slice_of(self.file, self.name)
-        if dim is None:
-            return part[:]
         index = [slice(None)] * len(self.shape)
-        index[dim] = slice(start, start + length)
-        return part[tuple(index)]
+        if dim is not None:
+            index[dim] = slice(start, start + length)
+        with self.store.mapped(self.file) as handle:
+            return handle.get_slice(self.name)[tuple(index)]
 
     def files(self) -> set[str]:
         return {self.file}
@@ -161,7 +160,7 @@ class SafetensorsDir:
 
     @contextlib.contextmanager
     def session(self, file: str) -> Iterator[None]:
-        """Keep ``file`` mapped while its pieces are read; unmapped on leaving."""
+        """Keep ``file`` mapped while a tensor's pieces are read; unmapped on leaving."""
         from safetensors import safe_open
 
         with safe_open(self.path / file, framework="pt") as handle:
@@ -171,24 +170,17 @@ class SafetensorsDir:
             finally:
                 del self._open[file]
 
-    def slice_of(self, file: str, name: str):
+    @contextlib.contextmanager
+    def mapped(self, file: str):
+        """The open handle of ``file``: the session's, or one for this read only."""
         handle = self._open.get(file)
-        if handle is None:  # a read outside a session: map the file for this read only
-            from safetensors import safe_open
+        if handle is not None:
+            yield handle
+            return
+        from safetensors import safe_open
 
-            with safe_open(self.path / file, framework="pt") as handle:
-                return _Sliced(handle.get_slice(name)[:])
-        return handle.get_slice(name)
-
-
-class _Sliced:
-    """A tensor read whole, answering ``[...]`` as a safetensors slice does."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def __getitem__(self, index):
-        return self.tensor[index]
+        with safe_open(self.path / file, framework="pt") as handle:
+            yield handle
 
 
 class StateDictSource:
