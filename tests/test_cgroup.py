@@ -208,6 +208,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+QUOTA_REACHED = 0.45  # of the 0.5 core budget: the rank ran at its quota (see its use)
+
+
 def _throttled(cgroup: str) -> int:
     """How many periods the kernel has held the cgroup back (cpu.stat, v1 and v2 alike)."""
     stat = dict(line.split() for line in Path(cgroup, "cpu.stat").read_text().splitlines())
@@ -217,8 +220,8 @@ def _throttled(cgroup: str) -> int:
 @needs_netns
 def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
     """Judged by the kernel's own accounting: on every round, whatever the load, the host at
-    0.5 gets no more than half a core (its CPU time over its wall time), and the kernel has
-    held it back. The wall-time ratios are printed, not judged: on the shared CI machine a
+    0.5 gets no more than half a core (its CPU time over its wall time), and, where the
+    machine let it run at its quota, the kernel has held it back. The wall-time ratios are printed, not judged: on the shared CI machine a
     loop's CPU time itself moved 0.5-2x between rounds where both hosts had their whole
     core, so a wall ratio says more of the machine than of the budget."""
     budgets_here()
@@ -239,7 +242,12 @@ def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
     # 0.01 for the clocks (a CI run read 0.552 at W ≈ 190 ms against a flat 0.55); the
     # host at a whole core read 0.96-0.97 in the same rounds
     assert all(h[1] / h[0] <= 0.5 + 0.010 / h[0] + 0.01 for h in half), shares
-    assert throttled[1] > 0, throttled
+    # the kernel throttles a cgroup only in a period where it used up its quota: a machine
+    # too busy to give the rank half a core may never make it; a rank that ran at its quota
+    # in most rounds (a median share of 0.45 or more: one round's share can include runtime
+    # handed out before it began) was held back in one period at least
+    if statistics.median(h for _, h in shares) >= QUOTA_REACHED:
+        assert throttled[1] > 0, (throttled, shares)
 
 
 @needs_netns
@@ -273,7 +281,7 @@ def test_a_neighbour_left_running_is_stopped_with_the_cluster():
         pids = neighbour.pids
         assert sorted(cgroup_pids(cluster.hosts[1].cgroup)) == sorted(pids)
         assert cgroup_pids(cluster.hosts[0].cgroup) == []
-    assert all(_gone(pid, 1.0) for pid in pids), "down() left the neighbour running"
+    assert all(_gone(pid) for pid in pids), "down() left the neighbour running"
     neighbour.stop()  # reaps them
     assert _ours(cluster.tag) == []
     with EmulatedCluster(hosts=1, link="1gbit") as plain:
@@ -282,28 +290,45 @@ def test_a_neighbour_left_running_is_stopped_with_the_cluster():
 
 
 def _busy_steps(n: int, steps: int):
-    """All ranks at once: ``steps`` of a matmul loop each followed by an all-reduce."""
+    """All ranks at once: ``steps`` of a matmul loop each followed by an all-reduce. Returns
+    this rank's start and end (CLOCK_MONOTONIC: one clock for every process), the CPU its
+    process used in between (every thread's: all of it counts against its host's budget)
+    and its wall time in the loops."""
     x = torch.ones(1)
     dist.barrier()
-    start, wall = time.perf_counter(), []
+    start, cpu, wall = time.monotonic(), time.process_time(), []
     for _ in range(steps):
         wall.append(_spin(n)[0])
         dist.all_reduce(x)
-    return time.perf_counter() - start, sum(wall)
+    return start, time.monotonic(), time.process_time() - cpu, sum(wall)
 
 
 @needs_netns
 def test_more_ranks_than_cores_with_equal_budgets_nothing_starves():
+    """Judged by the kernel's accounting: every rank finished its steps (none starved: a
+    hang ends at the deadline) with CPU of its own, and a host's ranks together used no more
+    than their host's core over the time they ran. How evenly the ranks' compute times
+    spread is printed, not judged: it is the machine's load as much as the budgets' (max/min
+    1.11-3.94 in 20 runs here at load 4-11; the bound was 1.6)."""
     budgets_here()
     world = 2 * CORES  # 2 ranks on each of CORES hosts with a core each
     with EmulatedCluster(hosts=CORES, link="1gbit", cpu=1) as cluster:
         out = launch(_busy_steps, world, args=(20, 20), cluster=cluster, threads=1,
-                     timeout_s=30, deadline_s=60)
-    computes = [c for _, c in out]
-    spread = max(computes) / min(computes)
+                     timeout_s=30, deadline_s=600)
+    computes = [c for *_, c in out]
+    hosts = [out[2 * host:2 * host + 2] for host in range(CORES)]
+    used = [sum(cpu for _, _, cpu, _ in ranks) for ranks in hosts]
+    walls = [max(end for _, end, _, _ in ranks) - min(start for start, *_ in ranks)
+             for ranks in hosts]
     print(f"\n{world} ranks on {CORES} cores, a core per host: compute "
-          f"{', '.join(f'{c:.2f}' for c in computes)} s, max/min {spread:.2f}")
-    assert all(c > 0 for c in computes) and spread < 1.6, computes
+          f"{', '.join(f'{c:.2f}' for c in computes)} s, max/min "
+          f"{max(computes) / min(computes):.2f}; each host's CPU over its wall time "
+          f"{', '.join(f'{u:.2f}/{w:.2f}' for u, w in zip(used, walls))} s")
+    assert all(cpu > 0 for _, _, cpu, _ in out), out
+    for host, (cpu, wall) in enumerate(zip(used, walls)):
+        # a core, one period's quota (10 ms) and a slice the kernel handed out before the
+        # start (5 ms), and 0.01 for the clocks (as at half a core, above)
+        assert cpu <= wall + 0.015 + 0.01 * wall, (host, cpu, wall)
 
 
 # --- cleaned up however the run ends ---------------------------------------------------------
@@ -389,7 +414,7 @@ def test_cluster_run_places_ranks_in_budgets_and_ctrl_c_leaves_none(tmp_path):
         dict(argv=["cluster", "run", "--hosts", "2", "--host-cpu", "0.5", "--", "sleep", "30"],
              cwd=str(tmp_path), signal={"name": "SIGINT", "group": True, "after_s": 0.3,
                                         "when": "running:2:sleep 30"}),
-    ], timeout_s=60)
+    ], timeout_s=600)  # ends a hang: the rows take seconds
     assert ok["rc"] == 0, ok
     assert "CPU budget 1, 0.5 cores per host" in ok["stdout"], ok["stdout"]
     hosts = sorted(line.rsplit("-", 1)[1] for line in ok["stdout"].splitlines()
