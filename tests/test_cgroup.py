@@ -221,9 +221,10 @@ def _throttled(cgroup: str) -> int:
 def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
     """Judged by the kernel's own accounting: on every round, whatever the load, the host at
     0.5 gets no more than half a core (its CPU time over its wall time), and, where the
-    machine let it run at its quota, the kernel has held it back. The wall-time ratios are printed, not judged: on the shared CI machine a
-    loop's CPU time itself moved 0.5-2x between rounds where both hosts had their whole
-    core, so a wall ratio says more of the machine than of the budget."""
+    machine let it run at its quota, the kernel has held it back. The wall-time ratios are
+    printed, not judged: on the shared CI machine a loop's CPU time itself moved 0.5-2x
+    between rounds where both hosts had their whole core, so a wall ratio says more of the
+    machine than of the budget."""
     budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 0.5]) as cluster:
         (full, _), (half, _) = launch(_in_turns, 2, args=(100, 7), cluster=cluster,

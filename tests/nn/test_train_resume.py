@@ -3,22 +3,22 @@ with exactly the losses of a run never stopped; a resume on another number of ra
 
 1. SIGKILL, for real: ``plait train`` runs as a subprocess in a session of its own, is
    killed (SIGKILL) inside step 6 (counted from 0), once step-6 (the checkpoint of steps
-   0-5) is published, and is resumed with ``--resume``. It is given ``--slow 0:1000000000@6``: from step 6 on, rank
-   0 emulates a device 10^9 × slower (it sleeps 10^9 × each piece's compute: hours), so the
-   run waits inside step 6 for its kill however fast the machine is (a kill 0-0.3 s after
-   a checkpoint let a fast machine finish first). The slowdown is sleeps only: every
-   figure is the same as without it. The resumed run's ``log.json`` holds the whole
-   trajectory (the steps before the checkpoint come from the checkpoint); every step's loss
-   and learning rate must equal, bit for bit, those of a run never stopped (the CLI's
-   float32, on CPU). Nothing of the killed run (its ranks, its forkserver) may be left
-   running 60 s after the kill (they go in seconds: 3.7 s at load 11), and the resume
-   starts only then. Measured: they do not die with it. Each
-   rank holds the write end of the forkserver's "alive" pipe (CPython's forkserver hands
-   it to every child), so the forkserver never sees the launcher go and the ranks'
-   PR_SET_PDEATHSIG (tied to the forkserver) never fires: the ranks go on until they
-   fail on the dead launcher's pipe or finish (7.2 s here; 60 s for a 400-step run). The
-   fix belongs in plait.runtime.launch (not this test's to make): whatever remains after
-   60 s is killed here, and the test fails.
+   0-5) is published, and is resumed with ``--resume``. It is given
+   ``--slow 0:1000000000@6``: from step 6 on, rank 0 emulates a device 10^9 × slower (it
+   sleeps 10^9 × each piece's compute: hours), so the run waits inside step 6 for its kill
+   however fast the machine is (a kill 0-0.3 s after a checkpoint let a fast machine
+   finish first). The slowdown is sleeps only: every figure is the same as without it.
+   The resumed run's ``log.json`` holds the whole trajectory (the steps before the
+   checkpoint come from the checkpoint); every step's loss and learning rate must equal,
+   bit for bit, those of a run never stopped (the CLI's float32, on CPU). Nothing of the
+   killed run (its ranks, its forkserver) may be left running 60 s after the kill (they go
+   in seconds: 3.7 s at load 11), and the resume starts only then. Measured: they did not
+   die with it. Each rank holds the write end of the forkserver's "alive" pipe (CPython's
+   forkserver hands it to every child), so the forkserver never sees the launcher go and
+   the ranks' PR_SET_PDEATHSIG (tied to the forkserver) never fires: the ranks went on
+   until they failed on the dead launcher's pipe or finished (7.2 s here; 60 s for a
+   400-step run). The fix belongs in plait.runtime.launch (not this test's to make):
+   whatever remains after 60 s is killed here, and the test fails.
 2. A 2-rank checkpoint resumed on 3 ranks under an uneven plan (float64): the steps after
    it agree with the 2-rank run within 1e-10 (tensor parallelism sums in another order on
    3 ranks, so not bitwise), and the run says what it resharded.

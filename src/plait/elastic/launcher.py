@@ -17,9 +17,9 @@ gets SIGKILL. That host's worker waits for it after step ``kill_at``, before tha
 checkpoint (``HOLD_ENV``), so the kill lands there however fast the machine runs: no rank
 can finish the next step or publish that checkpoint without it (before, the kill landed
 when the launcher's 0.05 s poll saw the step, a step or more later on a loaded machine, and
-a fast one could finish first). Host 0 holds the rendezvous
-store (c10d has no fail-over), so it is not the one to kill. Everything is stopped and removed on success, failure, Ctrl-C, SIGTERM
-and at the deadline.
+a fast one could finish first). Host 0 holds the rendezvous store (c10d has no
+fail-over), so it is not the one to kill. Everything is stopped and removed on success,
+failure, Ctrl-C, SIGTERM and at the deadline.
 """
 
 from __future__ import annotations
