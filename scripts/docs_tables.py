@@ -658,6 +658,45 @@ def placement_table(res: Results) -> str:
     return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
 
 
+def load_table(res: Results) -> str:
+    """bench load: each run's ranks, their peak memory against the bound, the loss."""
+    name = "bench-load"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for r in runs:
+        for x in r.data["records"]:
+            rows.append([str(r.k), x["system"], str(x["world"]), str(x.get("rank", "–")),
+                         " ".join(map(str, x.get("kv_groups", []))) or "–",
+                         f"{x['baseline_rss'] / 1e9:.2f}",
+                         f"{x.get('own_bytes', x['model_bytes']) / 1e9:.2f}",
+                         f"{x['peak_rss'] / 1e9:.2f}", f"{x['bound_rss'] / 1e9:.2f}",
+                         f"{x['loss_diff']:.1e}"])
+    s0 = runs[0].data["meta"]["summary"]
+    m = s0["model"]
+    caption = (f"A transformers Llama of {s0['model_bytes'] / 1e9:.2f} GB float32 ({m['num_hidden_layers']} "
+               f"layers × {m['hidden_size']}, {m['num_attention_heads']} heads over "
+               f"{m['num_key_value_heads']} KV heads, vocabulary {m['vocab_size']}), saved with "
+               f"`save_pretrained` in {s0['files']} files; `whole`: transformers' own "
+               "`from_pretrained` in one process (it maps the files and reads pages only as the "
+               "forward touches them), `plait`: `plait.from_pretrained` on each rank. Peak = "
+               "the process's peak resident memory (VmHWM), before = resident before loading, "
+               "bound = 0.6 × the model's bytes + 0.5 GB; Δ loss against `whole`.")
+    head = ["run", "system", "ranks", "rank", "KV groups", "before (GB)", "own tensors (GB)",
+            "peak (GB)", "bound (GB)", "Δ loss"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+def _load_peak(world):
+    """(the largest rank's peak, the bound) in GB, on ``world`` ranks."""
+    def get(r):
+        peaks = [x["peak_rss"] for x in r.data["records"] if x["system"] == "plait"
+                 and x["world"] == world]
+        return (max(peaks) / 1e9, r.data["meta"]["summary"]["bound_rss"] / 1e9)
+    return get
+
+
 # (what, results folder, how to read a run's figure, format, where the full table is); a
 # figure that is a pair (a, b) reads "a vs b", each with its own range
 HEADLINE = [
@@ -700,6 +739,9 @@ HEADLINE = [
     ("… the same two placements, predicted by plait's performance model",
      "bench-tp-dp", _placements("predicted_step_s"), ".0f", "ms",
      "benchmarks.md#two-placements-of-dp--tp-bench-tp---dp-2---tp-2"),
+    ("A 2.1 GB transformers Llama built on meta, each of 2 ranks reading its shards: peak "
+     "resident memory of the largest rank vs the bound (0.6 × model + 0.5 GB), same loss",
+     "bench-load", _load_peak(2), ".2f", "GB", "loading.md#memory-measured-plait-bench-load"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
      "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
     ("Model: median error against this machine's measurements",
@@ -749,6 +791,7 @@ def headline_table(res: Results) -> str:
 # ---------------------------------------------------------------------------- the registry
 
 GENERATORS: dict[str, Callable[[Results], str]] = {
+    "bench-load": load_table,
     "bench-collectives-quick": collectives_table,
     "bench-ops-quick": ops_table,
     "bench-ops-quick-summary": ops_summary_table,

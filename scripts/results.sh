@@ -57,6 +57,8 @@ COMMANDS=(
   "elastic-kill|elastic --hosts 3 --link 1gbit --steps 60 --kill-host 2@20 --checkpoint-every 5 --no-progress --json {json}"
   # ≥ 5 checkpoints of each kind, blocking and asynchronous taking turns (issue 25)
   "bench-checkpoint|bench checkpoint --hosts 2 --link 1gbit --checkpoints 5 --no-progress --json {json}"
+  # a 2.1 GB Llama saved with save_pretrained, loaded whole and on 2 and 3 ranks (issue 37)
+  "bench-load|bench load --size-gb 2 --no-progress --json {json}"
   "simulate-h100-16k|simulate --cluster h100-16k --model llama3-70b --json {json}"
   "simulate-validate|simulate --validate --measurements $RESULTS/bench-collectives-quick/run-{round}.json $RESULTS/bench-ops-quick/run-{round}.json --json {json}"
 )
