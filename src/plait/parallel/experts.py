@@ -6,7 +6,7 @@ routes every token alike. The experts module gets the replicated tokens with
 their routing (``top_k_index``, ``top_k_weights``); each rank takes an even
 share of the tokens (``scatter_to_region``), sends each (token, expert) row to
 the expert's owner while it multiplies (``all_to_all_matmul`` with
-``gate_up_proj``), applies the experts' gate (``act(gate) · up``), multiplies
+``gate_up_proj``), applies the experts' gate (``act(gate) · up``, or the class's own ``_apply_gate``), multiplies
 by ``down_proj`` while sending the rows back (``matmul_all_to_all``), weighs and
 sums each token's rows, and the shares are gathered back (``gather_from_region``).
 
@@ -52,11 +52,20 @@ class ExpertParallelExperts(nn.Module):
         self.chunks = chunks if overlap else 1
         self.overlap = overlap
         self.act_fn = experts.act_fn
+        # the class's own gate (DeepSeek-V4 clamps gate and up before act(gate)·up), as
+        # transformers' grouped and batched kernels call it, with the scalars it reads
+        self._own_gate = getattr(type(experts), "_apply_gate", None)
+        for name, value in vars(experts).items():
+            if not name.startswith("_") and isinstance(value, (bool, int, float, str)) \
+                    and not hasattr(self, name):
+                setattr(self, name, value)
         rank = self.info.rank
         self.gate_up_proj = nn.Parameter(shard_of(experts.gate_up_proj.detach(), self.plan, rank))
         self.down_proj = nn.Parameter(shard_of(experts.down_proj.detach(), self.plan, rank))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._own_gate is not None:
+            return self._own_gate(self, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 

@@ -548,8 +548,14 @@ def _plain_experts(m, act, hidden_states, top_k_index, top_k_weights):
         for e in top_k_index[:, slot].unique().tolist():
             rows = (top_k_index[:, slot] == e).nonzero().squeeze(1)
             x = hidden_states[rows]
-            gate, up = F.linear(x, m.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, m.down_proj[e])
+            gate_up = F.linear(x, m.gate_up_proj[e])
+            own = getattr(type(m), "_apply_gate", None)
+            if own is not None:
+                h = own(m, gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = act(gate) * up
+            y = F.linear(h, m.down_proj[e])
             out.index_add_(0, rows, y * top_k_weights[rows, slot, None].to(y.dtype))
     return out
 

@@ -58,9 +58,9 @@ _SIZES: dict[str, Any] = {
     "sliding_window": 8, "sliding_window_size": 8, "attention_chunk_size": 8,
     "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
     "rotary_dim": 8, "query_pre_attn_scalar": 16,
-    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": VOCAB, "unpadded_vocab_size": VOCAB, "hidden_size_per_layer_input": 8,
     "laurel_rank": 8, "num_kv_shared_layers": 0,
-    "block_multiple_of": 32, "gated_norm_rank": 8, "loop_gate_rank": 8, "hc_lowrank": 8,
+    "global_head_dim": 16, "block_multiple_of": 32, "gated_norm_rank": 8, "loop_gate_rank": 8, "hc_lowrank": 8,
 }
 # sizes a config may leave None for "derive it" or "absent": given all the same
 _MISSING = {"head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts",
@@ -69,7 +69,23 @@ _TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_
 _PER_LAYER_MAX = 4
 
 # family-specific fixes where the generic sizes do not build
-OVERRIDES: dict[str, dict[str, Any]] = {}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # hybrids whose attention layers the defaults place beyond the second layer
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1, "use_mamba_kernels": False},
+    "dory": {"n_input_layers": 1, "n_output_layers": 1},  # defaults 8 each, of 2 layers
+    # its rotary embedding reads rope_parameters per layer type; the defaults are not
+    "cohere_compass_text": {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # an indexer whose sizes default to None; n-gram tables of 20M rows by default
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 8, "indexer_compress_ratio": 2,
+                       "ngram_vocab_size_base": 256, "split_ngram_parts": 2,
+                       "heads_per_ngram": 2},
+}
 
 
 def tp_model_types() -> list[str]:
@@ -117,13 +133,35 @@ def tiny_config(model_type: str, **extra):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
+    kw = _tiny_kwargs(cls)
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type):  # a composite config (text, vision, audio): each one tiny
+            kw[name] = {**_tiny_kwargs(sub), **kw.get(name, {})}
+    kw["experts_implementation"] = "eager"  # grouped_mm takes no float64 on CPU
+    kw.update(OVERRIDES.get(model_type, {}))
+    kw.update(extra)
+    try:
+        return cls(**kw)
+    except Exception as err:  # noqa: BLE001
+        raise NotBuilt(f"its tiny config does not build: {type(err).__name__}: "
+                       f"{_short(err)}") from None
+
+
+def _tiny_kwargs(cls) -> dict[str, Any]:
+    """The sizes of ``cls``'s defaults that ``_SIZES`` knows, shrunk; per-layer lists cut."""
     try:
         inst = cls()
     except Exception as err:  # noqa: BLE001
-        raise NotBuilt(f"its config's defaults do not build: {type(err).__name__}: {err}") from None
+        raise NotBuilt(f"its config's defaults do not build: {type(err).__name__}: "
+                       f"{_short(err)}") from None
     names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) \
         else list(inst.to_dict())
-    default = {name: getattr(inst, name, None) for name in names}
+    default = {}
+    for name in names:
+        try:
+            default[name] = getattr(inst, name, None)
+        except Exception:  # noqa: BLE001 - a per-layer attribute, not readable globally
+            default[name] = 0  # a size like any other: shrunk below
     kw: dict[str, Any] = {}
     for name, value in _SIZES.items():
         if name not in default:
@@ -135,8 +173,11 @@ def tiny_config(model_type: str, **extra):
     if "kv_lora_rank" in kw:  # multi-head latent attention: K/V per query head
         if "head_dim" in kw and "qk_rope_head_dim" in kw:
             kw["head_dim"] = kw["qk_rope_head_dim"]  # the rotary part is its "head_dim"
-        if "num_key_value_heads" in kw:
-            kw["num_key_value_heads"] = kw["num_attention_heads"]
+        for name in ("num_key_value_heads", "swa_num_key_value_heads"):
+            if name in kw:
+                kw[name] = kw["num_attention_heads"]
+    if {"mamba_n_heads", "mamba_d_head", "mamba_expand"} <= set(default) and "hidden_size" in kw:
+        kw["mamba_d_head"] = default["mamba_expand"] * kw["hidden_size"] // kw["mamba_n_heads"]
     for name in _TOKENS:
         if name in default and default[name] is not None:
             kw[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
@@ -149,14 +190,7 @@ def tiny_config(model_type: str, **extra):
         for name in ("num_hidden_layers", "n_layer", "num_layers"):
             if name in kw:
                 kw[name] = len(keep)
-    kw["experts_implementation"] = "eager"  # grouped_mm takes no float64 on CPU
-    kw.update(OVERRIDES.get(model_type, {}))
-    kw.update(extra)
-    try:
-        return cls(**kw)
-    except Exception as err:  # noqa: BLE001
-        raise NotBuilt(f"its tiny config does not build: {type(err).__name__}: "
-                       f"{_short(err)}") from None
+    return kw
 
 
 def tiny_model(model_type: str, dtype=torch.float64, seed: int = 0, **extra):
