@@ -30,6 +30,7 @@ with exactly the losses of a run never stopped; a resume on another number of ra
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
