@@ -88,6 +88,9 @@ def pytest_configure(config):
 
     from plait.perf.calibrate import DEFAULT_PROFILE
 
+    # the suite's collectives take torch.distributed (gloo), whose cost model and timeouts
+    # its tests were written against; tests/transport runs shared memory (and "auto") itself
+    os.environ.setdefault("PLAIT_TRANSPORT", "gloo")
     config._plait_profile_dir = tempfile.mkdtemp(prefix="plait-test-")
     path = os.path.join(config._plait_profile_dir, "profile.json")
     DEFAULT_PROFILE.save(path)

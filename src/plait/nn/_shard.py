@@ -213,8 +213,10 @@ def mark_partial_grad(param: torch.nn.Parameter, group=None) -> None:
         return
 
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        from ..ops.context import transport_of
+
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
+        transport_of(group).all_reduce(grad)
         return grad
 
     param.register_hook(all_reduce)

@@ -29,7 +29,7 @@ from .agree import start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
 
-__all__ = ["Decision", "OpsContext", "get_context", "explain"]
+__all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of"]
 
 log = logging.getLogger("plait.ops")
 
@@ -63,10 +63,23 @@ class OpsContext:
     # the group the checks run on: the same ranks, its own queue (None: ``group`` itself)
     checks_group: object = None
     decisions: dict[str, Decision] = field(default_factory=dict)
+    # how bytes move on this group (plait.transport: shared memory or torch.distributed),
+    # chosen with the context by every rank; None: torch.distributed (a context made by hand)
+    transport: object = None
     # (op, work, most pieces) → the auto decision: pure in them and the calibration, and
     # ≈ 0.4 ms of Python to recompute, on every call
     _auto_made: dict[tuple, Decision] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
+
+    def mover(self):
+        """This group's transport (``plait.transport``): shared memory inside a host, else
+        torch.distributed."""
+        if self.transport is None:
+            from ..transport.select import Choice, DistTransport
+
+            backend = dist.get_backend(self.group)
+            self.transport = DistTransport(self.group, Choice(backend, "a context made by hand"))
+        return self.transport
 
     # --- calibration -------------------------------------------------------
     def calibration(self) -> Calibration:
@@ -104,6 +117,12 @@ class OpsContext:
                 why = "chunks=1 asked for" if chunks == 1 else f"only {rows} rows to split"
                 return self._record(Decision(op, "fallback", 1, why))
             return self._record(Decision(op, "fused", n, f"chunks={chunks} asked for"))
+        if getattr(self.transport, "name", None) == "shm":
+            # on a CPU the rank's own core moves the bytes through shared memory: a piece's
+            # transfer cannot run beside the next piece's compute, so pieces only add calls
+            return self._record(Decision(op, "fallback", 1, "auto: shared memory moves the "
+                                         "bytes on the rank's own core; pieces would not "
+                                         "overlap them"))
         key = (op, work, min(self.max_chunks, most))
         if key not in self._auto_made:
             self._auto_made[key] = self._auto(*key)
@@ -152,6 +171,9 @@ class OpsContext:
 
     def start_meta(self, op: str, width: int, row, problem: Exception | None = None):
         """``gather_meta``, started: calling the result waits and gives what it gives."""
+        if getattr(self.transport, "name", None) == "shm":  # the check rides in a slot header
+            rows = self.transport.shm.gather_meta(op, row, width, problem)
+            return lambda: rows
         group = self.group if self.checks_group is None else self.checks_group
         done = start_gather_checked(op, group, problem, row, width)
         return lambda: [tuple(r) for r in done()]
@@ -164,12 +186,22 @@ def get_context(group=None) -> OpsContext:
     """The context of ``group`` (default group: None), made on first use: collective the
     first time (every rank of the group calls it, as every operator does)."""
     if group not in _CONTEXTS:
+        from ..transport.select import choose
+
         checks = _sibling(group)
-        _CONTEXTS[group] = OpsContext(group=group, checks_group=checks)
+        transport = choose(group, timeout_s=_timeout(group).total_seconds())
+        _CONTEXTS[group] = OpsContext(group=group, checks_group=checks, transport=transport)
+        if dist.get_rank(group) == 0:
+            log.info("transport: %s (%s)", transport.choice.name, transport.choice.reason)
         prioritize_group(group)  # a new group's gloo threads, ahead of compute for a core
         if checks is not None:
             prioritize_group(checks)
     return _CONTEXTS[group]
+
+
+def transport_of(group=None):
+    """The transport ``group``'s collectives take (its context's; made on first use)."""
+    return get_context(group).mover()
 
 
 def _sibling(group):

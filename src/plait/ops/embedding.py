@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agree import attempt, check_chunks, check_same, chunks_code, gather_checked
-from .context import OpsContext, get_context
+from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, row_parts
@@ -204,9 +204,9 @@ def _lookup_plain(weights, plan: _Lookup, group) -> torch.Tensor:
         return send.view(t_r, plan.batch, plan.dim)
     b_r, total = plan.batch_sizes[rank], sum(plan.tables_per_rank)
     out = w0.new_empty(total, b_r, plan.dim)
-    dist.all_to_all_single(out.view(total * b_r, plan.dim), send,
-                           [t * b_r for t in plan.tables_per_rank],
-                           [t_r * b for b in plan.batch_sizes], group=group)
+    transport_of(group).all_to_all(out.view(total * b_r, plan.dim), send,
+                                   [t * b_r for t in plan.tables_per_rank],
+                                   [t_r * b for b in plan.batch_sizes])
     return out
 
 
@@ -290,8 +290,8 @@ def _wgrad_plain(grad_out, grads: _Grads, group) -> None:
         recv = send
     else:
         recv = send.new_empty(t_r * plan.batch, plan.dim)  # (source, table, row)
-        dist.all_to_all_single(recv, send, [t_r * b for b in plan.batch_sizes],
-                               [t * b_r for t in plan.tables_per_rank], group=group)
+        transport_of(group).all_to_all(recv, send, [t_r * b for b in plan.batch_sizes],
+                                       [t * b_r for t in plan.tables_per_rank])
     for d, b in enumerate(plan.batch_sizes):  # sources in rank order
         block = recv[t_r * starts[d]:t_r * starts[d + 1]].view(t_r, b, plan.dim)
         for t in range(t_r):

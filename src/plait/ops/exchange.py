@@ -13,35 +13,26 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
-
-from ..runtime.compat import all_gather_into
 
 __all__ = ["start_gather", "start_all_to_all"]
 
 
 def start_gather(out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int], group=None):
-    """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``.
+    """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``, on the
+    group's transport (``plait.transport``; over torch.distributed, unequal rows, which
+    gloo's all_gather refuses, go as one all_to_all of the piece repeated per rank)."""
+    from .context import get_context
 
-    Equal rows: one all_gather, straight from ``piece``. Unequal rows (gloo's
-    all_gather refuses them): one all_to_all whose send buffer repeats the piece
-    once per rank, the only copy, of piece size.
-    """
-    if len(set(rows)) == 1:
-        return all_gather_into(out, piece.contiguous(), group=group, async_op=True)
-    world = len(rows)
-    send = piece.unsqueeze(0).expand(world, *piece.shape) \
-        .reshape(world * piece.shape[0], *piece.shape[1:]).contiguous()
-    return start_all_to_all(out, send, list(rows), [piece.shape[0]] * world, group)
+    return get_context(group).mover().all_gather(out, piece, rows, async_op=True)
 
 
 def start_all_to_all(out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
                      in_rows: Sequence[int], group=None):
     """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order in ``out``.
 
-    gloo moves contiguous buffers only: a strided ``send`` is copied (the work holds the
-    copy until it is done); ``out`` must be contiguous, since it is written in place."""
+    A strided ``send`` is copied (the work holds the copy until it is done); ``out`` must
+    be contiguous, since it is written in place."""
+    from .context import get_context
+
     assert out.is_contiguous(), "a receive buffer is written in place"
-    return dist.all_to_all_single(out, send.contiguous(), [int(r) for r in out_rows],
-                                  [int(r) for r in in_rows],
-                                  group=group, async_op=True)
+    return get_context(group).mover().all_to_all(out, send, out_rows, in_rows, async_op=True)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .agree import attempt, check_chunks, check_same, chunks_code
 from .compute import compute_region, current_region, piece
-from .context import Decision, OpsContext, get_context
+from .context import Decision, OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
@@ -121,7 +121,7 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
         with piece():
             out = x2 @ w
         asynchronous = meanwhile is not None or in_flight is not None
-        works = [dist.all_reduce(out, group=group, async_op=asynchronous)]
+        works = [transport_of(group).all_reduce(out, async_op=asynchronous)]
         return _waited(out, works, meanwhile, in_flight)
     if m <= GEMV_ROWS:
         return _gemv_pieces(x2, w, group, decision.chunks, transposed, meanwhile)
@@ -131,7 +131,7 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         with piece():
             torch.matmul(x2[lo:hi], w, out=out[lo:hi])
-        works.append(dist.all_reduce(out[lo:hi], group=group, async_op=True))
+        works.append(transport_of(group).all_reduce(out[lo:hi], async_op=True))
     return _waited(out, works, meanwhile, in_flight)
 
 
@@ -169,7 +169,7 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
         block = buf[lo:hi] if transposed else buf[m * lo:m * hi].view(m, hi - lo)
         with piece():
             torch.mm(x2, w[:, lo:hi], out=block.t() if transposed else block)
-        works.append(dist.all_reduce(block, group=group, async_op=True))
+        works.append(transport_of(group).all_reduce(block, async_op=True))
         blocks.append(block)
     _waited(buf, works, meanwhile)
     # a contiguous [M, N] either way, as the row path returns: the transposed buffer's

@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .context import OpsContext, get_context
+from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .agree import attempt, check_chunks, check_same, chunks_code, gather_checked
 from .exchange import start_all_to_all
@@ -148,7 +148,7 @@ def _dispatch(x, w, routes: _Routes, chunks: int, group, on_block=None):
         recv = x
         if world > 1:
             recv = x.new_empty(ys[-1], x.shape[1])
-            dist.all_to_all_single(recv, x.contiguous(), recv_rows, send_rows, group=group)
+            transport_of(group).all_to_all(recv, x, recv_rows, send_rows)
         for s in range(world):
             _multiply(recv[ys[s]:ys[s + 1]], routes.recv[s], 0, y, ys[s], w, on_block)
         return y
@@ -198,7 +198,7 @@ def _combine(y, w, routes: _Routes, chunks: int, group, idle: Callable[[], None]
         out = send
         if world > 1:
             out = y.new_empty(xs[-1], width)  # the receive buffer is the output
-            dist.all_to_all_single(out, send, send_rows, recv_rows, group=group)
+            transport_of(group).all_to_all(out, send, send_rows, recv_rows)
         if idle is not None:
             idle()
         return out

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .agree import attempt, check_same, dtype_code
-from .context import get_context
+from .context import get_context, transport_of
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
 
@@ -63,15 +63,10 @@ def _all_gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch
 def _reduce_scatter(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
     """Σ_ranks x, keeping this rank's ``sizes[rank]`` rows of ``dim``: one all_to_all, then a
     rank-ordered sum (gloo's reduce_scatter moves as much data as an all_reduce)."""
-    rank, world = dist.get_rank(group), _world(group)
     rows = _rows(x, dim)
-    mine = sizes[rank]
-    recv = rows.new_empty(world * mine, rows.shape[1])
-    dist.all_to_all_single(recv, rows, [mine] * world, list(sizes), group=group)
-    parts = recv.view(world, mine, rows.shape[1])
-    out = parts[0].clone()
-    for src in range(1, world):
-        out.add_(parts[src])
+    mine = sizes[dist.get_rank(group)]
+    out = rows.new_empty(mine, rows.shape[1])
+    transport_of(group).reduce_scatter(out, rows, list(sizes))
     return _unrows(out, x, dim, mine)
 
 
@@ -141,7 +136,7 @@ class _Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         dy = dy.contiguous().clone()
-        dist.all_reduce(dy, group=ctx.group)
+        transport_of(ctx.group).all_reduce(dy)
         return dy, None
 
 
@@ -149,7 +144,7 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        transport_of(group).all_reduce(out)
         return out
 
     @staticmethod

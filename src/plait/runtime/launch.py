@@ -225,7 +225,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
     hosts = [cluster.host_of_rank(r, world_size) if cluster else Host(0, None, "lo", "127.0.0.1")
              for r in range(world_size)]
     link = cluster.link_label if cluster else "loopback"
-    env = {**{k: os.environ[k] for k in (VERBOSE_ENV,) if k in os.environ}, **(env or {})}
+    env = {**{k: os.environ[k] for k in (VERBOSE_ENV, "PLAIT_TRANSPORT") if k in os.environ},
+           **(env or {})}
     run = (fn, world_size, args, kwargs or {}, hosts, link, backend, timeout_s, threads,
            env, tuple(slow), deadline_s, on_progress)
     try:

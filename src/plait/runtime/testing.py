@@ -28,10 +28,12 @@ TEST_TIMEOUT_S = 30.0
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = TEST_TIMEOUT_S, **kwargs: Any) -> list[Any]:
-    """``launch(fn, world_size, args=args, kwargs=kwargs)`` with test-friendly settings."""
+              timeout_s: float = TEST_TIMEOUT_S, env: dict[str, str] | None = None,
+              **kwargs: Any) -> list[Any]:
+    """``launch(fn, world_size, args=args, kwargs=kwargs)`` with test-friendly settings;
+    ``env``: the ranks' extra environment (``{"PLAIT_TRANSPORT": "shm"}``)."""
     return launch(fn, world_size, args=args, kwargs=kwargs, timeout_s=timeout_s, threads=1,
-                  deadline_s=10 * timeout_s)
+                  deadline_s=10 * timeout_s, env=env)
 
 
 def raised(attempts: dict[str, Callable[[], Any]]) -> dict[str, str | None]:

@@ -1,0 +1,16 @@
+"""How bytes move between ranks: shared memory inside a host, torch.distributed between hosts.
+
+- :mod:`.shm`: every rank of a group on one host maps every peer's segment; a flag per
+  slot, an epoch in it, says a piece has landed (``ShmSegments``).
+- :mod:`.calls`: one collective call on it: its epoch, the cross-rank check carried in its
+  header, its pieces' flags (``Call``).
+- :mod:`.collectives`: all_reduce, all_gather, reduce_scatter, all_to_all on it
+  (``ShmGroup``).
+"""
+
+from .calls import Call, Header
+from .collectives import ShmGroup
+from .shm import PeerDied, ShmSegments, remove_stale, supported
+
+__all__ = ["ShmGroup", "ShmSegments", "Call", "Header", "PeerDied", "supported",
+           "remove_stale"]

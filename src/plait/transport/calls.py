@@ -1,0 +1,135 @@
+"""One collective call on shared memory: its epoch, its header (the cross-rank check carried
+in the slot), its pieces' flags, and the release of its buffer.
+
+Every rank of the group makes the same calls in the same order (as with any collective),
+so the *n*-th call has epoch *n* on every rank, and uses data buffer ``n % BUFFERS`` of
+every segment. A call:
+
+1. waits until every rank has finished call ``n − BUFFERS`` (its ``DONE`` flag): nobody
+   reads that buffer any more, so it may be written;
+2. writes its header (op, dtype, shapes, chunks: what fixes the schedule; or that this
+   rank rejected its input, and why) and raises ``HDR``; reads every rank's header and
+   raises on every rank where any differs or any rank rejected its input: the check
+   costs a few flag reads, not a round trip over the network, and a mismatch is an error
+   on every rank, never a hang;
+3. moves its pieces: a writer sets its flag ``PIECE + k`` once piece ``k`` is written
+   (into its own segment or a peer's), a reader waits on the writer's flag;
+4. raises ``DONE``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .shm import BUFFERS, LINE, WORDS, ShmSegments
+
+__all__ = ["Call", "Header", "HDR", "DONE", "PIECE", "MAX_PIECES"]
+
+HDR, DONE, REDUCED = 0, 1, 2
+PIECE = 8                     # flag lines PIECE .. PIECE + MAX_PIECES − 1
+MAX_PIECES = 112
+# a header and a note per data buffer: call n writes those of buffer n % BUFFERS, which no
+# rank reads any more once every rank has finished call n − BUFFERS (step 1 above)
+_HEADER_LINE = 128            # headers (packed integers) from this line on, 8 lines each
+_HEADER_WORDS = 48            # at most this many integers a header
+_NOTE_LINE = 128 + 8 * BUFFERS  # rejected inputs' messages (UTF-8) from this line on
+_NOTE_BYTES = (WORDS - 1 - _NOTE_LINE) // BUFFERS * LINE * 4
+assert PIECE + MAX_PIECES <= _HEADER_LINE and _HEADER_WORDS + 1 <= 8 * LINE
+
+
+class Header:
+    """A call's fields, as integers; what differs between ranks is named in the error."""
+
+    def __init__(self, op: str, names: Sequence[str], values: Sequence[int],
+                 local: Sequence[str] = ()):
+        assert len(names) == len(values) <= _HEADER_WORDS, (names, values)
+        self.op, self.names, self.values = op, tuple(names), tuple(int(v) for v in values)
+        self.local = set(local)  # fields that may differ (a rank's own shard size)
+
+
+class Call:
+    """One call's session on ``shm`` (see the module doc); ``epoch`` is its number."""
+
+    def __init__(self, shm: ShmSegments, epoch: int, header: Header,
+                 problem: Exception | None = None):
+        self.shm, self.epoch, self.header = shm, epoch, header
+        self.buffer = epoch % BUFFERS
+        if epoch >= BUFFERS:
+            for rank in range(shm.world):
+                shm.wait(rank, DONE, epoch - BUFFERS, header.op)
+        self.rows = self._exchange_headers(problem)
+
+    # --- the check, carried in the slot ----------------------------------------
+    def _exchange_headers(self, problem: Exception | None) -> list[tuple[int, ...]]:
+        shm, words = self.shm, self.shm.flags
+        start = (_HEADER_LINE + 8 * self.buffer) * LINE
+        note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES
+        values = self.header.values
+        words[start] = 1 if problem is not None else 0
+        words[start + 1:start + 1 + len(values)] = np.array(values, dtype=np.int64) & 0xFFFFFFFF
+        if problem is not None:
+            text = f"{type(problem).__name__}:{problem}".encode()[:_NOTE_BYTES - 1]
+            note = words.view(np.uint8)[note_at:note_at + _NOTE_BYTES]
+            note[:len(text) + 1] = np.frombuffer(text + b"\0", dtype=np.uint8)
+        shm.set(HDR, self.epoch)
+        rows, failed = [], []
+        for rank in range(shm.world):
+            shm.wait(rank, HDR, self.epoch, self.header.op)
+            theirs = shm.peers[rank].flags
+            if theirs[start]:
+                failed.append((rank, _note(theirs, note_at)))
+            rows.append(tuple(int(v) - (1 << 32 if v & 0x80000000 else 0)
+                              for v in theirs[start + 1:start + 1 + len(values)]))
+        if failed:
+            self.close()
+            if problem is not None:
+                raise problem
+            kind = TypeError if failed[0][1].startswith("TypeError:") else ValueError
+            raise kind(f"{self.header.op}: input rejected on " + "; ".join(
+                f"rank {r}: {text.partition(':')[2]}" for r, text in failed))
+        self._check(rows)
+        return rows
+
+    def _check(self, rows: list[tuple[int, ...]]) -> None:
+        names = self.header.names
+        differ = [i for i, name in enumerate(names) if name not in self.header.local
+                  and any(row[i] != rows[0][i] for row in rows)]
+        if not differ:
+            return
+        self.close()
+        field = ", ".join(names[i] for i in differ)
+        told = ", ".join(f"rank {r} has ({', '.join(str(row[i]) for i in differ)})"
+                         for r, row in enumerate(rows))
+        raise ValueError(f"{self.header.op}: ranks disagree on {field}: {told}")
+
+    # --- pieces --------------------------------------------------------------------
+    def slot(self, rank: int, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+        """``count`` elements at byte ``offset`` of this call's buffer in ``rank``'s segment."""
+        return self.shm.buffer(rank, self.buffer, dtype, count, offset)
+
+    def publish(self, piece: int) -> None:
+        """This rank's piece ``piece`` is written (wherever it was written to)."""
+        assert piece < MAX_PIECES, piece
+        self.shm.set(PIECE + piece, self.epoch)
+
+    def wait(self, rank: int, piece: int) -> None:
+        """Until ``rank`` has published piece ``piece`` of this call."""
+        self.shm.wait(rank, PIECE + piece, self.epoch, self.header.op)
+
+    def reduced(self) -> None:
+        self.shm.set(REDUCED, self.epoch)
+
+    def wait_reduced(self, rank: int) -> None:
+        self.shm.wait(rank, REDUCED, self.epoch, self.header.op)
+
+    def close(self) -> None:
+        """This rank reads nothing more of this call's buffers."""
+        self.shm.set(DONE, self.epoch)
+
+
+def _note(flags: np.ndarray, at: int) -> str:
+    raw = flags.view(np.uint8)[at:at + _NOTE_BYTES].tobytes()
+    return raw.split(b"\0", 1)[0].decode(errors="replace")

@@ -1,0 +1,193 @@
+"""Collectives on shared memory (:class:`ShmGroup`): all_reduce, all_gather, reduce_scatter and
+all_to_all, uneven splits included, for any dtype; every one is a :class:`~.calls.Call`.
+
+=================  ==============================================================
+all_reduce         one-shot (each rank writes its tensor into its buffer and reads
+                   every peer's, summing in rank order 0, 1, …): at most
+                   ``ONE_SHOT_BYTES``. Two-shot above (a reduce-scatter into each
+                   rank's own chunk, summed in rank order by that chunk's owner,
+                   then an all-gather of the chunks): each rank reads 2 × the
+                   message instead of (world − 1) ×. Either way every rank holds
+                   the same bits: each element is summed once, in one order.
+all_gather         each rank writes its rows into its buffer, reads every peer's.
+reduce_scatter     each rank writes its tensor, sums its own rows of every peer's.
+all_to_all         each rank writes its send rows; the header carries its splits, so
+                   a receiver finds its rows in the sender's buffer.
+=================  ==============================================================
+
+A message larger than a buffer goes in turns of at most a buffer each (one call a turn).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .calls import Call, Header
+from .shm import ShmSegments
+
+__all__ = ["ShmGroup", "ONE_SHOT_BYTES", "DTYPES"]
+
+ONE_SHOT_BYTES = 256 * 1024
+DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float64: 3, torch.float16: 4,
+          torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.int8: 8, torch.bool: 9}
+
+
+class ShmGroup:
+    """The collectives of ``group``'s ranks over their shared memory (collective to make:
+    every rank of the group). ``capacity``: bytes of one data buffer of a segment."""
+
+    def __init__(self, group=None, *, capacity: int = 16 << 20, timeout_s: float = 60.0):
+        self.group = group
+        self.segments = ShmSegments(group, capacity=capacity, timeout_s=timeout_s)
+        self.rank, self.world = self.segments.rank, self.segments.world
+        self.capacity = capacity
+        self.epoch = 0
+
+    def call(self, op: str, names: Sequence[str], values: Sequence[int], *,
+             local: Sequence[str] = (), problem: Exception | None = None) -> Call:
+        """Begin the group's next call (every rank, in the same order)."""
+        self.epoch += 1
+        return Call(self.segments, self.epoch, Header(op, names, values, local), problem)
+
+    def gather_meta(self, op: str, row: Sequence[int] | None, width: int,
+                    problem: Exception | None = None) -> list[tuple[int, ...]]:
+        """Every rank's ``row`` (raising on every rank where any rank had a ``problem``):
+        the operators' cross-rank check, carried by one call's header."""
+        row = tuple(row) if problem is None else (0,) * width
+        call = self.call(op, [f"f{i}" for i in range(width)], row,
+                         local=[f"f{i}" for i in range(width)], problem=problem)
+        call.close()
+        return call.rows
+
+    def barrier(self) -> None:
+        self.call("barrier", (), ()).close()
+
+    # --- all_reduce ------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place (contiguous)."""
+        flat = tensor.view(-1)
+        per_turn = self.capacity // tensor.element_size() // self.world * self.world
+        for lo in range(0, max(flat.numel(), 1), max(per_turn, self.world)):
+            self._all_reduce(flat[lo:lo + per_turn])
+        return tensor
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        n, size = flat.numel(), flat.element_size()
+        call = self.call("all_reduce", ("dtype", "numel"), (DTYPES[flat.dtype], n))
+        call.slot(self.rank, flat.dtype, n).copy_(flat)
+        call.publish(0)
+        if n * size <= ONE_SHOT_BYTES:
+            for rank in range(self.world):
+                call.wait(rank, 0)
+            _sum_into(flat, [call.slot(r, flat.dtype, n) for r in range(self.world)])
+        else:
+            bounds = _bounds(n, self.world)
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            for rank in range(self.world):
+                call.wait(rank, 0)
+            mine = flat[lo:hi]
+            _sum_into(mine, [call.slot(r, flat.dtype, n)[lo:hi] for r in range(self.world)])
+            call.slot(self.rank, flat.dtype, n)[lo:hi].copy_(mine)
+            call.reduced()
+            for rank in range(self.world):
+                if rank != self.rank:
+                    a, b = bounds[rank], bounds[rank + 1]
+                    call.wait_reduced(rank)
+                    flat[a:b].copy_(call.slot(rank, flat.dtype, n)[a:b])
+        call.close()
+
+    # --- all_gather, reduce_scatter, all_to_all ---------------------------------------
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``."""
+        width = piece[0].numel() if piece.shape[0] else out[0].numel()
+        names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
+        call = self.call("all_gather", names, (DTYPES[piece.dtype], width, *rows,
+                                               piece.shape[0]), local=("piece",))
+        held = [row[-1] for row in call.rows]
+        if held != [int(r) for r in rows]:  # the same verdict on every rank: rows agree
+            call.close()
+            raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold {held}")
+        self._fits("all_gather", max(rows) * width * piece.element_size(), call)
+        call.slot(self.rank, piece.dtype, piece.numel()).copy_(piece.reshape(-1))
+        call.publish(0)
+        flat, start = out.view(-1), 0
+        for rank, count in enumerate(rows):
+            call.wait(rank, 0)
+            flat[start:start + count * width].copy_(call.slot(rank, piece.dtype, count * width))
+            start += count * width
+        call.close()
+        return out
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor,
+                       rows: Sequence[int]) -> torch.Tensor:
+        """Rows ``rows[r]`` of the sum of every rank's ``tensor`` land on rank r's ``out``."""
+        width = tensor[0].numel()
+        call = self.call("reduce_scatter", ("dtype", "width", "total"),
+                         (DTYPES[tensor.dtype], width, tensor.shape[0]))
+        self._fits("reduce_scatter", tensor.numel() * tensor.element_size(), call)
+        n = tensor.numel()
+        call.slot(self.rank, tensor.dtype, n).copy_(tensor.reshape(-1))
+        call.publish(0)
+        lo = sum(rows[:self.rank]) * width
+        hi = lo + rows[self.rank] * width
+        for rank in range(self.world):
+            call.wait(rank, 0)
+        _sum_into(out.view(-1), [call.slot(r, tensor.dtype, n)[lo:hi] for r in range(self.world)])
+        call.close()
+        return out
+
+    def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
+                   in_rows: Sequence[int]) -> torch.Tensor:
+        """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order."""
+        width = send[0].numel() if send.shape[0] else out[0].numel() if out.shape[0] else 0
+        world = self.world
+        names = ("dtype", "width", *(f"to{d}" for d in range(world)),
+                 *(f"from{s}" for s in range(world)))
+        call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows),
+                         local=names[2:])
+        sent = [row[2:2 + world] for row in call.rows]        # [sender][receiver]
+        expected = [row[2 + world:] for row in call.rows]     # [receiver][sender]
+        wrong = [(s, r) for s in range(world) for r in range(world)
+                 if sent[s][r] != expected[r][s]]
+        if wrong:  # every rank sees every header: the same verdict everywhere
+            s, r = wrong[0]
+            call.close()
+            raise ValueError(f"all_to_all: rank {s} sends rank {r} {sent[s][r]} rows, rank {r} "
+                             f"expects {expected[r][s]}")
+        self._fits("all_to_all", max(sum(x) for x in sent) * width * send.element_size(), call)
+        call.slot(self.rank, send.dtype, send.numel()).copy_(send.reshape(-1))
+        call.publish(0)
+        flat, start = out.view(-1), 0
+        for rank in range(world):
+            count = sent[rank][self.rank] * width
+            offset = sum(sent[rank][:self.rank]) * width * send.element_size()
+            call.wait(rank, 0)
+            flat[start:start + count].copy_(call.slot(rank, send.dtype, count, offset))
+            start += count
+        call.close()
+        return out
+
+    def _fits(self, op: str, nbytes: int, call: Call) -> None:
+        if nbytes > self.capacity:
+            call.close()
+            raise ValueError(f"{op}: {nbytes} bytes a rank is more than one shared-memory "
+                             f"buffer holds ({self.capacity})")
+
+
+def _bounds(n: int, world: int) -> list[int]:
+    """The chunk boundaries of ``n`` elements over ``world`` owners (the first get one more)."""
+    base, extra = divmod(n, world)
+    out = [0]
+    for r in range(world):
+        out.append(out[-1] + base + (r < extra))
+    return out
+
+
+def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``out = parts[0] + parts[1] + …``, in that order (the same bits on every rank)."""
+    torch.add(parts[0], parts[1], out=out) if len(parts) > 1 else out.copy_(parts[0])
+    for part in parts[2:]:
+        out.add_(part)

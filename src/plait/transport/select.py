@@ -1,0 +1,164 @@
+"""Which transport a group's collectives take, chosen once per group by every rank together.
+
+- ``"shm"``: the group's ranks share one host (the same boot, and the same network
+  namespace: two emulated hosts on one machine are two hosts): :class:`ShmTransport`.
+- ``"gloo"`` (or NCCL on CUDA): ``torch.distributed`` itself: :class:`DistTransport`.
+- ``"auto"`` (the default; ``PLAIT_TRANSPORT`` or ``--transport`` set another): shared
+  memory where every rank of the group is on one host and it is supported here, else
+  ``torch.distributed``. The ranks agree on it (one all_gather of where each one runs),
+  and the choice and its reason are kept (``Choice``) for ``plait.parallel.applied``,
+  the benchmarks and ``-v``.
+
+Both transports answer the same calls, each on contiguous tensors and in rank order:
+``all_reduce(t)`` (in place), ``all_gather(out, piece, rows)``, ``reduce_scatter(out, t,
+rows)``, ``all_to_all(out, send, out_rows, in_rows)``, and ``gather_meta`` (the operators'
+cross-rank check). ``async_op=True`` returns a handle whose ``wait()`` completes the call;
+shared memory has no engine of its own on a CPU (the rank's own thread moves the bytes),
+so there the call is done when it returns and the handle is already complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.compat import all_gather_into
+
+__all__ = ["TRANSPORTS", "Choice", "choose", "DistTransport", "ShmTransport", "wanted"]
+
+TRANSPORTS = ("auto", "shm", "gloo")
+ENV = "PLAIT_TRANSPORT"
+
+log = logging.getLogger("plait.transport")
+
+
+def wanted() -> str:
+    """The transport asked for: ``PLAIT_TRANSPORT`` (``auto`` when unset)."""
+    value = os.environ.get(ENV, "auto") or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(TRANSPORTS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str    # "shm", "gloo" or "nccl"
+    reason: str
+
+
+class _Done:
+    """A handle of a call already complete."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class DistTransport:
+    """``torch.distributed`` on ``group`` (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group, choice: Choice):
+        self.group, self.choice = group, choice
+        self.name = choice.name
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
+                   async_op: bool = False):
+        """Equal rows: one all_gather; unequal (gloo refuses them): one all_to_all whose send
+        buffer repeats the piece once per rank."""
+        if len(set(rows)) == 1:
+            return all_gather_into(out, piece.contiguous(), group=self.group, async_op=async_op)
+        world = len(rows)
+        send = piece.unsqueeze(0).expand(world, *piece.shape) \
+            .reshape(world * piece.shape[0], *piece.shape[1:]).contiguous()
+        return self.all_to_all(out, send, list(rows), [piece.shape[0]] * world, async_op)
+
+    def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
+                   in_rows: Sequence[int], async_op: bool = False):
+        assert out.is_contiguous(), "a receive buffer is written in place"
+        return dist.all_to_all_single(out, send.contiguous(), [int(r) for r in out_rows],
+                                      [int(r) for r in in_rows], group=self.group,
+                                      async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, rows: Sequence[int],
+                       async_op: bool = False):
+        """One all_to_all, then a rank-ordered sum (gloo's reduce_scatter moves as much data
+        as an all_reduce); synchronous."""
+        rank, world = dist.get_rank(self.group), len(rows)
+        mine = rows[rank]
+        width = tensor[0].numel() if tensor.shape[0] else out.numel() // max(mine, 1)
+        recv = tensor.new_empty(world * mine, width)
+        self.all_to_all(recv, tensor.reshape(tensor.shape[0], -1), [mine] * world, list(rows))
+        parts = recv.view(world, mine, width)
+        flat = out.view(mine, width)
+        flat.copy_(parts[0])
+        for src in range(1, world):
+            flat.add_(parts[src])
+        return _Done() if async_op else None
+
+
+class ShmTransport:
+    """Shared memory (:class:`~plait.transport.collectives.ShmGroup`) on ``group``."""
+
+    name = "shm"
+
+    def __init__(self, group, choice: Choice, *, timeout_s: float):
+        from .collectives import ShmGroup
+
+        self.group, self.choice = group, choice
+        self.shm = ShmGroup(group, timeout_s=timeout_s)
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        if tensor.is_contiguous():
+            self.shm.all_reduce(tensor)
+        else:
+            tensor.copy_(self.shm.all_reduce(tensor.contiguous()))
+        return _Done() if async_op else None
+
+    def all_gather(self, out, piece, rows, async_op: bool = False):
+        self.shm.all_gather(out, piece.contiguous(), rows)
+        return _Done() if async_op else None
+
+    def all_to_all(self, out, send, out_rows, in_rows, async_op: bool = False):
+        self.shm.all_to_all(out, send.contiguous(), out_rows, in_rows)
+        return _Done() if async_op else None
+
+    def reduce_scatter(self, out, tensor, rows, async_op: bool = False):
+        self.shm.reduce_scatter(out, tensor.contiguous(), rows)
+        return _Done() if async_op else None
+
+
+def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
+    """The transport of ``group``: every rank calls it (one all_gather), and all get the same
+    choice. A ``"shm"`` asked for where it cannot run is a ValueError on every rank."""
+    from .shm import host_id, supported
+
+    wanted_name = wanted_name or wanted()
+    backend = dist.get_backend(group)
+    world = dist.get_world_size(group)
+    why_not = supported() if backend == "gloo" else f"the group runs {backend}"
+    every: list = [None] * world
+    dist.all_gather_object(every, (host_id(), why_not), group=group)
+    hosts = {h for h, _ in every}
+    blocked = next((w for _, w in every if w is not None), None)
+    if blocked is None and len(hosts) > 1:
+        blocked = f"the group's {world} ranks are on {len(hosts)} hosts"
+    if world == 1:
+        blocked = "one rank: nothing to move"
+    if wanted_name == "shm" and blocked is not None:
+        raise ValueError(f"--transport shm: {blocked}")
+    if wanted_name == "gloo" or blocked is not None:
+        reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
+        return DistTransport(group, Choice(backend, reason))
+    reason = "asked for" if wanted_name == "shm" else \
+        f"auto: all {world} ranks on one host"
+    return ShmTransport(group, Choice("shm", reason), timeout_s=timeout_s)

@@ -1,0 +1,123 @@
+"""Collectives on shared memory against the same collectives on gloo, in one launch: 2 and 3
+ranks, uneven splits, float32, bfloat16 and float64.
+
+- all_gather, reduce_scatter's rows and all_to_all: bit-identical to gloo's;
+- all_reduce, one-shot (4 KiB) and two-shot (past ``ONE_SHOT_BYTES``), and a message
+  larger than a buffer (in turns): the same bits on every rank, and within the dtype's
+  tolerance of the float64 sum;
+- the cross-rank check rides in the call's header: a rank whose shape differs, or that
+  rejects its input, makes every rank raise the same error, and the group goes on;
+- nothing is left under ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.runtime.testing import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+def _data(seed: int, shape, dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _both(capacity: int):
+    """The collectives on gloo and on shared memory, each rank's results by name."""
+    from plait.transport.collectives import ONE_SHOT_BYTES, ShmGroup
+    from plait.transport.select import Choice, DistTransport
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shm = ShmGroup(capacity=capacity, timeout_s=20)
+    gloo = DistTransport(None, Choice("gloo", "the reference"))
+    out = {}
+    for dtype in DTYPES:
+        size = torch.empty((), dtype=dtype).element_size()
+        for n in (1024 // size * 4, ONE_SHOT_BYTES // size + 77, capacity // size * 2 + 5):
+            x = _data(rank, (n,), dtype)
+            want = sum(_data(r, (n,), torch.float64) for r in range(world))
+            got = x.clone()
+            shm.all_reduce(got)
+            out[f"all_reduce/{dtype}/{n}"] = (got, float((got.double() - want).abs().max()))
+        rows = [3, 0, 5][:world] if world == 3 else [4, 1]
+        piece = _data(10 + rank, (rows[rank], 6), dtype)
+        whole = _data(20 + rank, (sum(rows), 3), dtype)
+        send_rows = [(rank + d) % 3 + (d == 0) for d in range(world)]
+        every: list = [None] * world
+        dist.all_gather_object(every, send_rows)
+        recv_rows = [every[s][rank] for s in range(world)]
+        send = _data(30 + rank, (sum(send_rows), 5), dtype)
+        for name, transport in (("gloo", gloo), ("shm", shm)):
+            gathered = torch.empty(sum(rows), 6, dtype=dtype)
+            transport.all_gather(gathered, piece, rows)
+            out[f"all_gather/{dtype}/{name}"] = gathered
+            mine = torch.empty(rows[rank], 3, dtype=dtype)
+            transport.reduce_scatter(mine, whole, rows)
+            out[f"reduce_scatter/{dtype}/{name}"] = mine
+            recv = torch.empty(sum(recv_rows), 5, dtype=dtype)
+            transport.all_to_all(recv, send, recv_rows, send_rows)
+            out[f"all_to_all/{dtype}/{name}"] = recv
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_on_shared_memory_equals_gloo(world):
+    capacity = 1 << 20  # a small buffer: the largest all_reduce goes in three turns
+    results = run_ranks(_both, world, capacity, timeout_s=60)
+    for key in results[0]:
+        if key.startswith("all_reduce/"):
+            dtype = getattr(torch, key.split("/")[1].replace("torch.", ""))
+            for rank in results:
+                assert torch.equal(rank[key][0], results[0][key][0]), key  # every rank alike
+                assert rank[key][1] < TOL[dtype] * world, (key, rank[key][1])
+    for rank in results:
+        for key in [k for k in rank if k.endswith("/shm")]:
+            gloo = rank[key.replace("/shm", "/gloo")]
+            assert torch.equal(rank[key], gloo), key  # reduce_scatter: both in rank order
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("plait-shm-")]
+
+
+def _checked(bad_rank: int):
+    """A good call, a call where ``bad_rank``'s shape differs, one where it rejects its
+    input, then a good call again: each rank's outcome."""
+    from plait.transport.collectives import ShmGroup
+
+    rank = dist.get_rank()
+    shm = ShmGroup(capacity=1 << 16, timeout_s=20)
+    seen = []
+    for case in ("good", "shape", "rejected", "good"):
+        n = 33 if case == "shape" and rank == bad_rank else 32
+        problem = ValueError("x is not what it should be") \
+            if case == "rejected" and rank == bad_rank else None
+        try:
+            if problem is not None:
+                shm.gather_meta("op", None, 2, problem)
+            elif case == "rejected":
+                shm.gather_meta("op", (1, 2), 2)
+            else:
+                x = torch.ones(n)
+                shm.all_reduce(x)
+            seen.append(("ok", None))
+        except (ValueError, TypeError) as err:
+            seen.append((type(err).__name__, str(err)))
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_mismatch_on_one_rank_is_an_error_on_every_rank_and_the_group_goes_on(world):
+    results = run_ranks(_checked, world, world - 1)
+    for rank, seen in enumerate(results):
+        assert seen[0] == ("ok", None) and seen[3] == ("ok", None), seen
+        kind, text = seen[1]
+        assert kind == "ValueError" and "ranks disagree on numel" in text, text
+        assert f"rank {world - 1} has (33)" in text, text
+        kind, text = seen[2]
+        assert kind == "ValueError" and "x is not what it should be" in text, text
+        if rank != world - 1:
+            assert f"input rejected on rank {world - 1}" in text, text

@@ -1,0 +1,66 @@
+"""Every fused operator, forward and backward, on shared memory against the same calls on gloo:
+3 ranks with uneven shares, float64, float32 and bfloat16, each operator at 3 pieces (the
+cases of tests/ops/test_uneven_dtypes.py, one launch per transport).
+
+The outputs are the same bits on both transports wherever the operator gathers or
+exchanges (all_gather_matmul's forward, the embedding's and the MoE's all-to-alls); where
+it all-reduces, every rank holds the same bits (shared memory sums in rank order; gloo's
+ring in its own); and every output and gradient is within its dtype's tolerance of the
+float64 reference, as on gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+import test_uneven_dtypes as cases  # noqa: E402  (the cases and their reference)
+
+from plait.runtime.testing import run_ranks  # noqa: E402
+
+
+def _tensors():
+    """Per (operator, dtype): every output and gradient, and the paths taken."""
+    from plait.ops import get_context
+
+    out = {}
+    for name, case in cases.CASES.items():
+        for dtype_name, dtype in cases.DTYPES.items():
+            tensors, taken = case(dtype)
+            out[name, dtype_name] = ({k: (got.detach().cpu(), cases._rel(got, want))
+                                      for k, (got, want) in tensors.items()}, taken)
+    return out, get_context().mover().name
+
+
+@pytest.fixture(scope="module")
+def both():
+    return {name: run_ranks(_tensors, cases.WORLD, env={"PLAIT_TRANSPORT": name}, timeout_s=60)
+            for name in ("gloo", "shm")}
+
+
+EXCHANGED = {("all_gather_matmul", "y"), ("embedding_all_to_all", "out"),
+             ("all_to_all_matmul + matmul_all_to_all", "y"),
+             ("all_to_all_matmul + matmul_all_to_all", "out")}
+REPLICATED = {("matmul_all_reduce", "y"), ("matmul_all_reduce (GEMV: pieces cut N)", "y"),
+              ("column_parallel_matmul", "dx")}
+
+
+def test_every_fused_operator_on_shared_memory_equals_gloo(both):
+    for rank in range(cases.WORLD):
+        (gloo, gloo_name), (shm, shm_name) = both["gloo"][rank], both["shm"][rank]
+        assert (gloo_name, shm_name) == ("gloo", "shm")
+        for key, (tensors, taken) in shm.items():
+            assert taken == gloo[key][1], (key, taken)  # the same pieces ran
+            assert all(path == "fused" for path, _ in taken.values()), (key, taken)
+            for name, (got, err) in tensors.items():
+                assert err <= cases.TOL[key[1]], (key, name, err)
+                if (key[0], name) in EXCHANGED:
+                    assert torch.equal(got, gloo[key][0][name][0]), (key, name)
+                if (key[0], name) in REPLICATED:
+                    assert torch.equal(got, both["shm"][0][0][key][0][name][0]), (key, name)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("plait-shm-")]
