@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from ..runtime import parse_rate, rank_context
 from .placement import run_placed
-from ..runtime.compat import all_gather_into, reduce_scatter_into
 from ..runtime.timing import agreed_max, median, time_once
 
 __all__ = ["COLLECTIVES", "GLOO_SHORTFALL", "LINK_SHARE_OK", "CollectiveBenchConfig",
@@ -85,6 +84,8 @@ class CollectiveBenchConfig:
         "help": "also time the largest message as this many calls in flight at once, each a "
                 "piece of it (0: don't): what the link carries when one call's algorithm "
                 "does not use it"})
+    # --transport; () takes PLAIT_TRANSPORT's (auto where unset)
+    transports: tuple[str, ...] = field(default=(), metadata={"help": None})
     extra: dict = field(default_factory=dict, metadata={"help": None})  # labels for every record
 
     def __post_init__(self) -> None:
@@ -102,6 +103,12 @@ class CollectiveBenchConfig:
             raise ValueError(f"warmup must be non-negative, got {self.warmup}")
         if self.pieces < 0:
             raise ValueError(f"pieces must be 0 (none) or more, got {self.pieces}")
+        from ..transport.select import TRANSPORTS
+
+        bad = [t for t in self.transports if t not in TRANSPORTS]
+        if bad:
+            raise ValueError(f"--transport {','.join(self.transports)}: choose from "
+                             f"{', '.join(TRANSPORTS)} (a comma list runs each, interleaved)")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
 
@@ -157,8 +164,10 @@ def uneven_splits(world_size: int, count: int) -> list[list[int]]:
 class _Case:
     """Buffers and the call for one collective at one size on this rank; ``check`` verifies."""
 
-    def __init__(self, name: str, nbytes: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, name: str, nbytes: int, dtype: torch.dtype, device: torch.device,
+                 transport):
         self.name, n = name, dist.get_world_size()
+        self.transport = transport
         r = dist.get_rank()
         elem = torch.empty((), dtype=dtype).element_size()
         count = max(n, nbytes // elem // n * n)  # divisible by n so every shape is legal
@@ -180,15 +189,21 @@ class _Case:
             self.inp, self.out = make(count, r + 1), make(sum(self.splits_out), 0)
 
     def __call__(self, async_op: bool = False):
-        """Run the collective; with ``async_op`` return its work handle without waiting."""
+        """Run the collective on the case's transport; with ``async_op`` return its work
+        handle without waiting."""
+        t, n = self.transport, dist.get_world_size()
         if self.name == "all_reduce":
-            return dist.all_reduce(self.out, async_op=async_op)
+            return t.all_reduce(self.out, async_op=async_op)
         if self.name == "all_gather":
-            return all_gather_into(self.out, self.inp, async_op=async_op)
+            return t.all_gather(self.out.view(n, -1), self.inp.view(1, -1), [1] * n,
+                                async_op=async_op)
         if self.name == "reduce_scatter":
-            return reduce_scatter_into(self.out, self.inp, async_op=async_op)
-        return dist.all_to_all_single(self.out, self.inp, self.splits_out, self.splits_in,
-                                      async_op=async_op)
+            return t.reduce_scatter(self.out.view(1, -1), self.inp.view(n, -1), [1] * n,
+                                    async_op=async_op)
+        counts_out = self.splits_out or [self.out.numel() // n] * n
+        counts_in = self.splits_in or [self.inp.numel() // n] * n
+        return t.all_to_all(self.out.view(-1, 1), self.inp.view(-1, 1), counts_out, counts_in,
+                            async_op=async_op)
 
     def expected(self) -> torch.Tensor:
         n = dist.get_world_size()
@@ -214,61 +229,117 @@ def _iterations(cfg: CollectiveBenchConfig, probe_s: float) -> int:
     return max(cfg.min_iters, min(cfg.max_iters, iters))
 
 
+REP_S = 2e-3  # an iteration repeats a call until it lasts about this long (small messages)
+
+
 def _in_flight(cases: list[_Case]) -> None:
     for work in [case(async_op=True) for case in cases]:
         work.wait()
 
 
-def _time_point(cfg: CollectiveBenchConfig, run, device) -> list[float]:
-    """Warm-up, then per-iteration times (each the slowest rank's)."""
+def _repeated(run, reps: int):
+    def many():
+        for _ in range(reps):
+            run()
+    return many
+
+
+def _time_point(cfg: CollectiveBenchConfig, run, device) -> tuple[list[float], int]:
+    """Warm-up, then per-call times (each iteration the slowest rank's, over ``reps``
+    calls back to back: a call of a few microseconds is not timed alone, as nccl-tests
+    averages over -n); and ``reps``."""
     for _ in range(cfg.warmup):
         run()
     probe = agreed_max([time_once(run, device)])[0]
-    return agreed_max([time_once(run, device) for _ in range(_iterations(cfg, probe))])
+    reps = max(1, min(1000, int(REP_S / max(probe, 1e-7))))
+    reps = int(agreed_max([reps])[0])
+    many = _repeated(run, reps)
+    per = agreed_max([time_once(many, device) for _ in range(_iterations(cfg, probe * reps))])
+    return [t / reps for t in per], reps
 
 
-def _time_pieces(cfg: CollectiveBenchConfig, name: str, nbytes: int, dtype, device) -> dict:
+def _copy_GBps(nbytes: int, dtype, device) -> float:
+    """This rank's single-core copy bandwidth for ``nbytes`` (a memcpy of the message, timed
+    in the same run): the one-host limit printed beside each shared-memory figure."""
+    src = torch.ones(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype,
+                     device=device)
+    dst = torch.empty_like(src)
+    run = lambda: dst.copy_(src)  # noqa: E731
+    for _ in range(2):
+        run()
+    probe = time_once(run, device, barrier=False)
+    reps = max(1, min(1000, int(REP_S / max(probe, 1e-7))))
+    times = [time_once(_repeated(run, reps), device, barrier=False) / reps for _ in range(5)]
+    return src.numel() * src.element_size() / median(times) / 1e9
+
+
+def _time_pieces(cfg: CollectiveBenchConfig, name: str, nbytes: int, dtype, device,
+                 transport) -> dict:
     """The same message as ``cfg.pieces`` calls in flight: their bytes, median time, #wrong."""
-    cases = [_Case(name, nbytes // cfg.pieces, dtype, device) for _ in range(cfg.pieces)]
+    cases = [_Case(name, nbytes // cfg.pieces, dtype, device, transport)
+             for _ in range(cfg.pieces)]
     wrong = agreed_max([sum(case.check() for case in cases)])[0]
-    times = _time_point(cfg, lambda: _in_flight(cases), device)
+    times, _ = _time_point(cfg, lambda: _in_flight(cases), device)
     return {"bytes": sum(case.nbytes for case in cases), "time_s": median(times),
             "wrong": int(wrong)}
 
 
+def _transports(cfg: CollectiveBenchConfig) -> dict:
+    """Each transport asked for, made on the world group (every rank)."""
+    from ..transport.select import choose, wanted
+
+    return {name: choose(None, name) for name in cfg.transports or (wanted(),)}
+
+
 def run_sweep(cfg: CollectiveBenchConfig) -> list[dict]:
-    """Run on every rank of an initialised group; returns the records (same on every rank)."""
+    """Run on every rank of an initialised group; returns the records (same on every rank).
+    Several transports take turns at every point (interleaved, so a slow stretch of the
+    machine lands on each)."""
     ctx = rank_context()
     n, device = dist.get_world_size(), ctx.topology.device
     dtype = getattr(torch, cfg.dtype)
+    transports = _transports(cfg)
     records = []
     sizes = sweep_sizes(cfg)
     for name in cfg.collectives:
         for nbytes in sizes:
-            case = _Case(name, nbytes, dtype, device)
-            wrong = agreed_max([case.check()])[0]
-            times = _time_point(cfg, case, device)
-            t = median(times)
-            algbw = case.nbytes / t / 1e9
-            busbw = algbw * bus_factor(name, n)
-            record = {
-                "collective": name, "bytes": case.nbytes, "dtype": cfg.dtype,
-                "time_s": t, "time_min_s": min(times), "time_max_s": max(times),
-                "iters": len(times), "algbw_GBps": algbw, "busbw_GBps": busbw,
-                "link_share": link_share(busbw, ctx.link), "wrong": int(wrong),
-                "pieces": 0, "pieces_time_s": None, "pieces_link_share": None,
-                "world_size": n, "backend": ctx.topology.backend, "link": ctx.link, **cfg.extra,
-            }
-            del case  # the pieces' buffers take its place, not its size again
-            if cfg.pieces and nbytes == sizes[-1]:
-                pieces = _time_pieces(cfg, name, record["bytes"], dtype, device)
-                busbw_p = pieces["bytes"] / pieces["time_s"] / 1e9 * bus_factor(name, n)
-                record.update(pieces=cfg.pieces, pieces_time_s=pieces["time_s"],
-                              pieces_link_share=link_share(busbw_p, ctx.link))
-                record["wrong"] += pieces["wrong"]
-            records.append(record)
-            ctx.report({"collective": name, "bytes": record["bytes"], "time_s": t})
+            copy_GBps = agreed_max([-_copy_GBps(nbytes, dtype, device)])[0] * -1  # the slowest
+            for asked, transport in transports.items():
+                records.append(_point(cfg, name, nbytes, dtype, device, asked, transport,
+                                      copy_GBps, nbytes == sizes[-1]))
+                ctx.report({"collective": name, "bytes": records[-1]["bytes"],
+                            "time_s": records[-1]["time_s"]})
     return records
+
+
+def _point(cfg, name, nbytes, dtype, device, asked, transport, copy_GBps, last) -> dict:
+    ctx = rank_context()
+    n = dist.get_world_size()
+    case = _Case(name, nbytes, dtype, device, transport)
+    wrong = agreed_max([case.check()])[0]
+    times, reps = _time_point(cfg, case, device)
+    t = median(times)
+    algbw = case.nbytes / t / 1e9
+    busbw = algbw * bus_factor(name, n)
+    record = {
+        "collective": name, "bytes": case.nbytes, "dtype": cfg.dtype,
+        "transport": transport.choice.name, "transport_asked": asked,
+        "transport_reason": transport.choice.reason,
+        "time_s": t, "time_us": t * 1e6, "time_min_s": min(times), "time_max_s": max(times),
+        "iters": len(times), "reps": reps, "algbw_GBps": algbw, "busbw_GBps": busbw,
+        "copy_GBps": copy_GBps, "busbw_over_copy": busbw / copy_GBps,
+        "link_share": link_share(busbw, ctx.link), "wrong": int(wrong),
+        "pieces": 0, "pieces_time_s": None, "pieces_link_share": None,
+        "world_size": n, "backend": ctx.topology.backend, "link": ctx.link, **cfg.extra,
+    }
+    del case  # the pieces' buffers take its place, not its size again
+    if cfg.pieces and last and transport.choice.name != "shm":  # shm calls finish as made
+        pieces = _time_pieces(cfg, name, record["bytes"], dtype, device, transport)
+        busbw_p = pieces["bytes"] / pieces["time_s"] / 1e9 * bus_factor(name, n)
+        record.update(pieces=cfg.pieces, pieces_time_s=pieces["time_s"],
+                      pieces_link_share=link_share(busbw_p, ctx.link))
+        record["wrong"] += pieces["wrong"]
+    return record
 
 
 def bench_collectives(cfg: CollectiveBenchConfig, *, ranks: int, hosts: int = 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 from ..bench.collectives import (LINK_SHARE_OK, CollectiveBenchConfig, bench_collectives,
                                  plot_bandwidth, shortfalls)
@@ -18,7 +19,7 @@ from ..runtime import parse_rate
 from . import bench_checkpoint, bench_load
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
-                     resolve_placement)
+                     resolve_placement, transports)
 
 __all__ = ["register"]
 
@@ -67,9 +68,12 @@ def _add(which, name: str, config: type, func, help_text: str, description: str,
 
 
 def run_collectives(args: argparse.Namespace) -> int:
-    ranks, hosts, link = resolve_placement(args)
+    many = transports(args, many=True)
+    ranks, hosts, link = resolve_placement(args) if len(many) == 1 else \
+        _placement_of_many(args)
     cfg = dataclass_from_args(CollectiveBenchConfig, args,
                               defaults=QUICK_COLLECTIVES if args.quick else FULL_COLLECTIVES)
+    cfg = replace(cfg, transports=many)
     _check_memory(cfg.max_bytes, ranks)
     check_outputs(args, "json", "plot")
     from ..bench.collectives import sweep_sizes
@@ -84,19 +88,23 @@ def run_collectives(args: argparse.Namespace) -> int:
         console.print(f"[dim]{where}[/dim]")
     link_GBps = (parse_rate(records[0]["link"]) or 0) / 8e9 if records else 0
     pieces = max((r["pieces"] for r in records), default=0)
-    columns = ["collective", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)", "link share",
+    columns = ["collective", "size", "transport", "time (µs)", "algbw (GB/s)", "busbw (GB/s)",
+               "copy (GB/s)", "busbw / copy", "link share",
                f"{pieces} in flight" + (": link share" if link_GBps else " (µs)"),
-               "#wrong", "iters"]
-    rows = [[r["collective"], human_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.0f}",
-             f"{r['algbw_GBps']:.4f}", f"{r['busbw_GBps']:.4f}", _share(r["link_share"]),
-             _pieces_cell(r), r["wrong"], r["iters"]] for r in records]
+               "#wrong", "iters × reps"]
+    rows = [[r["collective"], human_bytes(r["bytes"]), r["transport"],
+             f"{r['time_s'] * 1e6:,.1f}", f"{r['algbw_GBps']:.4f}", f"{r['busbw_GBps']:.4f}",
+             f"{r['copy_GBps']:.2f}", f"{r['busbw_over_copy']:.0%}", _share(r["link_share"]),
+             _pieces_cell(r), r["wrong"], f"{r['iters']} × {r['reps']}"] for r in records]
     if not pieces:  # --pieces 0: no column for them
-        columns.pop(6)
-        rows = [row[:6] + row[7:] for row in rows]
+        columns.pop(9)
+        rows = [row[:9] + row[10:] for row in rows]
     print_table(f"collectives on {ranks} ranks ({records[0]['link'] if records else ''})",
                 columns, rows,
-                caption="median over timed iterations; each iteration's time is the slowest "
-                        "rank's; link share = busbw / link rate (over 100 % at small sizes: "
+                caption="median over timed iterations, each reps calls back to back, per call; "
+                        "each iteration's time is the slowest rank's; copy = one core's "
+                        "memcpy of the message in the same run (the one-host limit); link "
+                        "share = busbw / link rate (over 100 % at small sizes: "
                         "the token bucket's burst, max(1 ms of line rate, 64 KiB), passes at "
                         "once); in flight: the largest message as that many calls at once, each "
                         "a piece of it")
@@ -114,6 +122,16 @@ def run_collectives(args: argparse.Namespace) -> int:
     if wrong:
         console.print(f"[red]{wrong} wrong elements: the collectives returned wrong results[/red]")
     return 1 if wrong else 0
+
+
+def _placement_of_many(args: argparse.Namespace):
+    """resolve_placement for a comma list of transports (none of them set for the ranks:
+    the benchmark makes each itself)."""
+    given, args.transport = args.transport, None
+    try:
+        return resolve_placement(args)
+    finally:
+        args.transport = given
 
 
 def _share(share: float | None) -> str:

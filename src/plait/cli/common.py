@@ -13,7 +13,7 @@ from ..bench.placement import HOST_CPU_ENV
 from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
 from ..runtime.cgroup import parse_budgets, parse_host_cpu
 
-__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "finite_float",
+__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "transports", "finite_float",
            "positive_int", "non_negative_int", "positive_float", "non_negative_float",
            "port_number", "check_writable", "check_outputs", "check_readable", "max_ranks",
            "remove_empty_folders"]
@@ -82,6 +82,11 @@ def add_launch_args(parser: argparse.ArgumentParser, ranks: int = 2,
                             "every host (needs --hosts; default: no budget)")
     group.add_argument("--timeout", type=positive_float, default=None,
                        help="seconds before any collective gives up (default 60)")
+    group.add_argument("--transport", default=None, metavar="auto|shm|gloo",
+                       help="how ranks exchange bytes: shm (shared memory; every rank of a group "
+                            "on one host), gloo (torch.distributed), auto (shm where a group "
+                            "shares a host, else gloo; the default, or PLAIT_TRANSPORT); the "
+                            "benchmarks take a comma list and run each, interleaved")
     group.add_argument("--deadline", type=non_negative_float, default=deadline_s, metavar="SECONDS",
                        help=f"stop every rank if the run takes longer (default {deadline_s:g}; "
                             "0: no deadline)")
@@ -94,6 +99,26 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", metavar="PATH", default=None, help="write the records as JSON")
     group.add_argument("--plot", metavar="PATH", default=None, help="write a PNG plot")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def transports(args: argparse.Namespace, many: bool = False) -> tuple[str, ...]:
+    """``--transport`` as a tuple (a comma list only where ``many``), checked; one value is
+    also set as PLAIT_TRANSPORT, which the launcher hands every rank."""
+    from ..transport.select import ENV, TRANSPORTS
+
+    given = getattr(args, "transport", None)
+    if given is None:
+        return (os.environ.get(ENV) or "auto",)
+    names = tuple(t.strip() for t in given.split(",") if t.strip())
+    bad = [t for t in names if t not in TRANSPORTS]
+    if bad or not names:
+        raise ValueError(f"--transport {given}: choose from {', '.join(TRANSPORTS)}")
+    if len(names) > 1 and not many:
+        raise ValueError(f"--transport {given}: this command runs one transport (the "
+                         "benchmarks take a comma list)")
+    if len(names) == 1:
+        os.environ[ENV] = names[0]
+    return names
 
 
 def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
@@ -114,6 +139,7 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
                          f"({os.cpu_count()} cores × 16 rank processes)")
     link = args.link or ("1gbit" if hosts else None)
     parse_rate(link)
+    transports(args)
     if hosts and ranks % hosts:
         raise ValueError(f"--ranks {ranks} does not divide over --hosts {hosts}")
     if getattr(args, "slow", None):
