@@ -16,7 +16,7 @@ from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..bench.tp_dp import print_placements
 from ..runtime import parse_rate
-from . import bench_checkpoint, bench_load
+from . import bench_checkpoint, bench_decode, bench_load
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
                      resolve_placement, transports)
@@ -55,6 +55,7 @@ def register(subparsers) -> None:
          deadline_s=4 * DEFAULT_DEADLINE_S, ranks=4)  # every scenario × policy × seed, one launch
     bench_checkpoint.register(which)
     bench_load.register(which)
+    bench_decode.register(which)
 
 
 def _add(which, name: str, config: type, func, help_text: str, description: str,

@@ -1,0 +1,202 @@
+"""``plait bench decode``: tensor-parallel decoding of a transformers Llama, per-token latency
+against one process and against PyTorch's tensor parallelism.
+
+Every rank builds the same Llama from one seed (``--n-layer`` × ``--n-embd``, ``--n-head``
+query heads over ``--n-kv-head`` KV heads) and makes copies parallel with the model's own
+plan, each a *system*:
+
+- ``plait``: ``plait.parallelize(model, "auto")``, fused operators with ``chunks="auto"``
+  (which at a few rows picks the plain path where pieces cannot pay; ``explain`` says);
+- ``plait-plain``: the same with ``overlap=False``;
+- ``pytorch-tp``: ``parallelize_module`` with the same plan in PyTorch's styles
+  (DTensor: the KV heads must divide over the ranks);
+- ``one-process``: the whole model on rank 0, the other ranks waiting.
+
+For each batch size, each system decodes ``--new-tokens`` tokens greedily after a
+``--prompt-len`` prompt (``plait.training.decode``: one forward a token, KV cache), every
+system in turn and in balanced orders for ``--rounds`` rounds. A step takes as long as its
+slowest rank. Per system and batch: the median per-token latency over every round's
+steps (``ms_per_token``), its 99th percentile, the time to first token (median over
+rounds), tokens/s (batch ÷ per-token latency), and whether its tokens equal
+``one-process``'s (``same_tokens``). Which transport carried the bytes (``auto``: shared
+memory on one host) is in every record.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .._fields import help_meta as _h
+from ..runtime import rank_context
+from ..runtime.timing import agreed_max, balanced_round
+from ..training.decode import decode
+
+__all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "run_decode_bench", "summarize"]
+
+SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeBenchConfig:
+    n_layer: int = field(default=4, metadata=_h("decoder layers"))
+    n_embd: int = field(default=512, metadata=_h("hidden width"))
+    n_head: int = field(default=8, metadata=_h("query heads"))
+    n_kv_head: int = field(default=4, metadata=_h("key/value heads"))
+    vocab_size: int = field(default=1024, metadata=_h("vocabulary"))
+    prompt_len: int = field(default=16, metadata=_h("prompt tokens"))
+    new_tokens: int = field(default=48, metadata=_h("tokens decoded after the prompt"))
+    batch_sizes: tuple[int, ...] = field(default=(1, 4, 16, 64), metadata=_h(
+        "batch sizes (prompts decoded at once)"))
+    systems: tuple[str, ...] = field(default=SYSTEMS, metadata=_h(
+        "systems: " + ", ".join(SYSTEMS)))
+    rounds: int = field(default=3, metadata=_h("rounds: every system decodes once a round"))
+    seed: int = field(default=0, metadata=_h("weights' and prompts' seed"))
+    extra: dict = field(default_factory=dict, metadata={"help": None})  # where it ran
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown:
+            raise ValueError(f"--systems {','.join(unknown)}: choose from {', '.join(SYSTEMS)}")
+        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size", "prompt_len",
+                     "new_tokens", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(self, name)}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch-sizes must be at least 1 each, got {self.batch_sizes}")
+        if self.n_head % self.n_kv_head or self.n_embd % self.n_head:
+            raise ValueError(f"--n-head {self.n_head} must be a multiple of --n-kv-head "
+                             f"{self.n_kv_head} and divide --n-embd {self.n_embd}")
+
+
+def _llama(cfg: DecodeBenchConfig):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+                         intermediate_size=cfg.n_embd * 11 // 4, num_hidden_layers=cfg.n_layer,
+                         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                         max_position_embeddings=cfg.prompt_len + cfg.new_tokens + 8,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def _systems(cfg: DecodeBenchConfig, ref) -> dict:
+    """Each system's model on this rank (None where it cannot run here), and why not."""
+    from ..parallel import parallelize
+    from .tp_hf import own_plan, torch_tp_plan
+
+    world = dist.get_world_size()
+    out, why = {}, {}
+    for name in cfg.systems:
+        if name == "one-process":
+            out[name] = ref
+        elif name == "pytorch-tp":
+            if cfg.n_kv_head % world:
+                why[name] = f"DTensor splits {cfg.n_kv_head} KV heads evenly only: not over {world}"
+                continue
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            mesh = init_device_mesh("cpu", (world,))
+            model = copy.deepcopy(ref)
+            out[name] = parallelize_module(model, mesh, torch_tp_plan(own_plan(model, "auto")))
+        else:
+            out[name] = parallelize(copy.deepcopy(ref), "auto", overlap=name == "plait")
+    return out, why
+
+
+def _timed(model, prompt, cfg: DecodeBenchConfig, alone: bool):
+    """One decode on every rank (``alone``: rank 0 only, the others wait): tokens, the
+    prefill's and every step's seconds (this rank's)."""
+    if alone and dist.get_rank() != 0:
+        dist.barrier()
+        return None, 0.0, [0.0] * (cfg.new_tokens - 1)
+    out = decode(model, prompt, cfg.new_tokens)
+    if alone:
+        dist.barrier()
+    return out.tokens, out.ttft_s, out.step_s
+
+
+def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
+    """On every rank: every system, batch size and round; the records (rank 0's are whole)."""
+    from ..ops import explain
+    from ..ops.context import transport_of
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    ref = _llama(cfg)
+    models, why = _systems(cfg, ref)
+    transport = transport_of(None).choice
+    names = list(models)
+    records = []
+    for batch in cfg.batch_sizes:
+        prompt = torch.randint(0, cfg.vocab_size, (batch, cfg.prompt_len),
+                               generator=torch.Generator().manual_seed(cfg.seed + batch))
+        for name in names:  # warm-up: first calls allocate, the operators decide
+            _timed(models[name], prompt[:, :4], DecodeBenchConfig(**{**_fields(cfg),
+                                                                     "new_tokens": 2}),
+                   name == "one-process")
+        seen = {name: {"steps": [], "ttft": [], "tokens": None} for name in names}
+        for i in range(cfg.rounds):
+            for name in balanced_round(names, i):
+                tokens, ttft, steps = _timed(models[name], prompt, cfg, name == "one-process")
+                agreed = agreed_max([ttft, *steps])
+                seen[name]["ttft"].append(agreed[0])
+                seen[name]["steps"] += agreed[1:]
+                seen[name]["tokens"] = tokens if tokens is not None else seen[name]["tokens"]
+            rank_context().report({"batch": batch, "round": i + 1, "of": cfg.rounds})
+        reference = seen.get("one-process", {}).get("tokens")
+        for name in names:
+            steps = sorted(seen[name]["steps"])
+            ms = statistics.median(steps) * 1e3
+            tokens = seen[name]["tokens"]
+            records.append({
+                "system": name, "batch": batch, "world_size": world,
+                "ranks_used": 1 if name == "one-process" else world,
+                "ms_per_token": ms, "p99_ms": steps[min(len(steps) - 1,
+                                                        int(0.99 * len(steps)))] * 1e3,
+                "ttft_ms": statistics.median(seen[name]["ttft"]) * 1e3,
+                "tokens_per_s": batch / (ms / 1e3),
+                "same_tokens": None if reference is None or tokens is None
+                else bool(torch.equal(tokens, reference)),
+                "transport": "–" if name in ("one-process", "pytorch-tp") else transport.name,
+                "transport_reason": transport.reason, "steps": len(steps),
+                "new_tokens": cfg.new_tokens, "link": rank_context().link, **cfg.extra})
+    for name, reason in why.items():
+        records.append({"system": name, "skipped": reason, "world_size": world})
+    if records:
+        records[0]["paths"] = explain()
+    return records
+
+
+def _fields(cfg: DecodeBenchConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per batch: each system's ms/token over one-process's and over pytorch-tp's."""
+    out = {}
+    by = {(r["system"], r["batch"]): r for r in records if "batch" in r}
+    for (system, batch), r in by.items():
+        one, torch_tp = by.get(("one-process", batch)), by.get(("pytorch-tp", batch))
+        if one is not None and system != "one-process":
+            out[f"{system}_b{batch}_vs_one_process"] = r["ms_per_token"] / one["ms_per_token"]
+        if torch_tp is not None and system.startswith("plait"):
+            out[f"{system}_b{batch}_vs_pytorch_tp"] = r["ms_per_token"] / torch_tp["ms_per_token"]
+    out["all_same_tokens"] = all(r["same_tokens"] in (True, None) for r in by.values())
+    return out
+
+
+def bench_decode(cfg: DecodeBenchConfig, *, ranks: int, hosts: int = 0, link=None,
+                 timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
+    from .placement import run_placed
+
+    return run_placed(run_decode_bench, cfg, ranks=ranks, hosts=hosts, link=link,
+                      timeout_s=timeout_s, on_progress=on_progress)

@@ -1,0 +1,95 @@
+"""``plait bench decode``: per-token latency of tensor-parallel decoding (:mod:`plait.bench.decode`)
+against one process and PyTorch's tensor parallelism, at several batch sizes."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..bench.decode import DecodeBenchConfig, bench_decode, summarize
+from ..bench.report import console, print_summary, print_table, progress_bar, write_json
+from .args import add_dataclass_args, dataclass_from_args
+from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
+                     resolve_placement)
+
+__all__ = ["register", "run_decode"]
+
+DESCRIPTION = (
+    "A transformers Llama decodes --new-tokens tokens greedily with its KV cache after a "
+    "--prompt-len prompt, at each of --batch-sizes, under plait (fused; and plain), PyTorch's "
+    "tensor parallelism (DTensor) and one process, each in turn in balanced orders for "
+    "--rounds rounds. Per system and batch: the median per-token latency, its 99th percentile, "
+    "the time to first token, tokens/s, and whether the tokens equal one process's.")
+
+
+def register(which) -> None:
+    parser = which.add_parser("decode", description=DESCRIPTION,
+                              help="per-token latency of tensor-parallel decoding, against one "
+                                   "process and PyTorch TP")
+    add_launch_args(parser, ranks=2, deadline_s=DEFAULT_DEADLINE_S)
+    add_output_args(parser)
+    add_dataclass_args(parser, DecodeBenchConfig)
+    parser.set_defaults(func=run_decode)
+
+
+QUICK_DECODE = dict(batch_sizes=(1, 16), rounds=2, new_tokens=32)
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    ranks, hosts, link = resolve_placement(args)
+    cfg = dataclass_from_args(DecodeBenchConfig, args, defaults=QUICK_DECODE if args.quick else None)
+    check_outputs(args, "json", "plot")
+    total = len(cfg.batch_sizes) * cfg.rounds
+    with progress_bar("bench decode", total, enabled=not args.no_progress) as advance:
+        records, where = bench_decode(cfg, ranks=ranks, hosts=hosts, link=link,
+                                      timeout_s=args.timeout,
+                                      on_progress=lambda rank, p: rank == 0 and advance(
+                                          note=f"batch {p['batch']} round {p['round']}"))
+    console.print(f"[dim]{where}[/dim]")
+    timed = [r for r in records if "batch" in r]
+    rows = [[r["system"], str(r["batch"]), str(r["ranks_used"]), r["transport"],
+             f"{r['ms_per_token']:.2f}", f"{r['p99_ms']:.2f}", f"{r['ttft_ms']:.1f}",
+             f"{r['tokens_per_s']:,.0f}",
+             {True: "yes", False: "[red]NO[/red]", None: "–"}[r["same_tokens"]]] for r in timed]
+    print_table(f"decoding a Llama {cfg.n_layer} × {cfg.n_embd} ({cfg.n_head} heads over "
+                f"{cfg.n_kv_head} KV heads) on {ranks} ranks: {cfg.new_tokens} tokens after "
+                f"{cfg.prompt_len}",
+                ["system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
+                 "tokens/s", "same tokens"], rows,
+                caption="median over every round's steps (a step: the slowest rank's); "
+                        "one-process: the whole model on one rank; TTFT: the prompt's forward "
+                        "to the first token (median over rounds)")
+    for r in records:
+        if "skipped" in r:
+            console.print(f"[dim]  {r['system']}: not run: {r['skipped']}[/dim]")
+    summary = summarize(records)
+    print_summary(summary, ".3f")
+    if args.json:
+        write_json(args.json, records, {"command": "bench decode", "where": where,
+                                        "summary": summary})
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        _plot(timed, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0 if summary["all_same_tokens"] else 1
+
+
+def _plot(records: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in dict.fromkeys(r["system"] for r in records):
+        rows = [r for r in records if r["system"] == system]
+        ax.plot([r["batch"] for r in rows], [r["ms_per_token"] for r in rows], marker="o",
+                label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (prompts decoded at once)")
+    ax.set_ylabel("ms per token (median)")
+    ax.set_title("plait bench decode")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
