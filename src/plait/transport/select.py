@@ -139,7 +139,11 @@ class ShmTransport:
 
 def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
     """The transport of ``group``: every rank calls it (one all_gather), and all get the same
-    choice. A ``"shm"`` asked for where it cannot run is a ValueError on every rank."""
+    choice. A ``"shm"`` asked for where it cannot run is a ValueError on every rank.
+
+    A group across hosts with two or more of its ranks on some host takes shared memory
+    inside each host and gloo between hosts for its all-reduces
+    (:class:`~plait.transport.hier.HierTransport`), gloo for the rest."""
     from .shm import host_id, supported
 
     wanted_name = wanted_name or wanted()
@@ -148,17 +152,25 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
     why_not = supported() if backend == "gloo" else f"the group runs {backend}"
     every: list = [None] * world
     dist.all_gather_object(every, (host_id(), why_not), group=group)
-    hosts = {h for h, _ in every}
+    hosts = [h for h, _ in every]
     blocked = next((w for _, w in every if w is not None), None)
-    if blocked is None and len(hosts) > 1:
-        blocked = f"the group's {world} ranks are on {len(hosts)} hosts"
+    shared = max(hosts.count(h) for h in set(hosts))
     if world == 1:
         blocked = "one rank: nothing to move"
+    elif blocked is None and shared == 1:
+        blocked = f"each of the group's {world} ranks is on a host of its own"
     if wanted_name == "shm" and blocked is not None:
         raise ValueError(f"--transport shm: {blocked}")
     if wanted_name == "gloo" or blocked is not None:
         reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
         return DistTransport(group, Choice(backend, reason))
+    if len(set(hosts)) > 1:
+        from .hier import HierTransport
+
+        why = (f"{'asked for' if wanted_name == 'shm' else 'auto'}: {world} ranks on "
+               f"{len(set(hosts))} hosts: shared memory inside each host, gloo between hosts "
+               "(all-reduces); gloo for the other collectives")
+        return HierTransport(group, Choice("shm+gloo", why), hosts, timeout_s=timeout_s)
     reason = "asked for" if wanted_name == "shm" else \
         f"auto: all {world} ranks on one host"
     return ShmTransport(group, Choice("shm", reason), timeout_s=timeout_s)
