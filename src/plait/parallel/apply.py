@@ -167,10 +167,6 @@ class _Run:
             except ValueError as err:
                 raise ValueError(str(err) if str(err).startswith(dim.name) else
                                  f"{dim.name}: {err}") from None
-            told = hasattr(modules[dim.name], "num_key_value_groups")
-            if dim.groups_local is not None and not told:
-                raise ValueError(f"{dim.name}: {dim.note}, but the module has no "
-                                 "num_key_value_groups to tell its forward")
         for path, style in styles.items():
             kind = {VocabParallel: "vocab", ExpertsTP: "experts", ExpertsEP: "experts",
                     PlaitMoE: "experts", TableParallel: "tables"}.get(type(style))
@@ -178,7 +174,9 @@ class _Run:
                 self.plans[path] = shard_for(self.shards, self.used, [path], kind)
         check_shards(self.shards, self.used, self.model)
         self._check_tied(modules)
-        if self.check and self.info.world > 1:
+        if not (self.check and self.info.world > 1):
+            self.verdict = Verdict(checked=False)
+        else:
             summed = {f"{path}.{name}" if path else name
                       for path, style in self.styles.items()
                       if isinstance(style, SequenceParallel) or
@@ -186,7 +184,13 @@ class _Run:
                       for name, _ in modules[path].named_parameters()}
             self.verdict = verify(self.model, self.dims, self.info.world,
                                   self._replaced(modules), self.plans, summed)
-            self.notes.extend(self.verdict.notes)
+        self.notes.extend(self.verdict.notes)
+        for dim in self.dims:  # unchecked, copied K/V heads need a module that is told
+            told = hasattr(modules[dim.name], "num_key_value_groups")
+            if dim.groups_local is not None and not told and not self.verdict.checked:
+                raise ValueError(f"{dim.name}: {dim.note}, but the module has no "
+                                 "num_key_value_groups to tell its forward (and it was not "
+                                 "checked on one batch)")
 
     def _replaced(self, modules: dict) -> dict[str, str]:
         """The modules plait replaces by layers of its own, by what ``verify`` checks."""

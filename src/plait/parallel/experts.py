@@ -56,8 +56,8 @@ class ExpertParallelExperts(nn.Module):
         # transformers' grouped and batched kernels call it, with the scalars it reads
         self._own_gate = getattr(type(experts), "_apply_gate", None)
         for name, value in vars(experts).items():
-            if not name.startswith("_") and isinstance(value, (bool, int, float, str)) \
-                    and not hasattr(self, name):
+            plain = value is None or isinstance(value, (bool, int, float, str, tuple))
+            if not name.startswith("_") and plain and not hasattr(self, name):
                 setattr(self, name, value)
         rank = self.info.rank
         self.gate_up_proj = nn.Parameter(shard_of(experts.gate_up_proj.detach(), self.plan, rank))

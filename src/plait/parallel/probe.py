@@ -96,10 +96,12 @@ def _capture(model: nn.Module, paths: list[str]) -> dict | None:
     handles = []
     for path in paths:
         def hook(m, args, kwargs, path=path):
-            seen.setdefault(path, (_detach(args), _detach(kwargs)))
+            if path not in seen:  # a snapshot: a cache object in kwargs changes later
+                seen[path] = _snapshot((args, kwargs))
         handles.append(modules[path].register_forward_pre_hook(hook, with_kwargs=True))
     modes = {m: m.training for m in model.modules()}
-    kw = {"use_cache": False} if "use_cache" in _params(model.forward) else {}
+    takes = _params(model.forward)
+    kw = {"use_cache": False} if "use_cache" in takes or "**" in takes else {}
     try:
         model.eval()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -115,10 +117,19 @@ def _capture(model: nn.Module, paths: list[str]) -> dict | None:
 
 
 def _params(fn) -> set[str]:
+    """The parameter names of ``fn`` ("**" where it takes any keyword)."""
     try:
-        return set(inspect.signature(fn).parameters)
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return set()
+    return {"**" if p.kind is p.VAR_KEYWORD else p.name for p in params}
+
+
+def _snapshot(x):
+    try:
+        return copy.deepcopy(_detach(x))
+    except Exception:  # noqa: BLE001 - an argument that does not copy is kept as it is
+        return _detach(x)
 
 
 def _detach(x):
@@ -202,7 +213,13 @@ class _Sim:
     def forward(self, attrs: dict) -> tuple[float, str]:
         """The worst relative difference of the ranks' outputs, and why it failed to run."""
         with torch.no_grad():
-            want = _first(self._run(self._reference(False)))
+            try:
+                want = _first(self._run(self._reference(False)))
+            except Exception as err:  # noqa: BLE001
+                raise _Refused(f"{self.dim.name}: its forward does not replay on the inputs "
+                               f"plait recorded ({type(err).__name__}: {_line(err)}), so its "
+                               "split cannot be checked (parallelize(..., check=False) skips "
+                               "the check)") from None
             try:
                 outs = self._ranks(attrs, grad=False)
             except Exception as err:  # noqa: BLE001 - what fails here fails on the ranks
@@ -463,9 +480,20 @@ def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: V
                        "neither the whole nor a part of it")
 
 
+def _extra_state(module: nn.Module, allowed=("weight", "bias")) -> list[str]:
+    """Parameters and buffers beyond the base layer's, which plait's layer would drop."""
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    return [n for n in names if n not in allowed]
+
+
 def _check_embedding(path: str, module: nn.Embedding, captured: tuple, verdict: Verdict) -> None:
-    if type(module).forward is nn.Embedding.forward:
+    if type(module).forward is nn.Embedding.forward and not _extra_state(module):
         return
+    extra = _extra_state(module, ("weight", "embed_scale"))
+    if extra:
+        raise _Refused(f"{path}: {type(module).__name__} holds {', '.join(extra)} beside its "
+                       "weight, which plait's vocabulary-parallel embedding would drop: leave it "
+                       "out of the plan")
     args, kwargs = captured
     ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
     with torch.no_grad():
@@ -487,6 +515,11 @@ def _check_embedding(path: str, module: nn.Embedding, captured: tuple, verdict: 
 
 
 def _check_linear(path: str, module: nn.Linear, captured: tuple) -> None:
+    extra = _extra_state(module)
+    if extra:
+        raise _Refused(f"{path}: {type(module).__name__} holds {', '.join(extra)} beside its "
+                       "weight and bias, which plait's parallel linear would drop: leave it out "
+                       "of the plan")
     if type(module).forward is nn.Linear.forward:
         return
     args, kwargs = captured

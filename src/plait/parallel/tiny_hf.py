@@ -176,7 +176,8 @@ def _tiny_kwargs(cls) -> dict[str, Any]:
         for name in ("num_key_value_heads", "swa_num_key_value_heads"):
             if name in kw:
                 kw[name] = kw["num_attention_heads"]
-    if {"mamba_n_heads", "mamba_d_head", "mamba_expand"} <= set(default) and "hidden_size" in kw:
+    if {"mamba_n_heads", "mamba_d_head", "mamba_expand"} <= set(default) and \
+            "hidden_size" in kw and "mamba_d_ssm" not in kw:
         kw["mamba_d_head"] = default["mamba_expand"] * kw["hidden_size"] // kw["mamba_n_heads"]
     for name in _TOKENS:
         if name in default and default[name] is not None:
