@@ -76,15 +76,15 @@ class DecodeBenchConfig:
 
 
 def _llama(cfg: DecodeBenchConfig):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from types import SimpleNamespace
 
-    torch.manual_seed(cfg.seed)
-    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
-                         intermediate_size=cfg.n_embd * 11 // 4, num_hidden_layers=cfg.n_layer,
-                         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-                         max_position_embeddings=cfg.prompt_len + cfg.new_tokens + 8,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).eval()
+    from ..training.generate import build_model
+
+    return build_model(SimpleNamespace(model="hf-llama", vocab_size=cfg.vocab_size,
+                                       n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                                       n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                                       max_positions=cfg.prompt_len + cfg.new_tokens + 8,
+                                       seed=cfg.seed))
 
 
 def _systems(cfg: DecodeBenchConfig, ref) -> dict:

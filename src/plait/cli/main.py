@@ -70,7 +70,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, cluster, demo, elastic, simulate, train
+    from . import bench, cluster, demo, elastic, generate, simulate, train
 
     parser = _Parser(
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"plait {package_version()}")
     parser.set_defaults(verbose=False, debug=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, bench, cluster, simulate, train, elastic):
+    for module in (demo, bench, cluster, simulate, train, generate, elastic):
         module.register(sub)
     return parser
 

@@ -72,9 +72,12 @@ def _cache_of(out):
 @torch.no_grad()
 def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = False,
            temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-           eos_token_id: int | None = None) -> Decoded:
+           eos_token_id: int | None = None,
+           attention_mask: torch.Tensor | None = None) -> Decoded:
     """``max_new_tokens`` tokens after ``prompt`` ([B, S] ids), one forward a token; see the
-    module doc. Stops early once every row has produced ``eos_token_id``."""
+    module doc. Stops early once every row has produced ``eos_token_id``.
+    ``attention_mask`` ([B, S], 0 at padding): prompts of different lengths, padded on the
+    left; each row's positions count its own tokens only."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if sample and not temperature > 0:
@@ -83,9 +86,13 @@ def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = F
     generator = torch.Generator().manual_seed(seed) if sample else None
     tokens, steps = prompt, []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    masked = {}
+    if attention_mask is not None:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        masked = {"attention_mask": attention_mask, "position_ids": positions}
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True)
+    out = model(input_ids=prompt, use_cache=True, **masked)
     nxt = _choose(out.logits[:, -1], sample, temperature, top_k, generator)
     _sync(device)
     ttft = time.perf_counter() - start
@@ -97,8 +104,12 @@ def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = F
             done |= nxt == eos_token_id
             if bool(done.all()):
                 return Decoded(tokens, ttft, steps)
+        if masked:
+            masked = {"attention_mask": torch.cat([masked["attention_mask"],
+                                                   masked["attention_mask"].new_ones(len(nxt), 1)], 1),
+                      "position_ids": masked["position_ids"][:, -1:] + 1}
         start = time.perf_counter()
-        out = model(input_ids=nxt[:, None], use_cache=True, **{name: cache})
+        out = model(input_ids=nxt[:, None], use_cache=True, **{name: cache}, **masked)
         nxt = _choose(out.logits[:, -1], sample, temperature, top_k, generator)
         cache = _cache_of(out)
         _sync(device)

@@ -1,0 +1,67 @@
+"""``plait generate``: decode prompts with a transformers causal LM on N ranks
+(:mod:`plait.training.generate`), printing the tokens and the per-token timings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..bench.placement import run_placed
+from ..bench.report import console, print_table
+from ..training.generate import GenerateConfig, generate_rank, read_prompts
+from .args import add_dataclass_args, dataclass_from_args
+from .common import add_launch_args, check_outputs, resolve_placement
+
+__all__ = ["register", "run_generate"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="decode prompts with a transformers model, tensor-parallel",
+        description="Builds a transformers causal LM from a config (random weights, no "
+                    "download) or loads a checkpoint directory (each rank its shards), makes "
+                    "it tensor-parallel by its own plan and decodes the prompts (token ids) "
+                    "with its KV cache; prints the new tokens and the per-token timings.")
+    add_launch_args(parser)
+    add_dataclass_args(parser, GenerateConfig)
+    parser.add_argument("--prompt", default=None, metavar="IDS",
+                        help='one prompt, token ids separated by spaces (default "1 2 3 4")')
+    parser.add_argument("--prompt-file", default=None, metavar="PATH",
+                        help="prompts, one a line (ids separated by spaces), or a JSON list "
+                             "of lists: decoded together as a batch")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="write the tokens and timings as JSON")
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args.prompt, args.prompt_file)
+    cfg = dataclass_from_args(GenerateConfig, args)
+    cfg = GenerateConfig(**{**cfg.__dict__, "prompts": prompts})
+    cfg.check()  # before any rank starts
+    ranks, hosts, link = resolve_placement(args)
+    args.plot = None
+    check_outputs(args, "json")
+    result, where = run_placed(_one, cfg, ranks=ranks, hosts=hosts, link=link,
+                               timeout_s=args.timeout)
+    console.print(f"[dim]{where}; transport {result['transport']}; "
+                  f"{(result['parallel'] or ['one rank'])[0]}[/dim]")
+    for i, tokens in enumerate(result["tokens"]):
+        console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False)
+        console.print(f"  → {' '.join(map(str, tokens))}", markup=False)
+    print_table(f"{cfg.max_new_tokens} tokens × {len(prompts)} prompts on {ranks} ranks",
+                ["TTFT (ms)", "ms / token", "p99 (ms)", "tokens/s"],
+                [[f"{result['ttft_ms']:.1f}", f"{result['ms_per_token']:.2f}",
+                  f"{result['p99_ms']:.2f}", f"{result['tokens_per_s']:,.0f}"]],
+                caption="a step: the slowest rank's; ms / token: the median step after the "
+                        "first token")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in cfg.__dict__.items() if k != "extra"},
+                       **result}, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _one(cfg: GenerateConfig) -> list:
+    return generate_rank(cfg)

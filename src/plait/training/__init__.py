@@ -1,0 +1,1 @@
+"""Running a model: decoding (``decode``, ``plait generate``)."""

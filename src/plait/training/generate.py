@@ -1,0 +1,190 @@
+"""``plait generate``: a transformers causal LM decoding tensor-parallel on N ranks.
+
+The model is built from a config (``hf-llama``, ``hf-mixtral``: random weights, no
+download; sizes from the flags, one seed on every rank) or loaded from a checkpoint
+directory, each rank reading its shards (:func:`plait.from_pretrained`). It is made
+parallel by its own plan (``plait.parallelize(model, "auto")``) and decodes the prompts
+(token ids; prompts of different lengths padded on the left, each row's positions its own)
+with :func:`plait.training.decode.decode`. Everything a user can get wrong (a prompt file,
+a model name, more tokens than the model's positions, ids outside its vocabulary) is
+checked by :meth:`GenerateConfig.check` before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .._fields import help_meta as _h
+
+__all__ = ["GenerateConfig", "MODELS", "build_model", "generate_rank", "read_prompts"]
+
+MODELS = ("hf-llama", "hf-mixtral")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    model: str = field(default="hf-llama", metadata=_h(
+        "hf-llama, hf-mixtral (built from a config: random weights) or a checkpoint "
+        "directory (save_pretrained)"))
+    n_layer: int = field(default=4, metadata=_h("decoder layers (a config model)"))
+    n_embd: int = field(default=512, metadata=_h("hidden width (a config model)"))
+    n_head: int = field(default=8, metadata=_h("query heads (a config model)"))
+    n_kv_head: int = field(default=4, metadata=_h("key/value heads (a config model)"))
+    vocab_size: int = field(default=1024, metadata=_h("vocabulary (a config model)"))
+    max_positions: int = field(default=512, metadata=_h("positions (a config model)"))
+    max_new_tokens: int = field(default=32, metadata=_h("tokens to decode after each prompt"))
+    sample: bool = field(default=False, metadata=_h("sample instead of greedy"))
+    temperature: float = field(default=1.0, metadata=_h("sampling temperature"))
+    top_k: int | None = field(default=None, metadata=_h(
+        "sample among the k most likely tokens (default: all)"))
+    seed: int = field(default=0, metadata=_h("the weights' seed, and sampling's"))
+    prompts: tuple[tuple[int, ...], ...] = field(default=((1, 2, 3, 4),), metadata={"help": None})
+    extra: dict = field(default_factory=dict, metadata={"help": None})
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS and not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model}: neither a model plait builds "
+                             f"({', '.join(MODELS)}) nor a checkpoint directory")
+        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size",
+                     "max_positions", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(self, name)}")
+        if self.sample and not self.temperature > 0:
+            raise ValueError(f"--temperature must be above 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"--top-k must be at least 1, got {self.top_k}")
+        if not self.prompts or any(len(p) == 0 for p in self.prompts):
+            raise ValueError("every prompt needs at least one token id")
+
+    def limits(self) -> tuple[int, int]:
+        """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
+        if self.model in MODELS:
+            return self.vocab_size, self.max_positions
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(self.model, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--model {self.model}: {str(err).splitlines()[0]}") from None
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return text.vocab_size, getattr(text, "max_position_embeddings", 1 << 30)
+
+    def check(self) -> None:
+        """Refuse, in one line, what the model cannot decode."""
+        vocab, positions = self.limits()
+        longest = max(len(p) for p in self.prompts)
+        if longest + self.max_new_tokens > positions:
+            raise ValueError(f"a {longest}-token prompt and --max-new-tokens "
+                             f"{self.max_new_tokens} need {longest + self.max_new_tokens} "
+                             f"positions; the model has {positions}")
+        bad = sorted({t for p in self.prompts for t in p if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0 to "
+                             f"{vocab - 1})")
+
+
+def read_prompts(text: str | None, path: str | None) -> tuple[tuple[int, ...], ...]:
+    """Prompts from ``--prompt`` ("1 2 3") or ``--prompt-file`` (one prompt a line, ids by
+    spaces or commas; or a JSON list of lists); a ValueError naming the line."""
+    if text is not None and path is not None:
+        raise ValueError("give --prompt or --prompt-file, not both")
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"--prompt-file {path}: "
+                             f"{'a folder' if file.is_dir() else 'no such file'}")
+        raw = file.read_text()
+        if raw.lstrip().startswith("["):
+            try:
+                rows = json.loads(raw)
+                return tuple(tuple(int(t) for t in row) for row in rows)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"--prompt-file {path}: not a JSON list of lists of token "
+                                 f"ids ({err})") from None
+        lines = [ln for ln in raw.splitlines() if ln.strip()]
+        if not lines:
+            raise ValueError(f"--prompt-file {path}: no prompt in it")
+        return tuple(_ids(ln, f"--prompt-file {path} line {i + 1}")
+                     for i, ln in enumerate(lines))
+    return (_ids(text if text is not None else "1 2 3 4", "--prompt"),)
+
+
+def _ids(line: str, where: str) -> tuple[int, ...]:
+    parts = line.replace(",", " ").split()
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        bad = next(p for p in parts if not p.lstrip("-").isdigit())
+        raise ValueError(f"{where}: {bad!r} is not a token id (prompts are token ids, "
+                         "separated by spaces)") from None
+
+
+def build_model(cfg) -> torch.nn.Module:
+    """The single-device model from its config, seeded (``cfg`` has the config fields)."""
+    if cfg.model == "hf-mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+                               intermediate_size=cfg.n_embd * 2,
+                               num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                               num_key_value_heads=cfg.n_kv_head, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=cfg.max_positions,
+                               experts_implementation="eager")
+        torch.manual_seed(cfg.seed)
+        return MixtralForCausalLM(config).eval()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+                         intermediate_size=cfg.n_embd * 11 // 4, num_hidden_layers=cfg.n_layer,
+                         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                         max_position_embeddings=cfg.max_positions, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def _padded(prompts) -> tuple[torch.Tensor, torch.Tensor | None]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, longest - len(p):] = torch.tensor(p)
+        mask[row, longest - len(p):] = 1
+    return ids, (None if bool(mask.all()) else mask)
+
+
+def generate_rank(cfg: GenerateConfig) -> dict:
+    """On every rank: build or load, parallelize, decode; the tokens and the timings."""
+    import torch.distributed as dist
+
+    from ..ops import explain
+    from ..ops.context import transport_of
+    from ..parallel import applied, parallelize
+    from ..runtime.timing import agreed_max
+    from .decode import decode
+
+    torch.set_num_threads(1)
+    if cfg.model in MODELS:
+        model = parallelize(build_model(cfg), "auto")
+    else:
+        from ..checkpoint import from_pretrained
+
+        model = from_pretrained(cfg.model, "auto")
+    ids, mask = _padded(cfg.prompts)
+    out = decode(model, ids, cfg.max_new_tokens, sample=cfg.sample, temperature=cfg.temperature,
+                 top_k=cfg.top_k, seed=cfg.seed, attention_mask=mask)
+    times = agreed_max([out.ttft_s, *out.step_s])
+    steps = sorted(times[1:]) or [times[0]]
+    start = ids.shape[1]
+    return {"tokens": [out.tokens[i, start:].tolist() for i in range(len(cfg.prompts))],
+            "ttft_ms": times[0] * 1e3, "ms_per_token": statistics.median(steps) * 1e3,
+            "p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3,
+            "tokens_per_s": len(cfg.prompts) / statistics.median(steps),
+            "world_size": dist.get_world_size(), "parallel": applied(model)[:1],
+            "transport": transport_of(None).choice.name, "paths": explain()}

@@ -1,0 +1,69 @@
+"""``plait generate``: the same tokens on 2 and 3 ranks as on one process (greedy and seeded
+sampling, prompts of different lengths in one batch), and its refusals, each one line
+before any rank starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.cli.main import main
+from plait.training.generate import GenerateConfig, read_prompts
+
+pytest.importorskip("transformers")
+
+TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "8", "--n-kv-head", "4",
+        "--vocab-size", "128", "--max-new-tokens", "6"]
+
+
+def _tokens(tmp_path, ranks: int, *flags: str) -> list:
+    out = tmp_path / f"gen-{ranks}-{len(flags)}.json"
+    assert main(["generate", "--ranks", str(ranks), *TINY, *flags, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    return data["tokens"], data
+
+
+def test_the_same_tokens_on_2_and_3_ranks_as_on_one(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3 4 5\n7, 8, 9\n\n")
+    for flags in (("--prompt-file", str(prompts)),
+                  ("--prompt", "3 1 4 1 5", "--sample", "--seed", "3", "--top-k", "20")):
+        one, _ = _tokens(tmp_path, 1, *flags)
+        for ranks in (2, 3):
+            got, data = _tokens(tmp_path, ranks, *flags)
+            assert got == one, (ranks, flags)
+            assert data["world_size"] == ranks and data["ms_per_token"] > 0
+    assert [len(t) for t in one] == [6]
+    three = _tokens(tmp_path, 3, "--prompt", "1 2")[1]
+    assert "3 ranks" in three["parallel"][0], three["parallel"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prompt-file", "/nonexistent/prompts"], "--prompt-file /nonexistent/prompts: no such file"),
+    (["--model", "gpt-9"], "--model gpt-9: neither a model plait builds"),
+    (["--max-new-tokens", "600"], "need 604 positions; the model has 512"),
+    (["--prompt", "1 x 3"], "'x' is not a token id"),
+    (["--prompt", "1 2000"], "token ids [2000] are outside the vocabulary"),
+    (["--prompt", "1", "--prompt-file", "p"], "give --prompt or --prompt-file, not both"),
+])
+def test_bad_input_is_refused_in_one_line_before_any_rank(flags, says, capsys, monkeypatch):
+    import plait.cli.generate as cli
+
+    monkeypatch.setattr(cli, "run_placed", lambda *a, **k: pytest.fail("ranks started"))
+    assert main(["generate", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_prompt_files_and_configs_are_read_as_documented(tmp_path):
+    listed = tmp_path / "p.json"
+    listed.write_text("[[1, 2], [3]]")
+    assert read_prompts(None, str(listed)) == ((1, 2), (3,))
+    assert read_prompts("4 5", None) == ((4, 5),)
+    empty = tmp_path / "empty"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="no prompt in it"):
+        read_prompts(None, str(empty))
+    with pytest.raises(ValueError, match="--temperature must be above 0"):
+        GenerateConfig(sample=True, temperature=0.0)
