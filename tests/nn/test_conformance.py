@@ -227,3 +227,114 @@ def test_the_conformance_page_is_what_the_sweeps_json_gives():
     assert sweep.render_docs(data) == (ROOT / "docs" / "conformance.md").read_text(), \
         "stale docs/conformance.md: run scripts/hf_sweep.py --docs-only"
     assert not [r for r in data["results"] if r["outcome"] in ("DIFFERENT", "ERROR")]
+
+
+# ------------------------------------------------------------------ the check, on small models
+class _Attn(torch.nn.Module):
+    """Self-attention over ``heads`` heads of 8 with a fused q/k/v whose heads are ``layout``
+    ("blocked": [q | k | v], "interleaved": [q k v] per head), and what it may do besides:
+    ``extra`` "gate" (a replicated linear scales every local head by a gate of x),
+    "whole_norm" (q normalised over all heads together), "sinks" (a parameter per head)."""
+
+    def __init__(self, layout="blocked", extra=None, d=32, heads=4):
+        super().__init__()
+        self.head_dim, self.layout, self.extra = 8, layout, extra
+        self.qkv = torch.nn.Linear(d, 3 * heads * 8)
+        self.o = torch.nn.Linear(heads * 8, d)
+        if extra == "gate":
+            self.gate = torch.nn.Linear(d, 1)
+        elif extra == "whole_norm":
+            self.q_norm = torch.nn.LayerNorm(heads * 8)
+        elif extra == "sinks":
+            self.sinks = torch.nn.Parameter(torch.randn(heads))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        if self.layout == "interleaved":
+            q, k, v = qkv.view(b, s, -1, 3 * self.head_dim).chunk(3, dim=-1)
+        else:
+            q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        if self.extra == "whole_norm":
+            q = self.q_norm(q.reshape(b, s, -1)).view(b, s, -1, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.extra == "sinks":
+            out = out * self.sinks.view(1, -1, 1, 1)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.extra == "gate":
+            out = out * torch.sigmoid(self.gate(x))
+        return self.o(out)
+
+
+class _Scaled(torch.nn.Embedding):
+    def __init__(self, *a, shift=False):
+        super().__init__(*a)
+        self.register_buffer("embed_scale", torch.tensor(3.0), persistent=False)
+        self.shift = shift
+
+    def forward(self, ids):
+        out = super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+        return out + 1.0 if self.shift else out
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, attn: _Attn, embedding=torch.nn.Embedding):
+        super().__init__()
+        self.embed = embedding(64, 32)
+        self.attn = attn
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + self.attn(h))
+
+
+_PLAN = {"embed": "embedding_rowwise", "attn.qkv": "colwise", "attn.o": "rowwise",
+         "head": "colwise_gather_output"}
+_CASES = {  # name: (layout, extra, embedding, what the refusal says or None: exact)
+    "blocked": ("blocked", None, torch.nn.Embedding, None),
+    "interleaved": ("interleaved", None, torch.nn.Embedding, None),
+    "scaled": ("blocked", None, _Scaled, None),
+    "shifted": ("blocked", None, lambda *a: _Scaled(*a, shift=True),
+                "embed: _Scaled's forward is not nn.Embedding's lookup"),
+    "gate": ("blocked", "gate", torch.nn.Embedding,
+             "attn: its input's gradient through a path outside its split linears"),
+    "whole_norm": ("blocked", "whole_norm", torch.nn.Embedding,
+                   "attn (_Attn) cannot be split by heads: its forward fails on a rank's share"),
+    "sinks": ("blocked", "sinks", torch.nn.Embedding,
+              "attn (_Attn) cannot be split by heads: its forward fails on a rank's share"),
+}
+
+
+def _small_models() -> dict:
+    import plait
+
+    out = {}
+    for name, (layout, extra, embedding, _) in _CASES.items():
+        torch.manual_seed(0)
+        ref = _Tiny(_Attn(layout, extra), embedding).double()
+        par = copy.deepcopy(ref)
+        try:
+            plait.parallelize(par, dict(_PLAN))
+        except ValueError as err:
+            out[name] = ("refused", str(err))
+            continue
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        want, got = ref(ids), par(ids)
+        want.square().mean().backward()
+        got.square().mean().backward()
+        grads = plait.full_state_dict(par, grads=True)
+        err = max([_rel(got, want)] + [_rel(grads[n], p.grad) for n, p in ref.named_parameters()])
+        out[name] = ("ran", err)
+    return out
+
+
+def test_the_check_reads_fused_layouts_and_refuses_what_a_share_cannot_compute():
+    got = run_ranks(_small_models, 2, timeout_s=60)[0]
+    for name, (*_, refusal) in _CASES.items():
+        kind, what = got[name]
+        if refusal is None:
+            assert kind == "ran" and what < 1e-12, (name, got[name])
+        else:
+            assert kind == "refused" and refusal in what and "\n" not in what, (name, got[name])

@@ -21,7 +21,9 @@ top_k_*       [T, k]                     routing, replicated
 
 Backward: the operators' own (dgrad fused with the reverse all-to-all); the
 scatter's backward all-gathers the tokens' and routing weights' gradients, so
-the replicated router gets its whole gradient on every rank.
+the replicated router gets its whole gradient on every rank. Fewer tokens than
+ranks (decoding): every rank runs its experts on every token routed to them and
+the outputs are summed, as experts split by their FFN dim are.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
-from ..ops.regions import gather_from_region, scatter_to_region
+from ..ops.regions import (copy_to_region, gather_from_region, reduce_from_region,
+                           scatter_to_region)
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
 from .layers import experts_shape
@@ -71,6 +74,8 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[0] < self.info.world:  # a rank would have no tokens to send
+            return self._few_tokens(hidden_states, top_k_index, top_k_weights)
         x = scatter_to_region(hidden_states, self.group, 0)          # [T_r, H]
         w = scatter_to_region(top_k_weights, self.group, 0)          # [T_r, k]
         idx = _own_rows(top_k_index, self.info)                      # [T_r, k]
@@ -92,6 +97,24 @@ class ExpertParallelExperts(nn.Module):
                               chunks=self.chunks)                     # [T_r·k, H]
         y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         return torch.zeros_like(x).index_add(0, token, y)
+
+    def _few_tokens(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """Fewer tokens than ranks (decoding one sequence on 3 ranks): every rank runs its own
+        experts on every token routed to them, and the outputs are summed (all-reduce); the
+        tokens' and weights' gradients are summed back the same way."""
+        x = copy_to_region(hidden_states, self.group)                 # [T, H]
+        w = copy_to_region(top_k_weights.to(x.dtype), self.group)     # [T, k]
+        mine = self.plan.slice_of(self.info.rank)
+        out = torch.zeros_like(x)
+        for slot in range(top_k_index.shape[-1]):
+            for e in top_k_index[:, slot].unique().tolist():
+                if not mine.start <= e < mine.stop:
+                    continue
+                rows = (top_k_index[:, slot] == e).nonzero().squeeze(1)
+                h = self._apply_gate(x[rows] @ self.gate_up_proj[e - mine.start].T)
+                y = h @ self.down_proj[e - mine.start].T
+                out = out.index_add(0, rows, y * w[rows, slot, None])
+        return reduce_from_region(out, self.group)
 
     def _counts(self, counts: torch.Tensor):
         """(send [W][E_d], recv [W][E_r]) from every rank's per-expert token counts."""

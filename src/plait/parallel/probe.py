@@ -158,14 +158,15 @@ def _first(out) -> torch.Tensor:
     return out
 
 
-def _rel(a, b) -> float:
+def _rel(a, b, floor: float = 0.0) -> float:
+    """max|a - b| / max(max|b|, floor)."""
     if a is None or b is None:
         return 0.0 if a is None and b is None else float("inf")
     if a.shape != b.shape:
         return float("inf")
     if b.numel() == 0:
         return 0.0
-    scale = float(b.detach().abs().max())
+    scale = max(float(b.detach().abs().max()), floor)
     return float((a.detach() - b.detach()).abs().max()) / (scale if scale > 0 else 1.0)
 
 
@@ -207,8 +208,17 @@ class _Sim:
                     lambda mod, a: (a[0].detach(), *a[1:]))
         return m
 
-    def _run(self, m: nn.Module):
-        return m(*copy.deepcopy(self.args), **copy.deepcopy(self.kwargs))
+    def _run(self, m: nn.Module, track: list | None = None):
+        """``m`` on a copy of the recorded inputs; ``track``: the first floating tensor
+        input is made a leaf that needs its gradient and appended to it."""
+        args, kwargs = copy.deepcopy(self.args), copy.deepcopy(self.kwargs)
+        if track is not None:
+            x = next((a for a in list(args) + list(kwargs.values())
+                      if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+            if x is not None:
+                x.requires_grad_(True)
+            track.append(x)
+        return m(*args, **kwargs)
 
     def forward(self, attrs: dict) -> tuple[float, str]:
         """The worst relative difference of the ranks' outputs, and why it failed to run."""
@@ -234,21 +244,21 @@ class _Sim:
             partials: dict = {}
             mods = [self._rank_module(r, attrs, totals, partials, detach_cols)
                     for r in range(self.world)]
-            outs = [self._run(m) for m in mods]
+            self.inputs: list = []
+            outs = [self._run(m, self.inputs) for m in mods]
             totals = {p: sum(parts[r] for r in range(self.world)).detach()
                       for p, parts in partials.items()}
             self.mods = mods
         return outs
 
     def gradients(self, attrs: dict) -> dict[str, tuple]:
-        """Per parameter of the module outside the split linears: (the reference's gradient
-        from the paths after the split, the whole reference gradient, each rank's)."""
+        """Per parameter of the module outside the split linears, and for its input (``""``):
+        (the reference's gradient from the paths after the split, the whole reference
+        gradient, each rank's)."""
         split = {p[len(self.dim.name) + 1 if self.dim.name else 0:] for p in
                  self.dim.cols + self.dim.rows}
         names = [n for n, p in self.module.named_parameters()
                  if p.requires_grad and not any(n == s or n.startswith(s + ".") for s in split)]
-        if not names:
-            return {}
         with torch.no_grad():
             want = _first(self._run(self._reference(False)))
         g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1),
@@ -256,20 +266,23 @@ class _Sim:
         ref_all = _grads(self._reference(False), self, g, names)
         ref_after = _grads(self._reference(True), self, g, names)
         outs = self._ranks(attrs, grad=True, detach_cols=True)
-        per_rank = []
-        for m, out in zip(self.mods, outs):
-            params = dict(m.named_parameters())
-            got = torch.autograd.grad(_first(out), [params[n] for n in names], g,
-                                      allow_unused=True)
-            per_rank.append(dict(zip(names, got)))
-        return {n: (ref_after[n], ref_all[n], [r[n] for r in per_rank]) for n in names}
+        per_rank = [_grads_of(m, out, x, g, names)
+                    for m, out, x in zip(self.mods, outs, self.inputs)]
+        return {n: (ref_after[n], ref_all[n], [r[n] for r in per_rank]) for n in ref_all}
 
 
 def _grads(m: nn.Module, sim: _Sim, g: torch.Tensor, names: list[str]) -> dict:
-    out = _first(sim._run(m))
+    track: list = []
+    out = sim._run(m, track)
+    return _grads_of(m, out, track[0], g, names)
+
+
+def _grads_of(m: nn.Module, out, x, g: torch.Tensor, names: list[str]) -> dict:
+    """The gradients of ``names`` (and of the input ``x``, as ``""``) for output gradient g."""
     params = dict(m.named_parameters())
-    got = torch.autograd.grad(out, [params[n] for n in names], g, allow_unused=True)
-    return dict(zip(names, got))
+    wrt = [params[n] for n in names] + ([x] if x is not None else [])
+    got = torch.autograd.grad(_first(out), wrt, g, allow_unused=True)
+    return dict(zip(names + ([""] if x is not None else []), got))
 
 
 def _row_hook(path, rank, totals, partials, bias):
@@ -457,6 +470,15 @@ def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: V
     prefix = dim.name + "." if dim.name else ""
     for name, (after, whole, ranks) in grads.items():
         if whole is None:
+            continue
+        if name == "":  # the input: the column layers sum what they send back; the rest
+            filled = [r if r is not None else torch.zeros_like(whole) for r in ranks]
+            want = after if after is not None else torch.zeros_like(whole)
+            scale = float(whole.abs().max())
+            if not all(_rel(r, want, scale) <= sim.tol for r in filled):
+                raise _Refused(f"{dim.name}: its input's gradient through a path outside its "
+                               "split linears is not whole on a rank (a replicated layer "
+                               "feeding a rank's share of the heads or columns)")
             continue
         zero = lambda t: t is None or float(t.abs().max()) == 0.0  # noqa: E731
         if all(zero(r) for r in ranks) and zero(after):
