@@ -31,10 +31,11 @@ from .agreed import agree, describe
 from .data import DP_KINDS, data_parallel
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
-from .layers import CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn
+from .layers import (CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn,
+                     shard_local_params)
 from .probe import Verdict, verify
 from .resolve import auto_plan, check_shards, expand, shard_for, split_shards
-from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
+from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, LocalParams, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel,
                      VocabParallel, layout_name)
 
@@ -174,6 +175,9 @@ class _Run:
                 self.plans[path] = shard_for(self.shards, self.used, [path], kind)
         check_shards(self.shards, self.used, self.model)
         self._check_tied(modules)
+        for path, style in styles.items():
+            if isinstance(style, LocalParams):
+                self._local_params(path, modules[path])
         if not (self.check and self.info.world > 1):
             self.verdict = Verdict(checked=False)
         else:
@@ -191,6 +195,20 @@ class _Run:
                 raise ValueError(f"{dim.name}: {dim.note}, but the module has no "
                                  "num_key_value_groups to tell its forward (and it was not "
                                  "checked on one batch)")
+
+    def _local_params(self, path: str, module: nn.Module) -> None:
+        """transformers' local_params on an attention module: its own per-head parameters
+        (sinks, a gate's bias) split with its heads."""
+        dim = next((d for d in self.dims if d.name == path and d.kind == "heads"), None)
+        if dim is None:
+            raise ValueError(f"{path}: local_params splits an attention module's per-head "
+                             f"parameters with its heads, but {path} is not split by heads")
+        n_q, _, hd = dim.heads
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 0 or param.shape[0] != n_q:
+                raise ValueError(f"{path}.{name}: local_params splits per-head parameters "
+                                 f"([{n_q} query heads, ...]), got {tuple(param.shape)}")
+            dim.local[name] = dim.cuts[dim.rows[0]].unit // hd
 
     def _replaced(self, modules: dict) -> dict[str, str]:
         """The modules plait replaces by layers of its own, by what ``verify`` checks."""
@@ -314,6 +332,11 @@ class _Run:
                 self._note(path, "experts split by their FFN dim (transformers' experts kernels), "
                            "outputs summed by a plain all-reduce")
         modules = dict(self.model.named_modules())
+        for dim in self.dims:
+            if dim.local:
+                shard_local_params(modules[dim.name], dim.local, dim.plan, self.group)
+                self._note(dim.name, f"{', '.join(dim.local)}: each rank keeps its heads' "
+                           "entries (local_params)")
         for embed, heads in self.ties:  # one [V_r, D] shard, cut alike: one parameter again
             for head in heads:
                 assert modules[head].weight.is_meta or \
@@ -437,7 +460,7 @@ class _Run:
         """``_plait_dims`` for the balancer, and one summary, logged once on rank 0."""
         dims, kept = {}, getattr(self.model, "_plait_dims", None) or {}
         for dim in self.dims:
-            if not (dim.cols and dim.rows) or dim.groups_local is not None:
+            if not (dim.cols and dim.rows) or dim.groups_local is not None or dim.local:
                 continue
             # grouped-query heads too: q and o count 2+ heads a KV group, k and v one, and the
             # balancer resizes and migrates whole groups (tests/balance/test_balancer_gqa.py)

@@ -57,6 +57,7 @@ class Dim:
     given: bool = False            # the plan came from shards= (not the even default)
     groups_local: int | None = None  # q heads per K/V head on every rank, when it changes
     note: str = ""
+    local: dict[str, int] = field(default_factory=dict)  # per-head parameter → q heads a unit
 
 
 def _parent(path: str) -> str:

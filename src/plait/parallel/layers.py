@@ -46,7 +46,8 @@ from ..nn.linear import ColumnParallelLinear
 from ..ops.regions import copy_to_region, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
 
-__all__ = ["CopiedHeadsLinear", "VocabParallelEmbedding", "shard_experts_ffn", "experts_shape"]
+__all__ = ["CopiedHeadsLinear", "VocabParallelEmbedding", "shard_experts_ffn", "experts_shape",
+           "shard_local_params"]
 
 
 class CopiedHeadsLinear(ColumnParallelLinear):
@@ -189,6 +190,33 @@ class _ExpertShards:
             value = p.detach() if not grads else torch.zeros_like(p) if p.grad is None else p.grad
             out[name] = unshard(value.detach(), self.plan, self.group, dim, blocks=blocks)
         return out
+
+
+class _LocalShards:
+    """``full_state_dict`` of an attention module's per-head parameters split in place."""
+
+    def __init__(self, module: nn.Module, units: dict[str, int], plan: ShardPlan, group):
+        self.module, self.units, self.plan, self.group = module, units, plan, group
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, unit in self.units.items():
+            p = getattr(self.module, name)
+            value = p.detach() if not grads else torch.zeros_like(p) if p.grad is None else p.grad
+            out[name] = unshard(value.detach(), self.plan, self.group, 0, unit=unit)
+        return out
+
+
+def shard_local_params(module: nn.Module, units: dict[str, int], plan: ShardPlan,
+                       group=None) -> None:
+    """Keep this rank's heads of each per-head parameter (``units``: name → query heads per
+    plan unit), in place; ``full_state_dict`` gathers them back."""
+    rank = GroupInfo(group).rank
+    for name, unit in units.items():
+        full = getattr(module, name)
+        local = shard_of(full.detach(), plan, rank, 0, unit=unit)
+        setattr(module, name, nn.Parameter(local, requires_grad=full.requires_grad))
+    module._plait_shards = _LocalShards(module, units, plan, group)
 
 
 def shard_experts_ffn(module: nn.Module, path: str, group=None,

@@ -193,6 +193,9 @@ class _Sim:
             elif detach_cols:
                 local.register_forward_pre_hook(lambda mod, a: (a[0].detach(), *a[1:]))
             _set(m, rel, local)
+        for name, unit in dim.local.items():  # per-head parameters: this rank's heads
+            full = getattr(m, name)
+            setattr(m, name, nn.Parameter(shard_of(full.detach(), dim.plan, rank, 0, unit=unit)))
         for name, values in attrs.items():
             setattr(m, name, values[rank])
         if dim.groups_local is not None and hasattr(m, "num_key_value_groups"):
@@ -256,7 +259,7 @@ class _Sim:
         (the reference's gradient from the paths after the split, the whole reference
         gradient, each rank's)."""
         split = {p[len(self.dim.name) + 1 if self.dim.name else 0:] for p in
-                 self.dim.cols + self.dim.rows}
+                 self.dim.cols + self.dim.rows} | set(self.dim.local)
         names = [n for n, p in self.module.named_parameters()
                  if p.requires_grad and not any(n == s or n.startswith(s + ".") for s in split)]
         with torch.no_grad():

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from ..plan import ShardPlan
-from .styles import HF_PARAM_STYLES, ExpertsEP, ExpertsTP, Style, to_style
+from .styles import HF_PARAM_STYLES, ExpertsEP, ExpertsTP, LocalParams, Style, to_style
 
 __all__ = ["KINDS", "auto_plan", "expand", "split_shards", "match"]
 
@@ -114,10 +114,11 @@ def expand(model: nn.Module, plan: Mapping[str, Any], *, strict: bool = True
             found[path] = (style, key)
     for owner, (value, key) in param_styles.items():
         if owner in found:
-            if not isinstance(found[owner][0], (ExpertsEP, ExpertsTP)):
+            if not isinstance(found[owner][0], (ExpertsEP, ExpertsTP, LocalParams)):
                 raise ValueError(f"plan entry {key!r} ({value!r}) splits a parameter of {owner}, "
-                                 f"whose own style {found[owner][0]} does not split experts")
-            continue  # the experts module's own style splits its parameters
+                                 f"whose own style {found[owner][0]} splits no parameter of its "
+                                 "own (experts, local_params)")
+            continue  # the module's own style (experts, local_params) splits its parameters
         if value != "grouped_gemm":
             raise ValueError(f"plan entry {key!r}: {value!r} on a parameter is supported only "
                              "inside an experts module with its own style (moe_tp_experts, "

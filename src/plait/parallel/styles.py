@@ -33,6 +33,8 @@ PrepareModuleInput / PrepareModuleOutput    Prepare(): moves tensors between lay
 "moe_tp_experts"                            ExpertsTP(): every expert's FFN dim split
 "ep_dispatch_experts", "grouped_gemm",      ExpertsEP(): whole experts per rank
 "gather" (experts)
+"local_params" (an attention module)        LocalParams(): its per-head parameters
+                                            (sinks) split with its heads
 ==========================================  =========================================
 
 Unit heads (``unit_colwise``) need nothing extra: plait always splits attention by
@@ -47,7 +49,7 @@ from typing import Any
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "SequenceParallel", "Prepare", "Replicated",
-           "ExpertsTP", "ExpertsEP", "PlaitMoE", "TableParallel",
+           "ExpertsTP", "ExpertsEP", "PlaitMoE", "TableParallel", "LocalParams",
            "BatchParallel", "Style", "to_style", "layout_name", "HF_STYLES"]
 
 REPLICATE, FEATURES = Replicate(), Shard(-1)
@@ -130,6 +132,12 @@ class TableParallel:
 
 
 @dataclass(frozen=True)
+class LocalParams:
+    """An attention module's own parameters with one entry per query head (sinks, a gate's
+    bias): each rank keeps its heads' entries, as the attention's heads are split."""
+
+
+@dataclass(frozen=True)
 class BatchParallel:
     """The module's own computation is data-parallel: the batch (dim 0) is cut as the
     ``ShardedEmbeddingBag`` at ``tables`` cuts it, and the outputs gathered back; its other
@@ -139,9 +147,9 @@ class BatchParallel:
 
 
 Style = (Colwise | Rowwise | VocabParallel | SequenceParallel | Prepare | Replicated
-         | ExpertsTP | ExpertsEP | PlaitMoE | TableParallel | BatchParallel)
+         | ExpertsTP | ExpertsEP | PlaitMoE | TableParallel | BatchParallel | LocalParams)
 _STYLES = (Colwise, Rowwise, VocabParallel, SequenceParallel, Prepare, Replicated,
-           ExpertsTP, ExpertsEP, PlaitMoE, TableParallel, BatchParallel)
+           ExpertsTP, ExpertsEP, PlaitMoE, TableParallel, BatchParallel, LocalParams)
 
 # transformers' plan strings (4.5x through 5.x names), as plait styles
 HF_STYLES: dict[str, Any] = {
@@ -156,6 +164,7 @@ HF_STYLES: dict[str, Any] = {
     "replicated_with_grad_allreduce": Replicated(grad_sum=True),
     "moe_tp_experts": ExpertsTP(),
     "ep_dispatch_experts": ExpertsEP(), "grouped_gemm": ExpertsEP(), "gather": ExpertsEP(),
+    "local_params": LocalParams(),
 }
 # styles that name a parameter of an experts module: the module's own style decides
 HF_PARAM_STYLES = {"grouped_gemm", "packed_colwise", "packed_rowwise", "local_packed_rowwise",
@@ -165,7 +174,7 @@ _HF_REFUSED = {
                          "(embedding_rowwise)",
     "mla_kv_a_proj": "multi-head latent attention's split K/V projection",
     "megamoe_router": "DeepGEMM's MegaMoE", "megamoe_experts": "DeepGEMM's MegaMoE",
-    "moe_identity_expert": "identity experts", "local_params": "a bare sharded parameter",
+    "moe_identity_expert": "identity experts",
     "local": "an isolated (rank-local) module",
     "all_reduce": "a module whose output is a partial sum", "all_reduce_output":
     "a module whose output is a partial sum", "isolated": "an isolated (rank-local) module",
