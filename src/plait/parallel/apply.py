@@ -190,6 +190,8 @@ class _Run:
                                   self._replaced(modules), self.plans, summed)
         self.notes.extend(self.verdict.notes)
         for dim in self.dims:  # unchecked, copied K/V heads need a module that is told
+            if dim.needs_check and not self.verdict.checked:
+                raise ValueError(f"{dim.name}: {dim.needs_check}")
             told = hasattr(modules[dim.name], "num_key_value_groups")
             if dim.groups_local is not None and not told and not self.verdict.checked:
                 raise ValueError(f"{dim.name}: {dim.note}, but the module has no "

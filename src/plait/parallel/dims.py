@@ -58,6 +58,7 @@ class Dim:
     groups_local: int | None = None  # q heads per K/V head on every rank, when it changes
     note: str = ""
     local: dict[str, int] = field(default_factory=dict)  # per-head parameter → q heads a unit
+    needs_check: str = ""          # a reading of the layers only the one-batch check confirms
 
 
 def _parent(path: str) -> str:
@@ -125,10 +126,13 @@ def _attention(parent, cols, rows, layer, hd, linears) -> Dim:
         else:
             raise ValueError(f"{c}: {heads} heads neither match the {n_q} query heads "
                              f"{', '.join(rows)} reads nor divide them into KV-head groups")
-    if n_kv != n_q and any(b not in (None, 1) for b in blocks.values()):
-        raise ValueError(f"{parent}: a packed q/k/v weight with grouped-query heads "
-                         f"({n_q} q, {n_kv} kv) is not supported; give q, k and v their own layers")
     dim = Dim(parent, "heads", cols, rows, units=n_kv, heads=(n_q, n_kv, hd))
+    if n_kv != n_q and any(b not in (None, 1) for b in blocks.values()):
+        # b blocks of the query heads (q and a gate, Qwen3-Next) or a packed q/k/v whose
+        # K/V blocks happen to sum to whole query blocks: only the check can tell
+        dim.needs_check = (f"a packed weight with grouped-query heads ({n_q} q, {n_kv} kv) read "
+                           "as blocks of query heads, unchecked; give q, k and v their own "
+                           "layers or leave the check on")
     for c in cols:
         dim.cuts[c] = LayerCut(unit=hd) if blocks[c] is None else \
             LayerCut(unit=hd * (n_q // n_kv), blocks=blocks[c])

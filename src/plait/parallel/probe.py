@@ -182,7 +182,7 @@ class _Sim:
 
     def _rank_module(self, rank: int, attrs: dict, totals: dict, partials: dict,
                      detach_cols: bool) -> nn.Module:
-        m = copy.deepcopy(self.module).to(self.dtype)
+        m = copy.deepcopy(self.module).to(self.dtype).eval()  # no dropout in a comparison
         dim, prefix = self.dim, self.dim.name + "." if self.dim.name else ""
         for path in dim.cols + dim.rows:
             rel = path[len(prefix):]
@@ -203,7 +203,7 @@ class _Sim:
         return m
 
     def _reference(self, detach_cols: bool):
-        m = copy.deepcopy(self.module).to(self.dtype)
+        m = copy.deepcopy(self.module).to(self.dtype).eval()
         if detach_cols:
             prefix = self.dim.name + "." if self.dim.name else ""
             for path in self.dim.cols:
@@ -566,7 +566,7 @@ def _check_experts(path: str, module: nn.Module, captured: tuple, world: int, ep
     e, h, f = experts_shape(module, path)
     dtype = _dtype_for(module, captured)
     args, kwargs = _to(captured, dtype)
-    ref = copy.deepcopy(module).to(dtype)
+    ref = copy.deepcopy(module).to(dtype).eval()
     names = ["hidden_states", "top_k_index", "top_k_weights"]
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})

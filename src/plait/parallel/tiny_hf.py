@@ -179,6 +179,9 @@ def _tiny_kwargs(cls) -> dict[str, Any]:
     if {"mamba_n_heads", "mamba_d_head", "mamba_expand"} <= set(default) and \
             "hidden_size" in kw and "mamba_d_ssm" not in kw:
         kw["mamba_d_head"] = default["mamba_expand"] * kw["hidden_size"] // kw["mamba_n_heads"]
+    for name, value in default.items():  # the reference and the copy draw no random masks
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value:
+            kw[name] = 0.0
     for name in _TOKENS:
         if name in default and default[name] is not None:
             kw[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
