@@ -179,24 +179,28 @@ def _spin(n: int) -> tuple[float, float]:
 def _in_turns(n: int, rounds: int, neighbour_after: int | None = None):
     """Each round every rank runs the loop alone, in rank order (so a loaded machine hits
     every rank alike); with ``neighbour_after``, the last rank starts a noisy neighbour on its
-    host after that many rounds. Returns this rank's (wall, CPU) time of each loop, and the
-    neighbour's CPU seconds and whether it ran in this rank's cgroup (None, None: none)."""
+    host after that many rounds. Returns this rank's (wall, CPU) time of each loop, and, on
+    the rank with the neighbour: the neighbour's CPU seconds, whether it ran in this rank's
+    cgroup, and from its start to the last round's end the wall time and the CPU this rank's
+    process and the neighbour used together (None elsewhere)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     _spin(n // 4)  # warm-up
-    times, neighbour, seen = [], None, (None, None)
+    times, neighbour, seen = [], None, None
     try:
         for r in range(rounds):
             if r == neighbour_after and rank == world - 1:
                 neighbour = NoisyNeighbour(rank_context().host.cgroup).start()
-                time.sleep(0.05)
+                start, cpu = time.monotonic(), time.process_time() + _on_cpu_s(neighbour.pids)
             for turn in range(world):
                 dist.barrier()
                 if turn == rank:
                     times.append(_spin(n))
         dist.barrier()
         if neighbour is not None:
-            seen = (sum(_cpu_s(pid) for pid in neighbour.pids),
-                    set(neighbour.pids) <= set(cgroup_pids(rank_context().host.cgroup)))
+            host_cpu = time.process_time() + _on_cpu_s(neighbour.pids) - cpu
+            seen = {"neighbour_s": sum(_cpu_s(pid) for pid in neighbour.pids),
+                    "inside": set(neighbour.pids) <= set(cgroup_pids(rank_context().host.cgroup)),
+                    "wall_s": time.monotonic() - start, "host_cpu_s": host_cpu}
     finally:
         if neighbour is not None:
             neighbour.stop()
@@ -206,6 +210,12 @@ def _in_turns(n: int, rounds: int, neighbour_after: int | None = None):
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _on_cpu_s(pids: list[int]) -> float:
+    """The CPU seconds of single-threaded processes, to the nanosecond (schedstat's time on
+    a CPU; /proc/PID/stat counts clock ticks of 10 ms)."""
+    return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
 
 
 QUOTA_REACHED = 0.45  # of the 0.5 core budget: the rank ran at its quota (see its use)
@@ -253,22 +263,29 @@ def test_a_host_at_half_a_core_computes_about_twice_as_slowly():
 
 @needs_netns
 def test_a_noisy_neighbour_takes_half_its_hosts_budget_and_is_gone_after():
+    """Judged by the kernel's accounting: the neighbour runs inside its host's cgroup and
+    gets CPU there, and from its start on the host's rank and the neighbour together use no
+    more than the host's one core, whatever the machine runs (given 2 cores instead, they
+    used up to 1.11 of them in 3 runs at load 4 here: the neighbour a core of its own, the
+    rank another in its turns). How the two split the core is printed, not judged: about half each on a quiet
+    machine (CI runs measured the rank at 0.42-0.65 of it), but a busy machine that keeps
+    the neighbour's core busy leaves the rank most of the quota (0.85-0.92 in a run here)."""
     budgets_here()
     with EmulatedCluster(hosts=2, link="1gbit", cpu=[1, 1]) as cluster:
         tag = cluster.tag
-        (quiet, _), (noisy, (neighbour_s, inside)) = launch(
+        (quiet, _), (noisy, seen) = launch(
             _in_turns, 2, args=(100, 8, 4), cluster=cluster, threads=1, timeout_s=30)
     ratios = [n[0] / q[0] for q, n in zip(quiet, noisy)]
     shares = [n[1] / n[0] for n in noisy]
+    wall, used = seen["wall_s"], seen["host_cpu_s"]
     print(f"\nhost 1 / host 0 at 1 core each, rounds 1-3 alone, 5-7 with a noisy neighbour on "
           f"host 1: {', '.join(f'{r:.2f}' for r in ratios)}; host 1's CPU share "
-          f"{', '.join(f'{h:.2f}' for h in shares)}; the neighbour used {neighbour_s:.2f} CPU s")
-    assert inside and neighbour_s >= 0.1, (inside, neighbour_s)
-    # judged by the kernel's accounting, not by wall ratios (printed: a CI run measured
-    # 0.53-2.03 in rounds where both hosts had their whole core): the neighbour takes its
-    # part of host 1's core (about half: CI runs measured 0.42-0.65), so host 1's loop gets
-    # at most 0.8 of it, whatever else the machine runs
-    assert statistics.median(shares[5:]) <= 0.8, shares
+          f"{', '.join(f'{h:.2f}' for h in shares)}; the neighbour used "
+          f"{seen['neighbour_s']:.2f} CPU s; host 1 used {used:.3f} CPU s in {wall:.3f} s")
+    assert seen["inside"] and seen["neighbour_s"] > 0, seen
+    # a core, one period's quota (10 ms), a slice (5 ms) on each of 2 CPUs handed out before
+    # the start, and 0.01 for the clocks (as at half a core, below)
+    assert used <= wall + 0.020 + 0.01 * wall, seen
     assert _ours(tag) == []
 
 
