@@ -32,12 +32,12 @@ from .data import DP_KINDS, data_parallel
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
 from .layers import (CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn,
-                     shard_local_params)
+                     shard_local_params, sum_tail_grad)
 from .probe import Verdict, verify
 from .resolve import auto_plan, check_shards, expand, shard_for, split_shards
 from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, LocalParams, PlaitMoE,
-                     Prepare, Replicated, Rowwise, SequenceParallel, TableParallel,
-                     VocabParallel, layout_name)
+                     Prepare, Replicated, Rowwise, SequenceParallel, SharedRope,
+                     TableParallel, VocabParallel, layout_name)
 
 __all__ = ["parallelize", "applied"]
 
@@ -178,6 +178,8 @@ class _Run:
         for path, style in styles.items():
             if isinstance(style, LocalParams):
                 self._local_params(path, modules[path])
+            elif isinstance(style, SharedRope):
+                self._shared_rope(path, modules)
         if not (self.check and self.info.world > 1):
             self.verdict = Verdict(checked=False)
         else:
@@ -211,6 +213,18 @@ class _Run:
                 raise ValueError(f"{path}.{name}: local_params splits per-head parameters "
                                  f"([{n_q} query heads, ...]), got {tuple(param.shape)}")
             dim.local[name] = dim.cuts[dim.rows[0]].unit // hd
+
+    def _shared_rope(self, path: str, modules: dict) -> None:
+        """transformers' mla_kv_a_proj: the latent K/V projection stays whole; its rotary-key
+        features (the parent's qk_rope_head_dim, last) get their gradient summed."""
+        dim = next((d for d in self.dims if d.kind == "heads" and d.name
+                    and path.startswith(d.name + ".")), None)
+        tail = getattr(modules.get(dim.name) if dim else None, "qk_rope_head_dim", None)
+        if not isinstance(modules[path], nn.Linear) or dim is None or not isinstance(tail, int):
+            raise ValueError(f"{path}: mla_kv_a_proj takes a linear inside an attention split by "
+                             "heads whose module names qk_rope_head_dim (its rotary-key "
+                             "features, last in the output)")
+        dim.tails[path[len(dim.name) + 1:]] = tail
 
     def _replaced(self, modules: dict) -> dict[str, str]:
         """The modules plait replaces by layers of its own, by what ``verify`` checks."""
@@ -335,6 +349,10 @@ class _Run:
                            "outputs summed by a plain all-reduce")
         modules = dict(self.model.named_modules())
         for dim in self.dims:
+            for rel, tail in dim.tails.items():
+                sum_tail_grad(modules[f"{dim.name}.{rel}"], tail, self.group)
+                self._note(f"{dim.name}.{rel}", f"whole; the gradient of its last {tail} "
+                           "features (the rotary key every head reads) summed over the ranks")
             if dim.local:
                 shard_local_params(modules[dim.name], dim.local, dim.plan, self.group)
                 self._note(dim.name, f"{', '.join(dim.local)}: each rank keeps its heads' "

@@ -59,6 +59,7 @@ class Dim:
     note: str = ""
     local: dict[str, int] = field(default_factory=dict)  # per-head parameter → q heads a unit
     needs_check: str = ""          # a reading of the layers only the one-batch check confirms
+    tails: dict[str, int] = field(default_factory=dict)  # whole linear → rotary-key features
 
 
 def _parent(path: str) -> str:
@@ -82,11 +83,42 @@ def find_dims(linears: dict[str, tuple[object, object]], modules: dict) -> list[
             continue
         layer = {p: linears[p][1] for p in cols + rows}
         head_dim = _head_dim(modules.get(parent))
+        per_head = _per_head_widths(modules.get(parent), cols, rows, layer, linears)
         if head_dim is not None and cols and rows:
             dims.append(_attention(parent, cols, rows, layer, head_dim, linears))
+        elif per_head is not None:
+            dims.append(_latent_attention(parent, cols, rows, *per_head))
         else:
             dims.append(_columns(parent, cols, rows, layer, linears))
     return dims
+
+
+def _per_head_widths(module, cols, rows, layer, linears):
+    """(heads, {path: width a head}) where the module names a head count but no one head
+    width, and every layer holds whole heads of its own width (multi-head latent attention:
+    q of qk_head_dim, k/v of nope + v_head_dim, o of v_head_dim a head); else None."""
+    if not (cols and rows) or any(linears[c][0].blocks not in (None, 1) for c in cols):
+        return None
+    heads = next((v for v in (getattr(module, n, None) for n in
+                              ("num_heads", "num_attention_heads", "n_heads"))
+                  if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    if heads is None:
+        return None
+    widths = {c: divmod(layer[c].out_features, heads) for c in cols}
+    widths.update({r: divmod(layer[r].in_features, heads) for r in rows})
+    if any(rest or not w for w, rest in widths.values()):
+        return None
+    return heads, {p: w for p, (w, _) in widths.items()}
+
+
+def _latent_attention(parent, cols, rows, heads: int, widths: dict[str, int]) -> Dim:
+    """Attention whose layers each hold ``heads`` heads of their own width: the plan counts
+    heads, every layer is cut by whole heads of its width (multi-head attention: no groups)."""
+    width = widths[rows[0]]
+    dim = Dim(parent, "heads", cols, rows, units=heads, heads=(heads, heads, width))
+    for path in cols + rows:
+        dim.cuts[path] = LayerCut(unit=widths[path])
+    return dim
 
 
 def _head_dim(module) -> int | None:

@@ -43,11 +43,13 @@ import torch.nn.functional as F
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, unshard
 from ..nn.linear import ColumnParallelLinear
+import torch.distributed as dist
+
 from ..ops.regions import copy_to_region, reduce_from_region, reduce_scatter_region
 from ..plan import ShardPlan
 
 __all__ = ["CopiedHeadsLinear", "VocabParallelEmbedding", "shard_experts_ffn", "experts_shape",
-           "shard_local_params"]
+           "shard_local_params", "sum_tail_grad"]
 
 
 class CopiedHeadsLinear(ColumnParallelLinear):
@@ -190,6 +192,30 @@ class _ExpertShards:
             value = p.detach() if not grads else torch.zeros_like(p) if p.grad is None else p.grad
             out[name] = unshard(value.detach(), self.plan, self.group, dim, blocks=blocks)
         return out
+
+
+class _SumTail(torch.autograd.Function):
+    """Identity forward; backward: the last ``tail`` features' gradient summed over ranks."""
+
+    @staticmethod
+    def forward(ctx, x, tail, group):
+        ctx.tail, ctx.group = tail, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        part = grad[..., grad.shape[-1] - ctx.tail:].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., grad.shape[-1] - ctx.tail:] = part
+        return grad, None, None
+
+
+def sum_tail_grad(module: nn.Module, tail: int, group=None):
+    """The last ``tail`` output features of ``module`` are read by a rank's share of the
+    heads (multi-head latent attention's rotary key): their gradient is summed over the
+    ranks, so the module's weights and input get the whole of it (``mla_kv_a_proj``)."""
+    return module.register_forward_hook(lambda m, a, out: _SumTail.apply(out, tail, group))
 
 
 class _LocalShards:

@@ -181,7 +181,7 @@ class _Sim:
         self.seed = 0
 
     def _rank_module(self, rank: int, attrs: dict, totals: dict, partials: dict,
-                     detach_cols: bool) -> nn.Module:
+                     detach_cols: bool, box: dict | None = None) -> nn.Module:
         m = copy.deepcopy(self.module).to(self.dtype).eval()  # no dropout in a comparison
         dim, prefix = self.dim, self.dim.name + "." if self.dim.name else ""
         for path in dim.cols + dim.rows:
@@ -193,6 +193,10 @@ class _Sim:
             elif detach_cols:
                 local.register_forward_pre_hook(lambda mod, a: (a[0].detach(), *a[1:]))
             _set(m, rel, local)
+        for rel, tail in dim.tails.items():  # the rotary key's gradient, summed over ranks
+            m.get_submodule(rel).register_forward_hook(
+                lambda mod, a, out, tail=tail: out if box is None else
+                _TailSum.apply(out, tail, box))
         for name, unit in dim.local.items():  # per-head parameters: this rank's heads
             full = getattr(m, name)
             setattr(m, name, nn.Parameter(shard_of(full.detach(), dim.plan, rank, 0, unit=unit)))
@@ -239,13 +243,14 @@ class _Sim:
                 return float("inf"), f"{type(err).__name__}: {_line(err)}"
         return max(_rel(_first(o), want) for o in outs), ""
 
-    def _ranks(self, attrs: dict, grad: bool, detach_cols: bool = False):
+    def _ranks(self, attrs: dict, grad: bool, detach_cols: bool = False, boxes=None):
         """Every rank's output: passes until the row-parallel sums settle (rows may feed rows)."""
         totals: dict = {}
         outs = []
         for _ in range(len(self.dim.rows) + 1):
             partials: dict = {}
-            mods = [self._rank_module(r, attrs, totals, partials, detach_cols)
+            mods = [self._rank_module(r, attrs, totals, partials, detach_cols,
+                                      None if boxes is None else boxes[r])
                     for r in range(self.world)]
             self.inputs: list = []
             outs = [self._run(m, self.inputs) for m in mods]
@@ -268,10 +273,35 @@ class _Sim:
                         dtype=want.dtype)
         ref_all = _grads(self._reference(False), self, g, names)
         ref_after = _grads(self._reference(True), self, g, names)
-        outs = self._ranks(attrs, grad=True, detach_cols=True)
-        per_rank = [_grads_of(m, out, x, g, names)
-                    for m, out, x in zip(self.mods, outs, self.inputs)]
+        boxes = [{"seen": None, "total": None} for _ in range(self.world)]
+        for sweep in range(2 if self.dim.tails else 1):  # 1st: each rank's rotary-key gradient
+            outs = self._ranks(attrs, grad=True, detach_cols=True, boxes=boxes)
+            per_rank = [_grads_of(m, out, x, g, names)
+                        for m, out, x in zip(self.mods, outs, self.inputs)]
+            if self.dim.tails and sweep == 0:
+                total = sum(b["seen"] for b in boxes)  # the all-reduce of plait's hook
+                for b in boxes:
+                    b["total"] = total
         return {n: (ref_after[n], ref_all[n], [r[n] for r in per_rank]) for n in ref_all}
+
+
+class _TailSum(torch.autograd.Function):
+    """The simulated ranks' ``sum_tail_grad``: first pass, keep this rank's gradient of the
+    last ``tail`` features; second pass, replace it by the sum over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, tail, box):
+        ctx.tail, ctx.box = tail, box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad, box = grad.clone(), ctx.box
+        if box["total"] is None:
+            box["seen"] = grad[..., -ctx.tail:].clone()
+        else:
+            grad[..., -ctx.tail:] = box["total"]
+        return grad, None, None
 
 
 def _grads(m: nn.Module, sim: _Sim, g: torch.Tensor, names: list[str]) -> dict:
@@ -486,15 +516,16 @@ def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: V
         zero = lambda t: t is None or float(t.abs().max()) == 0.0  # noqa: E731
         if all(zero(r) for r in ranks) and zero(after):
             continue  # used only before the split: the column layers sum its gradient
-        before = whole - (after if after is not None else 0)
-        if float(before.abs().max()) > sim.tol * max(float(whole.abs().max()), 1e-30):
-            raise _Refused(f"{prefix}{name}: used both before and after the split of "
-                           f"{dim.name}, its gradient is neither whole nor a share on a rank")
+        after = after if after is not None else torch.zeros_like(whole)
         filled = [r if r is not None else torch.zeros_like(whole) for r in ranks]
-        whole_on_each = all(_rel(r, after) <= sim.tol for r in filled)
+        scale = float(whole.abs().max())
+        whole_on_each = all(_rel(r, after, scale) <= sim.tol for r in filled)
         if whole_on_each and prefix + name not in summed:
-            continue
-        if _rel(sum(filled), after) <= sim.tol:
+            continue  # the part after the split is whole on every rank; before it, too
+        if _rel(sum(filled), after, scale) <= sim.tol:
+            if float((whole - after).abs().max()) > sim.tol * scale:
+                raise _Refused(f"{prefix}{name}: used both before and after the split of "
+                               f"{dim.name}: its gradient would be part whole, part a share")
             if prefix + name not in summed:
                 verdict.partial.add(prefix + name)
             continue

@@ -35,6 +35,8 @@ PrepareModuleInput / PrepareModuleOutput    Prepare(): moves tensors between lay
 "gather" (experts)
 "local_params" (an attention module)        LocalParams(): its per-head parameters
                                             (sinks) split with its heads
+"mla_kv_a_proj"                             SharedRope(): whole; the gradient of its
+                                            rotary-key features summed over ranks
 ==========================================  =========================================
 
 Unit heads (``unit_colwise``) need nothing extra: plait always splits attention by
@@ -49,7 +51,7 @@ from typing import Any
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 __all__ = ["Colwise", "Rowwise", "VocabParallel", "SequenceParallel", "Prepare", "Replicated",
-           "ExpertsTP", "ExpertsEP", "PlaitMoE", "TableParallel", "LocalParams",
+           "ExpertsTP", "ExpertsEP", "PlaitMoE", "TableParallel", "LocalParams", "SharedRope",
            "BatchParallel", "Style", "to_style", "layout_name", "HF_STYLES"]
 
 REPLICATE, FEATURES = Replicate(), Shard(-1)
@@ -132,6 +134,13 @@ class TableParallel:
 
 
 @dataclass(frozen=True)
+class SharedRope:
+    """Multi-head latent attention's ``kv_a_proj_with_mqa``: left whole on every rank; the
+    last ``qk_rope_head_dim`` features of its output (the rotary key every head reads) are
+    read by a rank's heads only, so their gradient is summed over the ranks."""
+
+
+@dataclass(frozen=True)
 class LocalParams:
     """An attention module's own parameters with one entry per query head (sinks, a gate's
     bias): each rank keeps its heads' entries, as the attention's heads are split."""
@@ -147,9 +156,11 @@ class BatchParallel:
 
 
 Style = (Colwise | Rowwise | VocabParallel | SequenceParallel | Prepare | Replicated
-         | ExpertsTP | ExpertsEP | PlaitMoE | TableParallel | BatchParallel | LocalParams)
+         | ExpertsTP | ExpertsEP | PlaitMoE | TableParallel | BatchParallel | LocalParams
+         | SharedRope)
 _STYLES = (Colwise, Rowwise, VocabParallel, SequenceParallel, Prepare, Replicated,
-           ExpertsTP, ExpertsEP, PlaitMoE, TableParallel, BatchParallel, LocalParams)
+           ExpertsTP, ExpertsEP, PlaitMoE, TableParallel, BatchParallel, LocalParams,
+           SharedRope)
 
 # transformers' plan strings (4.5x through 5.x names), as plait styles
 HF_STYLES: dict[str, Any] = {
@@ -164,7 +175,7 @@ HF_STYLES: dict[str, Any] = {
     "replicated_with_grad_allreduce": Replicated(grad_sum=True),
     "moe_tp_experts": ExpertsTP(),
     "ep_dispatch_experts": ExpertsEP(), "grouped_gemm": ExpertsEP(), "gather": ExpertsEP(),
-    "local_params": LocalParams(),
+    "local_params": LocalParams(), "mla_kv_a_proj": SharedRope(),
 }
 # styles that name a parameter of an experts module: the module's own style decides
 HF_PARAM_STYLES = {"grouped_gemm", "packed_colwise", "packed_rowwise", "local_packed_rowwise",
@@ -172,7 +183,6 @@ HF_PARAM_STYLES = {"grouped_gemm", "packed_colwise", "packed_rowwise", "local_pa
 _HF_REFUSED = {
     "embedding_colwise": "an embedding split along its features; plait splits the vocabulary "
                          "(embedding_rowwise)",
-    "mla_kv_a_proj": "multi-head latent attention's split K/V projection",
     "megamoe_router": "DeepGEMM's MegaMoE", "megamoe_experts": "DeepGEMM's MegaMoE",
     "moe_identity_expert": "identity experts",
     "local": "an isolated (rank-local) module",
