@@ -8,10 +8,11 @@ every segment. A call:
 1. waits until every rank has finished call ``n − BUFFERS`` (its ``DONE`` flag): nobody
    reads that buffer any more, so it may be written;
 2. writes its header (op, dtype, shapes, chunks: what fixes the schedule; or that this
-   rank rejected its input, and why) and raises ``HDR``; reads every rank's header and
-   raises on every rank where any differs or any rank rejected its input: the check
-   costs a few flag reads, not a round trip over the network, and a mismatch is an error
-   on every rank, never a hang;
+   rank rejected its input, and why) and, with it, the data its peers will read; raises
+   ``HDR`` (:meth:`Call.exchange`); reads every rank's header and raises on every rank
+   where any differs or any rank rejected its input: the check rides with the data, a
+   few flag reads and no round trip of its own, and a mismatch is an error on every
+   rank, never a hang;
 3. moves its pieces: a writer sets its flag ``PIECE + k`` once piece ``k`` is written
    (into its own segment or a peer's), a reader waits on the writer's flag;
 4. raises ``DONE``.
@@ -55,42 +56,53 @@ class Call:
 
     def __init__(self, shm: ShmSegments, epoch: int, header: Header,
                  problem: Exception | None = None):
-        self.shm, self.epoch, self.header = shm, epoch, header
+        self.shm, self.epoch, self.header, self.problem = shm, epoch, header, problem
         self.buffer = epoch % BUFFERS
         if epoch >= BUFFERS:
             for rank in range(shm.world):
                 shm.wait(rank, DONE, epoch - BUFFERS, header.op)
-        self.rows = self._exchange_headers(problem)
+        self._write_header(problem)
+        self.rows: list[tuple[int, ...]] | None = None
 
     # --- the check, carried in the slot ----------------------------------------
-    def _exchange_headers(self, problem: Exception | None) -> list[tuple[int, ...]]:
-        shm, words = self.shm, self.shm.flags
+    def _write_header(self, problem: Exception | None) -> None:
+        words = self.shm.flags
         start = (_HEADER_LINE + 8 * self.buffer) * LINE
-        note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES
         values = self.header.values
         words[start] = 1 if problem is not None else 0
-        words[start + 1:start + 1 + len(values)] = np.array(values, dtype=np.int64) & 0xFFFFFFFF
+        words.view(np.int32)[start + 1:start + 1 + len(values)] = values
         if problem is not None:
+            note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES
             text = f"{type(problem).__name__}:{problem}".encode()[:_NOTE_BYTES - 1]
             note = words.view(np.uint8)[note_at:note_at + _NOTE_BYTES]
             note[:len(text) + 1] = np.frombuffer(text + b"\0", dtype=np.uint8)
+
+    def exchange(self) -> list[tuple[int, ...]]:
+        """Raise ``HDR``: this rank's header, and whatever the caller wrote into its slots
+        before, are there for every peer. Wait for every peer's, then check them: every
+        rank raises the same error where a rank rejected its input or a field differs.
+        Every rank's header, in rank order."""
+        shm = self.shm
         shm.set(HDR, self.epoch)
+        start = (_HEADER_LINE + 8 * self.buffer) * LINE
+        note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES
+        width = len(self.header.values)
         rows, failed = [], []
         for rank in range(shm.world):
             shm.wait(rank, HDR, self.epoch, self.header.op)
             theirs = shm.peers[rank].flags
             if theirs[start]:
                 failed.append((rank, _note(theirs, note_at)))
-            rows.append(tuple(int(v) - (1 << 32 if v & 0x80000000 else 0)
-                              for v in theirs[start + 1:start + 1 + len(values)]))
+            rows.append(tuple(theirs.view(np.int32)[start + 1:start + 1 + width].tolist()))
         if failed:
             self.close()
-            if problem is not None:
-                raise problem
+            if self.problem is not None:
+                raise self.problem
             kind = TypeError if failed[0][1].startswith("TypeError:") else ValueError
             raise kind(f"{self.header.op}: input rejected on " + "; ".join(
                 f"rank {r}: {text.partition(':')[2]}" for r, text in failed))
         self._check(rows)
+        self.rows = rows
         return rows
 
     def _check(self, rows: list[tuple[int, ...]]) -> None:

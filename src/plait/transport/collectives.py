@@ -59,11 +59,14 @@ class ShmGroup:
         row = tuple(row) if problem is None else (0,) * width
         call = self.call(op, [f"f{i}" for i in range(width)], row,
                          local=[f"f{i}" for i in range(width)], problem=problem)
+        rows = call.exchange()
         call.close()
-        return call.rows
+        return rows
 
     def barrier(self) -> None:
-        self.call("barrier", (), ()).close()
+        call = self.call("barrier", (), ())
+        call.exchange()
+        call.close()
 
     # --- all_reduce ------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -78,16 +81,12 @@ class ShmGroup:
         n, size = flat.numel(), flat.element_size()
         call = self.call("all_reduce", ("dtype", "numel"), (DTYPES[flat.dtype], n))
         call.slot(self.rank, flat.dtype, n).copy_(flat)
-        call.publish(0)
+        call.exchange()  # every rank's tensor is in its slot
         if n * size <= ONE_SHOT_BYTES:
-            for rank in range(self.world):
-                call.wait(rank, 0)
             _sum_into(flat, [call.slot(r, flat.dtype, n) for r in range(self.world)])
         else:
             bounds = _bounds(n, self.world)
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
-            for rank in range(self.world):
-                call.wait(rank, 0)
             mine = flat[lo:hi]
             _sum_into(mine, [call.slot(r, flat.dtype, n)[lo:hi] for r in range(self.world)])
             call.slot(self.rank, flat.dtype, n)[lo:hi].copy_(mine)
@@ -104,18 +103,18 @@ class ShmGroup:
         """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``."""
         width = piece[0].numel() if piece.shape[0] else out[0].numel()
         names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
+        nbytes = piece.numel() * piece.element_size()
         call = self.call("all_gather", names, (DTYPES[piece.dtype], width, *rows,
-                                               piece.shape[0]), local=("piece",))
-        held = [row[-1] for row in call.rows]
+                                               piece.shape[0]), local=("piece",),
+                         problem=self._too_big("all_gather", nbytes))
+        if call.problem is None:
+            call.slot(self.rank, piece.dtype, piece.numel()).copy_(piece.reshape(-1))
+        held = [row[-1] for row in call.exchange()]
         if held != [int(r) for r in rows]:  # the same verdict on every rank: rows agree
             call.close()
             raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold {held}")
-        self._fits("all_gather", max(rows) * width * piece.element_size(), call)
-        call.slot(self.rank, piece.dtype, piece.numel()).copy_(piece.reshape(-1))
-        call.publish(0)
         flat, start = out.view(-1), 0
         for rank, count in enumerate(rows):
-            call.wait(rank, 0)
             flat[start:start + count * width].copy_(call.slot(rank, piece.dtype, count * width))
             start += count * width
         call.close()
@@ -125,16 +124,15 @@ class ShmGroup:
                        rows: Sequence[int]) -> torch.Tensor:
         """Rows ``rows[r]`` of the sum of every rank's ``tensor`` land on rank r's ``out``."""
         width = tensor[0].numel()
-        call = self.call("reduce_scatter", ("dtype", "width", "total"),
-                         (DTYPES[tensor.dtype], width, tensor.shape[0]))
-        self._fits("reduce_scatter", tensor.numel() * tensor.element_size(), call)
         n = tensor.numel()
-        call.slot(self.rank, tensor.dtype, n).copy_(tensor.reshape(-1))
-        call.publish(0)
+        call = self.call("reduce_scatter", ("dtype", "width", "total"),
+                         (DTYPES[tensor.dtype], width, tensor.shape[0]),
+                         problem=self._too_big("reduce_scatter", n * tensor.element_size()))
+        if call.problem is None:
+            call.slot(self.rank, tensor.dtype, n).copy_(tensor.reshape(-1))
+        call.exchange()
         lo = sum(rows[:self.rank]) * width
         hi = lo + rows[self.rank] * width
-        for rank in range(self.world):
-            call.wait(rank, 0)
         _sum_into(out.view(-1), [call.slot(r, tensor.dtype, n)[lo:hi] for r in range(self.world)])
         call.close()
         return out
@@ -147,9 +145,13 @@ class ShmGroup:
         names = ("dtype", "width", *(f"to{d}" for d in range(world)),
                  *(f"from{s}" for s in range(world)))
         call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows),
-                         local=names[2:])
-        sent = [row[2:2 + world] for row in call.rows]        # [sender][receiver]
-        expected = [row[2 + world:] for row in call.rows]     # [receiver][sender]
+                         local=names[2:], problem=self._too_big(
+                             "all_to_all", send.numel() * send.element_size()))
+        if call.problem is None:
+            call.slot(self.rank, send.dtype, send.numel()).copy_(send.reshape(-1))
+        rows = call.exchange()
+        sent = [row[2:2 + world] for row in rows]        # [sender][receiver]
+        expected = [row[2 + world:] for row in rows]     # [receiver][sender]
         wrong = [(s, r) for s in range(world) for r in range(world)
                  if sent[s][r] != expected[r][s]]
         if wrong:  # every rank sees every header: the same verdict everywhere
@@ -157,24 +159,21 @@ class ShmGroup:
             call.close()
             raise ValueError(f"all_to_all: rank {s} sends rank {r} {sent[s][r]} rows, rank {r} "
                              f"expects {expected[r][s]}")
-        self._fits("all_to_all", max(sum(x) for x in sent) * width * send.element_size(), call)
-        call.slot(self.rank, send.dtype, send.numel()).copy_(send.reshape(-1))
-        call.publish(0)
         flat, start = out.view(-1), 0
         for rank in range(world):
             count = sent[rank][self.rank] * width
             offset = sum(sent[rank][:self.rank]) * width * send.element_size()
-            call.wait(rank, 0)
             flat[start:start + count].copy_(call.slot(rank, send.dtype, count, offset))
             start += count
         call.close()
         return out
 
-    def _fits(self, op: str, nbytes: int, call: Call) -> None:
-        if nbytes > self.capacity:
-            call.close()
-            raise ValueError(f"{op}: {nbytes} bytes a rank is more than one shared-memory "
-                             f"buffer holds ({self.capacity})")
+    def _too_big(self, op: str, nbytes: int) -> ValueError | None:
+        """This rank's data does not fit a buffer: a problem every rank raises in the call."""
+        if nbytes <= self.capacity:
+            return None
+        return ValueError(f"{op}: {nbytes} bytes a rank is more than one shared-memory buffer "
+                          f"holds ({self.capacity})")
 
 
 def _bounds(n: int, world: int) -> list[int]:

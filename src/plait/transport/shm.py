@@ -48,13 +48,18 @@ LINE = 16                # int32 words a flag line (64 bytes)
 WORDS = 256              # flag lines in a control block
 CONTROL_BYTES = WORDS * LINE * 4
 BUFFERS = 2              # data buffers a segment, used in turn by successive calls
-SPIN_S = 20e-6           # spin this long on a flag before sleeping on it
+SPIN_S = 50e-6           # spin (yielding the core) this long on a flag before sleeping on it
 SLEEP_S = 1e-3           # one futex sleep at most (a lost wake costs no more)
 ALIVE_EVERY_S = 0.1      # how often a sleeping waiter checks its peer still lives
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1   # not _PRIVATE: the word is shared between processes
 _SYS_FUTEX = {"x86_64": 202, "AMD64": 202}
+_SYS = _SYS_FUTEX.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in
+             (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+              torch.complex64, torch.complex128)}
 
 
 class _Timespec(ctypes.Structure):
@@ -176,6 +181,7 @@ class ShmSegments:
         self.flags = self.peers[self.rank].flags
         self.data = self.peers[self.rank].data
         self._sleeping_word = WORDS - 1  # my "I sleep on a flag" word, read by writers
+        self._views: dict = {}
 
     def _map(self, rank: int, path: str, pid: int, size: int) -> _Peer:
         raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -186,11 +192,19 @@ class ShmSegments:
     def buffer(self, rank: int, index: int, dtype: torch.dtype, count: int,
                offset: int = 0) -> torch.Tensor:
         """``count`` elements of ``dtype`` from byte ``offset`` of data buffer ``index`` of
-        ``rank``'s segment: memory every rank of the group sees."""
-        start = (index % BUFFERS) * self.capacity + offset
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        assert offset + nbytes <= self.capacity, (offset, nbytes, self.capacity)
-        return self.peers[rank].data[start:start + nbytes].view(dtype)
+        ``rank``'s segment: memory every rank of the group sees (views kept: a decoding
+        step asks for the same few again and again)."""
+        key = (rank, index % BUFFERS, dtype, count, offset)
+        view = self._views.get(key)
+        if view is None:
+            start = (index % BUFFERS) * self.capacity + offset
+            nbytes = count * _ITEMSIZE[dtype]
+            assert offset + nbytes <= self.capacity, (offset, nbytes, self.capacity)
+            view = self.peers[rank].data[start:start + nbytes].view(dtype)
+            if len(self._views) > 4096:
+                self._views.clear()
+            self._views[key] = view
+        return view
 
     # --- flags -------------------------------------------------------------------
     def set(self, word: int, epoch: int) -> None:
@@ -203,16 +217,20 @@ class ShmSegments:
                 return
 
     def wait(self, rank: int, word: int, epoch: int, op: str) -> None:
-        """Until ``rank``'s flag ``word`` reaches ``epoch``: a spin, then futex sleeps; the
-        timeout, the watchdog board and the peer's death are minded."""
+        """Until ``rank``'s flag ``word`` reaches ``epoch``: a spin that yields the core (a
+        peer sharing it runs), then futex sleeps; the timeout, the watchdog board and the
+        peer's death are minded."""
         flags = self.peers[rank].flags
         index = word * LINE
         if reached(flags[index], epoch):
             return
         start = time.perf_counter()
-        while time.perf_counter() - start < SPIN_S:
+        while True:
+            os.sched_yield()
             if reached(flags[index], epoch):
                 return
+            if time.perf_counter() - start > SPIN_S:
+                break
         mark(op)
         deadline = start + self.timeout_s
         checked = start
@@ -241,5 +259,5 @@ class ShmSegments:
         ts = None
         if timeout_s is not None:
             ts = ctypes.byref(_Timespec(0, int(timeout_s * 1e9)))
-        _libc.syscall(_SYS_FUTEX[platform.machine()], ctypes.c_void_p(address), op,
+        _libc.syscall(_SYS, ctypes.c_void_p(address), op,
                       ctypes.c_uint(value & 0xFFFFFFFF), ts, None, 0)
