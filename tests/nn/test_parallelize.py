@@ -296,7 +296,7 @@ def _mistakes():
     attn = "blocks.0.attn"
     return raised({
         "nothing": par(_toy(), {"blocks.*.atn.q_proj": "colwise"}),
-        "refused": par(_toy(), {f"{attn}.q_proj": "mla_kv_a_proj"}),
+        "refused": par(_toy(), {f"{attn}.q_proj": "moe_identity_expert"}),
         "unknown": par(_toy(), {f"{attn}.q_proj": "colwize"}),
         "dtensor": par(_toy(), {f"{attn}.q_proj": ColwiseParallel(use_local_output=False)}),
         "not_linear": par(_toy(), {"blocks.0.norm1": "colwise"}),
@@ -320,7 +320,7 @@ def test_mistakes_are_refused_naming_the_module():
     seen = run_ranks(_mistakes, 2)[0]
     assert "plan entry 'blocks.*.atn.q_proj' ('colwise') matches no module of Toy" \
         in seen["nothing"]
-    assert "'blocks.0.attn.q_proj': transformers' style 'mla_kv_a_proj'" in seen["refused"]
+    assert "'blocks.0.attn.q_proj': transformers' style 'moe_identity_expert'" in seen["refused"]
     assert "not supported by plait" in seen["refused"]
     assert "'colwize' is not a transformers plan style plait knows" in seen["unknown"]
     assert "ColwiseParallel(use_local_output=False) asks for a DTensor" in seen["dtensor"]
