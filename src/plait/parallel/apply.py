@@ -403,12 +403,15 @@ class _Run:
 
     def _share_inputs(self, dim: Dim, modules: dict) -> None:
         """Column-parallel siblings under one module (q/k/v, gate/up) sum their input
-        gradients before one all-reduce; one that reads another tensor keeps its own."""
-        by_parent: dict[str, list[str]] = {}
+        gradients before one all-reduce; one that reads another tensor keeps its own. Only
+        siblings of one input width are grouped: the first to read a tensor computes all of
+        the group's outputs from it (multi-head latent attention's q_b, kv_b and a gate read
+        three tensors, two of one width)."""
+        by_parent: dict[tuple[str, int], list[str]] = {}
         for path in dim.cols:
-            style = self.styles[path]
-            if style.input == Replicate() and isinstance(modules[path], ColumnParallelLinear):
-                by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+            style, layer = self.styles[path], modules[path]
+            if style.input == Replicate() and isinstance(layer, ColumnParallelLinear):
+                by_parent.setdefault((path.rpartition(".")[0], layer.in_features), []).append(path)
         for paths in by_parent.values():
             if share_input([modules[p] for p in paths], self.group, overlap=self.overlap,
                            chunks=self.chunks) is not None:

@@ -55,6 +55,7 @@ class ExpertParallelExperts(nn.Module):
         self.chunks = chunks if overlap else 1
         self.overlap = overlap
         self.act_fn = experts.act_fn
+        self.transposed = bool(getattr(experts, "is_transposed", False))  # [E, in, out] already
         # the class's own gate (DeepSeek-V4 clamps gate and up before act(gate)·up), as
         # transformers' grouped and batched kernels call it, with the scalars it reads
         self._own_gate = getattr(type(experts), "_apply_gate", None)
@@ -90,10 +91,10 @@ class ExpertParallelExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)   # [E]
         send, recv = self._counts(counts)
         x_send = x.index_select(0, token)                             # [T_r·k, H]
-        h = all_to_all_matmul(x_send, self.gate_up_proj.transpose(1, 2), send, recv,
+        h = all_to_all_matmul(x_send, self._in_out(self.gate_up_proj), send, recv,
                               self.group, chunks=self.chunks)         # [T_recv, 2F]
         h = self._apply_gate(h)                                       # [T_recv, F]
-        y = matmul_all_to_all(h, self.down_proj.transpose(1, 2), send, recv, self.group,
+        y = matmul_all_to_all(h, self._in_out(self.down_proj), send, recv, self.group,
                               chunks=self.chunks)                     # [T_r·k, H]
         y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         return torch.zeros_like(x).index_add(0, token, y)
@@ -111,10 +112,15 @@ class ExpertParallelExperts(nn.Module):
                 if not mine.start <= e < mine.stop:
                     continue
                 rows = (top_k_index[:, slot] == e).nonzero().squeeze(1)
-                h = self._apply_gate(x[rows] @ self.gate_up_proj[e - mine.start].T)
-                y = h @ self.down_proj[e - mine.start].T
+                h = self._apply_gate(x[rows] @ self._in_out(self.gate_up_proj)[e - mine.start])
+                y = h @ self._in_out(self.down_proj)[e - mine.start]
                 out = out.index_add(0, rows, y * w[rows, slot, None])
         return reduce_from_region(out, self.group)
+
+    def _in_out(self, w: torch.Tensor) -> torch.Tensor:
+        """An experts weight as [E_r, in, out] (transformers stores [E, out, in] unless
+        ``is_transposed``)."""
+        return w if self.transposed else w.transpose(1, 2)
 
     def _counts(self, counts: torch.Tensor):
         """(send [W][E_d], recv [W][E_r]) from every rank's per-expert token counts."""

@@ -158,23 +158,36 @@ class VocabParallelEmbedding(nn.Module):
 
 def experts_shape(module: nn.Module, path: str) -> tuple[int, int, int]:
     """(experts, hidden, ffn) of transformers' fused experts; a ValueError naming what is not
-    the layout plait splits ([gate | up] concatenated, not transposed, no biases)."""
+    a layout plait splits ([gate | up] concatenated, no biases; [E, 2F, H] and [E, H, F], or
+    with ``is_transposed`` [E, H, 2F] and [E, F, H])."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
             or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"{path}: {type(module).__name__} is not transformers' fused experts "
                          "(3-D gate_up_proj [E, 2F, H] and down_proj [E, H, F])")
     bad = [f"{a}={getattr(module, a)}" for a, ok in
-           (("is_transposed", False), ("is_concatenated", True), ("has_bias", False),
-            ("has_gate", True)) if getattr(module, a, ok) != ok]
+           (("is_concatenated", True), ("has_bias", False), ("has_gate", True))
+           if getattr(module, a, ok) != ok]
     if bad:
         raise ValueError(f"{path}: experts with {', '.join(bad)} are not supported (plait splits "
                          "[gate | up] concatenated, [E, 2F, H], without biases)")
-    e, two_f, h = gate_up.shape
-    if two_f % 2 or tuple(down.shape) != (e, h, two_f // 2):
+    if getattr(module, "is_transposed", False):
+        e, h, two_f = gate_up.shape
+        want, names = (e, two_f // 2, h), "[E, H, 2F] and [E, F, H] (is_transposed)"
+    else:
+        e, two_f, h = gate_up.shape
+        want, names = (e, h, two_f // 2), "[E, 2F, H] and [E, H, F]"
+    if two_f % 2 or tuple(down.shape) != want:
         raise ValueError(f"{path}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
-                         f"{tuple(down.shape)} are not [E, 2F, H] and [E, H, F]")
+                         f"{tuple(down.shape)} are not {names}")
     return e, h, two_f // 2
+
+
+def _ffn_dims(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Per experts parameter: the dim its FFN columns run along, and its blocks."""
+    if getattr(module, "is_transposed", False):
+        return {"gate_up_proj": (2, 2), "down_proj": (1, 1)}
+    return {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
 
 
 class _ExpertShards:
@@ -183,7 +196,7 @@ class _ExpertShards:
 
     def __init__(self, module: nn.Module, plan: ShardPlan, group):
         self.module, self.plan, self.group = module, plan, group
-        self.dims = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+        self.dims = _ffn_dims(module)
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         out = {}
@@ -251,9 +264,10 @@ def shard_experts_ffn(module: nn.Module, path: str, group=None,
     e, h, f = experts_shape(module, path)
     info = GroupInfo(group)
     plan = resolve_plan(plan, f, info, what="expert FFN columns", layer=path)
+    (gu_dim, _), (down_dim, _) = _ffn_dims(module).values()
     with torch.no_grad():
-        gate_up = shard_of(module.gate_up_proj.detach(), plan, info.rank, 1, blocks=2)
-        down = shard_of(module.down_proj.detach(), plan, info.rank, 2)
+        gate_up = shard_of(module.gate_up_proj.detach(), plan, info.rank, gu_dim, blocks=2)
+        down = shard_of(module.down_proj.detach(), plan, info.rank, down_dim)
     module.gate_up_proj = nn.Parameter(gate_up, requires_grad=module.gate_up_proj.requires_grad)
     module.down_proj = nn.Parameter(down, requires_grad=module.down_proj.requires_grad)
     if hasattr(module, "intermediate_dim"):

@@ -7,7 +7,7 @@ heads each ``[q k v]`` (GPT-NeoX, CodeGen); an attention module may view its q b
 head count, normalise all heads together, or hold a per-head parameter; an activation may
 have parameters; an embedding subclass may scale its lookups. Run on a rank's share, any of
 these is a shape error at best and a silently different model at worst. So ``verify`` runs
-the model once (ids ``[1, 6]``, eval mode, no gradient, the RNG untouched), keeps the inputs
+the model once (ids ``[1, 16]``, eval mode, no gradient, the RNG untouched), keeps the inputs
 of every module the plan touches, and in float64 on this process:
 
 - each attention or MLP whose linears pair up (a *dim*): for every rank, a copy of the
@@ -70,7 +70,7 @@ class _Refused(ValueError):
 
 # ------------------------------------------------------------------ running the model once
 def example_ids(model: nn.Module) -> torch.Tensor | None:
-    """Token ids ``[1, 6]`` for the model's input embedding, or None where it has none."""
+    """Token ids ``[1, 16]`` for the model's input embedding, or None where it has none."""
     emb = None
     get = getattr(model, "get_input_embeddings", None)
     if callable(get):
@@ -83,7 +83,7 @@ def example_ids(model: nn.Module) -> torch.Tensor | None:
     if emb is None:
         return None
     n = emb.num_embeddings
-    return (torch.arange(6, device=emb.weight.device) * 7 + 3).remainder(n).unsqueeze(0)
+    return (torch.arange(16, device=emb.weight.device) * 7 + 3).remainder(n).unsqueeze(0)
 
 
 def _capture(model: nn.Module, paths: list[str]) -> dict | None:
@@ -619,8 +619,10 @@ def _check_experts(path: str, module: nn.Module, captured: tuple, world: int, ep
             got = 0
             for r in range(world):
                 m = copy.deepcopy(ref)
-                m.gate_up_proj = nn.Parameter(shard_of(ref.gate_up_proj, plan, r, 1, blocks=2))
-                m.down_proj = nn.Parameter(shard_of(ref.down_proj, plan, r, 2))
+                t = getattr(ref, "is_transposed", False)
+                m.gate_up_proj = nn.Parameter(shard_of(ref.gate_up_proj, plan, r, 2 if t else 1,
+                                                       blocks=2))
+                m.down_proj = nn.Parameter(shard_of(ref.down_proj, plan, r, 1 if t else 2))
                 if hasattr(m, "intermediate_dim"):
                     m.intermediate_dim = plan.sizes[r]
                 got = got + _first(m(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
@@ -637,14 +639,15 @@ def _plain_experts(m, act, hidden_states, top_k_index, top_k_weights):
         for e in top_k_index[:, slot].unique().tolist():
             rows = (top_k_index[:, slot] == e).nonzero().squeeze(1)
             x = hidden_states[rows]
-            gate_up = F.linear(x, m.gate_up_proj[e])
+            transposed = getattr(m, "is_transposed", False)
+            gate_up = x @ m.gate_up_proj[e] if transposed else F.linear(x, m.gate_up_proj[e])
             own = getattr(type(m), "_apply_gate", None)
             if own is not None:
                 h = own(m, gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = act(gate) * up
-            y = F.linear(h, m.down_proj[e])
+            y = h @ m.down_proj[e] if transposed else F.linear(h, m.down_proj[e])
             out.index_add_(0, rows, y * top_k_weights[rows, slot, None].to(y.dtype))
     return out
 

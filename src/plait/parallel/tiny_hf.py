@@ -75,6 +75,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
               "expert_layer_offset": 1, "use_mamba_kernels": False},
+    # its sliding layers' attention sizes come from swa_* keywords (64 heads of 256)
+    "dots3_note_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+                        "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16, "swa_head_dim": 16,
+                        "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16},
     "dory": {"n_input_layers": 1, "n_output_layers": 1},  # defaults 8 each, of 2 layers
     # its rotary embedding reads rope_parameters per layer type; the defaults are not
     "cohere_compass_text": {"rope_parameters": {
