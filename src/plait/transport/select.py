@@ -149,6 +149,8 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
     wanted_name = wanted_name or wanted()
     backend = dist.get_backend(group)
     world = dist.get_world_size(group)
+    if backend == "nccl":
+        return _choose_cuda(group, wanted_name, world)
     why_not = supported() if backend == "gloo" else f"the group runs {backend}"
     every: list = [None] * world
     dist.all_gather_object(every, (host_id(), why_not), group=group)
@@ -174,3 +176,25 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
     reason = "asked for" if wanted_name == "shm" else \
         f"auto: all {world} ranks on one host"
     return ShmTransport(group, Choice("shm", reason), timeout_s=timeout_s)
+
+
+def _choose_cuda(group, wanted_name: str, world: int):
+    """NCCL groups: torch's symmetric memory for all-reduces where every rank shares a host
+    (``plait.transport.cuda``), NCCL otherwise and for the rest."""
+    from .cuda import SymmMemTransport, available
+    from .shm import host_id
+
+    every: list = [None] * world
+    dist.all_gather_object(every, (host_id(), available()), group=group)
+    blocked = next((w for _, w in every if w is not None), None)
+    if blocked is None and len({h for h, _ in every}) > 1:
+        blocked = f"the group's {world} ranks are on {len({h for h, _ in every})} hosts"
+    if world == 1:
+        blocked = "one rank: nothing to move"
+    if wanted_name == "shm" and blocked is not None:
+        raise ValueError(f"--transport shm: {blocked}")
+    if wanted_name == "gloo" or blocked is not None:
+        reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
+        return DistTransport(group, Choice("nccl", reason))
+    return SymmMemTransport(group, Choice("symm_mem", f"{'asked for' if wanted_name == 'shm' else 'auto'}: all {world} ranks on one host: torch's symmetric memory for "
+                                           "all-reduces, NCCL for the rest"))
