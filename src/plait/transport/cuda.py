@@ -15,6 +15,8 @@ cannot host a group of two ranks. ``scripts/device_check.py`` runs what one GPU 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ def available() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as err:
         return f"torch has no symmetric memory ({err})"
     if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
@@ -43,8 +45,7 @@ class SymmMemTransport(DistTransport):
     """All-reduces through torch's symmetric memory; the rest through NCCL (the base)."""
 
     def __init__(self, group, choice: Choice, *, capacity: int = 64 << 20):
-        import torch.distributed._symmetric_memory as symm_mem
-
+        symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
         super().__init__(group, choice)
         self.name = "symm_mem"
         pg = group or dist.group.WORLD
