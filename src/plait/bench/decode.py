@@ -38,7 +38,8 @@ from ..training.decode import decode
 
 __all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "run_decode_bench", "summarize"]
 
-SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process")
+SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process", "plait-speed")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +53,12 @@ class DecodeBenchConfig:
     new_tokens: int = field(default=48, metadata=_h("tokens decoded after the prompt"))
     batch_sizes: tuple[int, ...] = field(default=(1, 4, 16, 64), metadata=_h(
         "batch sizes (prompts decoded at once)"))
-    systems: tuple[str, ...] = field(default=SYSTEMS, metadata=_h(
+    systems: tuple[str, ...] = field(default=DEFAULT_SYSTEMS, metadata=_h(
         "systems: " + ", ".join(SYSTEMS)))
+    split: str = field(default="even", metadata=_h(
+        "even, or speed: also run plait with every split dim sized by each rank's measured "
+        "speed (plait-speed), beside the even split"))
+    speed_steps: int = field(default=8, metadata=_h("decoding steps timed to measure speeds"))
     rounds: int = field(default=3, metadata=_h("rounds: every system decodes once a round"))
     seed: int = field(default=0, metadata=_h("weights' and prompts' seed"))
     extra: dict = field(default_factory=dict, metadata={"help": None})  # where it ran
@@ -68,6 +73,10 @@ class DecodeBenchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
+        if self.split not in ("even", "speed"):
+            raise ValueError(f"--split must be even or speed, got {self.split!r}")
+        if self.split == "speed" and "plait-speed" not in self.systems:
+            object.__setattr__(self, "systems", (*self.systems, "plait-speed"))
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch-sizes must be at least 1 each, got {self.batch_sizes}")
         if self.n_head % self.n_kv_head or self.n_embd % self.n_head:
@@ -108,8 +117,19 @@ def _systems(cfg: DecodeBenchConfig, ref) -> dict:
             model = copy.deepcopy(ref)
             out[name] = parallelize_module(model, mesh, torch_tp_plan(own_plan(model, "auto")))
         else:
-            out[name] = parallelize(copy.deepcopy(ref), "auto", overlap=name == "plait")
+            out[name] = parallelize(copy.deepcopy(ref), "auto", overlap=name != "plait-plain")
     return out, why
+
+
+def _speed_split(cfg: DecodeBenchConfig, model) -> dict:
+    """plait-speed: every split dim sized by the speeds measured on a batch-1 prompt."""
+    from ..training.split import measure_speeds, split_by_speed
+
+    prompt = torch.randint(0, cfg.vocab_size, (1, cfg.prompt_len),
+                           generator=torch.Generator().manual_seed(cfg.seed))
+    speeds, _, _ = measure_speeds(model, prompt, cfg.speed_steps)
+    return {"speeds": list(speeds), "sizes": {d: list(s) for d, s in
+                                                split_by_speed(model, speeds).items()}}
 
 
 def _timed(model, prompt, cfg: DecodeBenchConfig, alone: bool):
@@ -133,6 +153,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
     world = dist.get_world_size()
     ref = _llama(cfg)
     models, why = _systems(cfg, ref)
+    split = _speed_split(cfg, models["plait-speed"]) if "plait-speed" in models else None
     transport = transport_of(None).choice
     names = list(models)
     records = []
@@ -144,6 +165,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
                                                                      "new_tokens": 2}),
                    name == "one-process")
         seen = {name: {"steps": [], "ttft": [], "tokens": None} for name in names}
+        capacity = _capacity(cfg, models, prompt) if "plait" in models else None
         for i in range(cfg.rounds):
             for name in balanced_round(names, i):
                 tokens, ttft, steps = _timed(models[name], prompt, cfg, name == "one-process")
@@ -169,11 +191,36 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
                 "transport": "–" if name in ("one-process", "pytorch-tp") else transport.name,
                 "transport_reason": transport.reason, "steps": len(steps),
                 "new_tokens": cfg.new_tokens, "link": rank_context().link, **cfg.extra})
+            if name == "plait-speed" and split is not None:
+                records[-1]["split"] = split
+            if name.startswith("plait") and capacity is not None and name != "plait-plain":
+                even = statistics.median(sorted(seen["plait"]["steps"]))
+                records[-1].update(_ideal(capacity, even, ms / 1e3))
     for name, reason in why.items():
         records.append({"system": name, "skipped": reason, "world_size": world})
     if records:
         records[0]["paths"] = explain()
     return records
+
+
+def _capacity(cfg: DecodeBenchConfig, models: dict, prompt) -> dict:
+    """Each rank's compute and work per token in the split layers, the even split's, on this
+    batch's prompt (a short decode with the layers timed)."""
+    from ..training.split import measure_speeds
+
+    speeds, compute, work = measure_speeds(models["plait"], prompt, cfg.speed_steps)
+    return {"speeds": list(speeds), "compute_s": compute, "work": work}
+
+
+def _ideal(capacity: dict, even_step_s: float, step_s: float) -> dict:
+    """The capacity ideal (:func:`plait.training.split.decode_ideal`) from the even split's
+    median step and its ranks' compute and work per token."""
+    from ..training.split import decode_ideal
+
+    ideal = decode_ideal(even_step_s, capacity["compute_s"], capacity["work"])
+    return {"ideal_ms": ideal * 1e3, "ratio_to_ideal": step_s / ideal,
+            "rank_speeds": capacity["speeds"], "rank_compute_ms": [c * 1e3 for c in
+                                                                    capacity["compute_s"]]}
 
 
 def _fields(cfg: DecodeBenchConfig) -> dict:
@@ -190,13 +237,19 @@ def summarize(records: list[dict]) -> dict:
             out[f"{system}_b{batch}_vs_one_process"] = r["ms_per_token"] / one["ms_per_token"]
         if torch_tp is not None and system.startswith("plait"):
             out[f"{system}_b{batch}_vs_pytorch_tp"] = r["ms_per_token"] / torch_tp["ms_per_token"]
+        even = by.get(("plait", batch))
+        if system == "plait-speed" and even is not None:
+            out[f"plait-speed_b{batch}_vs_plait"] = r["ms_per_token"] / even["ms_per_token"]
+        if "ratio_to_ideal" in r:
+            out[f"{system}_b{batch}_ratio_to_ideal"] = r["ratio_to_ideal"]
     out["all_same_tokens"] = all(r["same_tokens"] in (True, None) for r in by.values())
     return out
 
 
 def bench_decode(cfg: DecodeBenchConfig, *, ranks: int, hosts: int = 0, link=None,
-                 timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
+                 timeout_s: float | None = None, on_progress=None,
+                 slow=()) -> tuple[list[dict], str]:
     from .placement import run_placed
 
     return run_placed(run_decode_bench, cfg, ranks=ranks, hosts=hosts, link=link,
-                      timeout_s=timeout_s, on_progress=on_progress)
+                      timeout_s=timeout_s, on_progress=on_progress, slow=slow)

@@ -28,6 +28,9 @@ def register(which) -> None:
     add_launch_args(parser, ranks=2, deadline_s=DEFAULT_DEADLINE_S)
     add_output_args(parser)
     add_dataclass_args(parser, DecodeBenchConfig)
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR",
+                        help="make a rank FACTOR × slower at compute in the split layers "
+                             "(straggler emulation; repeatable)")
     parser.set_defaults(func=run_decode)
 
 
@@ -42,6 +45,7 @@ def run_decode(args: argparse.Namespace) -> int:
     with progress_bar("bench decode", total, enabled=not args.no_progress) as advance:
         records, where = bench_decode(cfg, ranks=ranks, hosts=hosts, link=link,
                                       timeout_s=args.timeout,
+                                      slow=list(getattr(args, "slow_specs", ())),
                                       on_progress=lambda rank, p: rank == 0 and advance(
                                           note=f"batch {p['batch']} round {p['round']}"))
     console.print(f"[dim]{where}[/dim]")
@@ -49,15 +53,23 @@ def run_decode(args: argparse.Namespace) -> int:
     rows = [[r["system"], str(r["batch"]), str(r["ranks_used"]), r["transport"],
              f"{r['ms_per_token']:.2f}", f"{r['p99_ms']:.2f}", f"{r['ttft_ms']:.1f}",
              f"{r['tokens_per_s']:,.0f}",
+             f"{r['ideal_ms']:.2f} ({r['ratio_to_ideal']:.2f}×)" if "ideal_ms" in r else "–",
              {True: "yes", False: "[red]NO[/red]", None: "–"}[r["same_tokens"]]] for r in timed]
     print_table(f"decoding a Llama {cfg.n_layer} × {cfg.n_embd} ({cfg.n_head} heads over "
                 f"{cfg.n_kv_head} KV heads) on {ranks} ranks: {cfg.new_tokens} tokens after "
                 f"{cfg.prompt_len}",
                 ["system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
-                 "tokens/s", "same tokens"], rows,
+                 "tokens/s", "ideal ms (× ideal)", "same tokens"], rows,
                 caption="median over every round's steps (a step: the slowest rank's); "
                         "one-process: the whole model on one rank; TTFT: the prompt's forward "
-                        "to the first token (median over rounds)")
+                        "to the first token (median over rounds); ideal: the even split's step "
+                        "less its slowest rank's compute in the split layers, plus all their "
+                        "work at the ranks' summed speeds (plait.training.split.decode_ideal)")
+    for r in timed:
+        if "split" in r:
+            sizes = {d.rsplit(".", 1)[-1]: s for d, s in r["split"]["sizes"].items()}
+            console.print(f"[dim]  {r['system']} (batch {r['batch']}): speeds "
+                          f"{[round(v, 2) for v in r['split']['speeds']]}, split {sizes}[/dim]")
     for r in records:
         if "skipped" in r:
             console.print(f"[dim]  {r['system']}: not run: {r['skipped']}[/dim]")

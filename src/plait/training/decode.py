@@ -73,11 +73,12 @@ def _cache_of(out):
 def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = False,
            temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
            eos_token_id: int | None = None,
-           attention_mask: torch.Tensor | None = None) -> Decoded:
+           attention_mask: torch.Tensor | None = None, on_step=None) -> Decoded:
     """``max_new_tokens`` tokens after ``prompt`` ([B, S] ids), one forward a token; see the
     module doc. Stops early once every row has produced ``eos_token_id``.
     ``attention_mask`` ([B, S], 0 at padding): prompts of different lengths, padded on the
-    left; each row's positions count its own tokens only."""
+    left; each row's positions count its own tokens only. ``on_step()``: called after each
+    token's forward (every rank; a speed monitor's exchange), outside the timed step."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if sample and not temperature > 0:
@@ -98,6 +99,8 @@ def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = F
     ttft = time.perf_counter() - start
     name = _cache_name(model)
     cache = _cache_of(out)
+    if on_step is not None:
+        on_step()
     for _ in range(max_new_tokens - 1):
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         if eos_token_id is not None:
@@ -114,4 +117,6 @@ def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = F
         cache = _cache_of(out)
         _sync(device)
         steps.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step()
     return Decoded(torch.cat([tokens, nxt[:, None]], dim=1), ttft, steps)
