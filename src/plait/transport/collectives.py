@@ -31,6 +31,7 @@ from .shm import ShmSegments
 __all__ = ["ShmGroup", "ONE_SHOT_BYTES", "DTYPES"]
 
 ONE_SHOT_BYTES = 256 * 1024
+_AR_NAMES = ("dtype", "numel")
 DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float64: 3, torch.float16: 4,
           torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.int8: 8, torch.bool: 9}
 
@@ -72,18 +73,23 @@ class ShmGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous)."""
         flat = tensor.view(-1)
+        size = flat.numel() * flat.element_size()
+        if size <= self.capacity:
+            self._all_reduce(flat, size)
+            return tensor
         per_turn = self.capacity // tensor.element_size() // self.world * self.world
-        for lo in range(0, max(flat.numel(), 1), max(per_turn, self.world)):
-            self._all_reduce(flat[lo:lo + per_turn])
+        for lo in range(0, flat.numel(), per_turn):
+            part = flat[lo:lo + per_turn]
+            self._all_reduce(part, part.numel() * part.element_size())
         return tensor
 
-    def _all_reduce(self, flat: torch.Tensor) -> None:
-        n, size = flat.numel(), flat.element_size()
-        call = self.call("all_reduce", ("dtype", "numel"), (DTYPES[flat.dtype], n))
-        call.slot(self.rank, flat.dtype, n).copy_(flat)
+    def _all_reduce(self, flat: torch.Tensor, size: int) -> None:
+        n, dtype = flat.numel(), flat.dtype
+        call = self.call("all_reduce", _AR_NAMES, (DTYPES[dtype], n))
+        call.slot(self.rank, dtype, n).copy_(flat)
         call.exchange()  # every rank's tensor is in its slot
-        if n * size <= ONE_SHOT_BYTES:
-            _sum_into(flat, [call.slot(r, flat.dtype, n) for r in range(self.world)])
+        if size <= ONE_SHOT_BYTES:
+            _sum_into(flat, [call.slot(r, dtype, n) for r in range(self.world)])
         else:
             bounds = _bounds(n, self.world)
             lo, hi = bounds[self.rank], bounds[self.rank + 1]

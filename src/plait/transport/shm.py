@@ -140,6 +140,10 @@ class _Peer:
     pid: int
     flags: np.ndarray     # uint32 [WORDS * LINE]: its control block
     data: torch.Tensor    # uint8 [BUFFERS * capacity]
+    flags_i32: np.ndarray = None  # the same words as int32 (headers hold signed integers)
+
+    def __post_init__(self):
+        self.flags_i32 = self.flags.view(np.int32)
 
 
 class ShmSegments:
@@ -179,7 +183,9 @@ class ShmSegments:
             except FileNotFoundError:
                 pass
         self.flags = self.peers[self.rank].flags
+        self.flags_i32 = self.peers[self.rank].flags_i32
         self.data = self.peers[self.rank].data
+        self._others = [p for p in self.peers if p.rank != self.rank]
         self._sleeping_word = WORDS - 1  # my "I sleep on a flag" word, read by writers
         self._views: dict = {}
 
@@ -211,8 +217,8 @@ class ShmSegments:
         """Publish ``epoch`` in this rank's flag ``word``, after the data it stands for,
         and wake any peer asleep on it."""
         self.flags[word * LINE] = epoch & 0xFFFFFFFF
-        for peer in self.peers:
-            if peer.rank != self.rank and peer.flags[self._sleeping_word * LINE]:
+        for peer in self._others:
+            if peer.flags[self._sleeping_word * LINE]:
                 self._futex(self.flags, word, _FUTEX_WAKE, 2**31 - 1)
                 return
 
