@@ -110,6 +110,9 @@ def _steps_and_generate(model, record=None) -> list:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     vocab = _vocab(model)
     for step in range(STEPS):
+        # a model that draws in training (PhiMoE's sparsemixer samples its routing) draws
+        # the same numbers in the reference and in the copy
+        torch.manual_seed(1000 + step)
         ids = _batch(vocab, 100 + step)
         out = model(input_ids=ids, labels=ids)
         opt.zero_grad()
@@ -118,6 +121,7 @@ def _steps_and_generate(model, record=None) -> list:
             record(step, model, out.loss, out.logits)
         opt.step()
     ids = _batch(vocab, 7, seq=PROMPT)
+    torch.manual_seed(1000 + STEPS)
     with torch.no_grad():
         tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                 do_sample=False, pad_token_id=0)
