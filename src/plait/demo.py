@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ._fields import help_meta as _h
+from .runtime.fields import help_meta as _h
 from .balance import PolicyConfig
 from .bench.hetero import BalancedRun, factors_at, ideal_step
 from .bench.placement import LOOPBACK

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ._fields import help_meta as _h
+from .runtime.fields import help_meta as _h
 from .data import CharCorpus, ClickLog
 from .models import DLRM, GPT, DLRMConfig, GPTConfig
 from .nn import apply_tp

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 from ..runtime import rank_context
 from ..runtime.timing import agreed_max, balanced_round
 from ..training.decode import decode

@@ -87,7 +87,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 from ..balance import Balancer, PolicyConfig
 from ..balance.policy import POLICIES
 from ..data import CharCorpus

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 
 __all__ = ["LoadBenchConfig", "bench_load", "BOUND"]
 

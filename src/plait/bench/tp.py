@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 from ..data import CharCorpus
 from ..models import GPT
 from ..ops import explain, get_context

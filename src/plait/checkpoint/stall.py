@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import partial
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 
 __all__ = ["CheckpointBenchConfig", "KINDS", "QUICK_CHECKPOINT", "bench_checkpoint",
            "stall_records", "summarize_stall"]

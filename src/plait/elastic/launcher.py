@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 from ..runtime.cluster import EmulatedCluster, Host
 from ..runtime.leftovers import ELASTIC_DIR_PREFIX, remove_leftovers
 from .report import read_incarnations, summarize

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .._fields import help_meta as _h
+from ..runtime.fields import help_meta as _h
 
 __all__ = ["GenerateConfig", "MODELS", "build_model", "generate_rank", "read_prompts"]
 
