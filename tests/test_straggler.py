@@ -103,7 +103,7 @@ def test_compute_clock_is_the_thread_time_of_a_one_thread_cpu_rank():
 def test_compute_clock_is_wall_time_on_a_host_with_a_cpu_budget(monkeypatch):
     """A throttled rank's wait is not CPU time: under --host-cpu, thread time would read a
     half-core host as full speed."""
-    from plait.runtime import context
+    from plait.runtime import current
     from plait.runtime.cluster import Host
 
     threads = torch.get_num_threads()
@@ -112,9 +112,9 @@ def test_compute_clock_is_wall_time_on_a_host_with_a_cpu_budget(monkeypatch):
         return SimpleNamespace(host=Host(0, None, "lo", "127.0.0.1", cgroup=cgroup))
     try:
         torch.set_num_threads(1)
-        monkeypatch.setattr(context, "_current", on(None))
+        monkeypatch.setattr(current, "_current", on(None))
         assert compute_clock() is time.thread_time
-        monkeypatch.setattr(context, "_current", on("/sys/fs/cgroup/cpu/plait-1x0-h0"))
+        monkeypatch.setattr(current, "_current", on("/sys/fs/cgroup/cpu/plait-1x0-h0"))
         assert compute_clock() is time.perf_counter
     finally:
         torch.set_num_threads(threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import current
 from .cluster import Host
 from .dist import Topology
 from .progress import ProgressBoard
@@ -33,14 +34,10 @@ class RankContext:
             self.reporter(payload)
 
 
-_current: RankContext | None = None
-
-
 def rank_context() -> RankContext:
     """The context of this rank. Outside ``launch`` (under torchrun or ``plait cluster run``)
     it is built from the environment: PLAIT_SLOW (``1:2,3:1.5@10-20``) and PLAIT_LINK."""
-    global _current
-    if _current is None:
+    if current.get() is None:
         import os
 
         from .dist import topology
@@ -48,11 +45,11 @@ def rank_context() -> RankContext:
 
         topo = topology()
         specs = [parse_slow(s) for s in os.environ.get("PLAIT_SLOW", "").split(",") if s]
-        _current = RankContext(topo, Host(0, None, "lo", "127.0.0.1"),
-                               os.environ.get("PLAIT_LINK", "loopback"), Straggler(specs, topo.rank))
-    return _current
+        current.put(RankContext(topo, Host(0, None, "lo", "127.0.0.1"),
+                                os.environ.get("PLAIT_LINK", "loopback"),
+                                Straggler(specs, topo.rank)))
+    return current.get()
 
 
 def _set_rank_context(ctx: RankContext | None) -> None:
-    global _current
-    _current = ctx
+    current.put(ctx)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import multiprocessing as mp
 from dataclasses import dataclass
 
+from . import current
+
 __all__ = ["ProgressBoard", "mark"]
 
 _NAME_BYTES = 48  # an operator's name, truncated: enough for "matmul_reduce_scatter.backward"
@@ -48,8 +50,6 @@ class ProgressBoard:
 
 def mark(op: str | None = None) -> None:
     """This rank made progress (entered ``op``, or a step when None)."""
-    from . import context
-
-    ctx = context._current
+    ctx = current.get()
     if ctx is not None and ctx.progress is not None:
         ctx.progress.mark(ctx.topology.rank, op)

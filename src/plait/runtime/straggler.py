@@ -32,6 +32,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from . import current
+
 __all__ = ["SlowSpec", "SlowCurve", "JITTERS", "SLOW_BY", "parse_slow", "validate_slow",
            "Straggler", "compute_clock", "host_throttle"]
 
@@ -51,9 +53,7 @@ def compute_clock(device: torch.device | None = None):
 
 
 def _on_cpu_budget() -> bool:
-    from . import context  # the rank's context, where one is set (not made here)
-
-    ctx = context._current
+    ctx = current.get()  # the rank's context, where one is set (not made here)
     return ctx is not None and getattr(ctx.host, "cgroup", None) is not None
 
 _SLOW_RE = re.compile(r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+)?(?:-(\d+)?)?)?$")
