@@ -4,8 +4,8 @@
 """
 
 from .dlrm import DLRM, DLRMConfig, EmbeddingBagCollection
-from .gpt import GPT, GPTConfig
-from .moe import MoEFeedForward, moe_gpt_config
+from .gpt import GPT, GPTConfig, moe_gpt_config
+from .moe import MoEFeedForward
 
 __all__ = ["GPT", "GPTConfig", "DLRM", "DLRMConfig", "EmbeddingBagCollection",
            "MoEFeedForward", "moe_gpt_config"]

@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block"]
+from .moe import MoEFeedForward
+
+__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block", "moe_gpt_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,12 @@ class GPTConfig:
             raise ValueError(f"GPT sizes must be positive: {self}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, n_experts={self.n_experts}]")
+
+
+def moe_gpt_config(**kw) -> GPTConfig:
+    """A GPT whose MLPs are mixtures of experts (4 experts, top-2, each half an MLP wide)."""
+    kw = {"n_experts": 4, "top_k": 2, "mlp_ratio": 2, **kw}
+    return GPTConfig(**kw)
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,8 +90,6 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         if cfg.n_experts:
-            from .moe import MoEFeedForward
-
             self.mlp = MoEFeedForward(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.n_experts,
                                       cfg.top_k)
         else:

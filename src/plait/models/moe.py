@@ -10,9 +10,8 @@ import torch
 import torch.nn as nn
 
 from ..nn.moe import experts_reference, route_top_k
-from .gpt import GPTConfig
 
-__all__ = ["MoEFeedForward", "moe_gpt_config"]
+__all__ = ["MoEFeedForward"]
 
 
 class MoEFeedForward(nn.Module):
@@ -30,8 +29,3 @@ class MoEFeedForward(nn.Module):
         weights, experts = route_top_k(self.router(x2), self.top_k)     # [T, k] each
         return experts_reference(x2, weights, experts, self.w1, self.w2).view(x.shape)
 
-
-def moe_gpt_config(**kw) -> GPTConfig:
-    """A GPT whose MLPs are mixtures of experts (4 experts, top-2, each half an MLP wide)."""
-    kw = {"n_experts": 4, "top_k": 2, "mlp_ratio": 2, **kw}
-    return GPTConfig(**kw)
