@@ -457,7 +457,7 @@ def test_run_placed_takes_the_flags_budget(monkeypatch):
     budgets_here()
     import argparse
 
-    from plait.bench.placement import run_placed
+    from plait.runtime.placement import run_placed
     from plait.cli.common import add_launch_args, resolve_placement
 
     parser = argparse.ArgumentParser()

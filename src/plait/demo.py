@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .runtime.fields import help_meta as _h
 from .balance import PolicyConfig
 from .bench.hetero import BalancedRun, factors_at, ideal_step
-from .bench.placement import LOOPBACK
+from .runtime.placement import LOOPBACK
 from .data import CharCorpus
 from .runtime import rank_context
 from .runtime.straggler import SlowSpec
@@ -164,7 +164,7 @@ def demo(cfg: DemoConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gb
          timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
     """Run the demo on ``ranks`` ranks: on an emulated cluster of ``hosts`` hosts with
     ``link`` links, or on loopback (``hosts=0``); rank 0's records and where they ran."""
-    from .bench.placement import run_placed
+    from .runtime.placement import run_placed
 
     cfg = replace(cfg)
     if ranks < 2:

@@ -370,7 +370,7 @@ def train(cfg: TrainConfig, *, ranks: int = 2, hosts: int = 0, link: str | None 
           timeout_s: float | None = None, on_progress=None, slow=()) -> tuple[dict, str]:
     """Train on ``ranks`` ranks (loopback, or ``hosts`` emulated hosts at ``link``);
     rank 0's result and a line saying where it ran."""
-    from .bench.placement import run_placed
+    from .runtime.placement import run_placed
 
     cfg = replace(cfg)  # validated
     cfg.check_plans(mesh_layout(cfg, ranks).tp)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import parse_rate, rank_context
-from .placement import run_placed
+from ..runtime.placement import run_placed
 from ..runtime.timing import agreed_max, median, time_once
 
 __all__ = ["COLLECTIVES", "GLOO_SHORTFALL", "LINK_SHARE_OK", "CollectiveBenchConfig",

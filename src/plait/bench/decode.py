@@ -249,7 +249,7 @@ def summarize(records: list[dict]) -> dict:
 def bench_decode(cfg: DecodeBenchConfig, *, ranks: int, hosts: int = 0, link=None,
                  timeout_s: float | None = None, on_progress=None,
                  slow=()) -> tuple[list[dict], str]:
-    from .placement import run_placed
+    from ..runtime.placement import run_placed
 
     return run_placed(run_decode_bench, cfg, ranks=ranks, hosts=hosts, link=link,
                       timeout_s=timeout_s, on_progress=on_progress, slow=slow)

@@ -782,10 +782,10 @@ def bench_hetero(cfg: HeteroBenchConfig, *, ranks: int, hosts: int = 0,
                  on_progress=None,
                  host_cpu: float | list[float] | None = None) -> tuple[list[dict], str]:
     """Every run on ``ranks`` ranks over ``hosts`` emulated hosts (0: loopback); ``host_cpu``
-    as in :func:`plait.bench.placement.run_placed`. ``--slow-by kernel`` needs one rank per
+    as in :func:`plait.runtime.placement.run_placed`. ``--slow-by kernel`` needs one rank per
     host, and gives each host 1 core where no budget is given; so does the noisy-neighbour
     scenario (a neighbour on a host with two ranks would slow both)."""
-    from .placement import HOST_CPU_ENV, run_placed
+    from ..runtime.placement import HOST_CPU_ENV, run_placed
 
     cfg = replace(cfg)
     cfg.check_world(ranks)

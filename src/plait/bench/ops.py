@@ -409,7 +409,7 @@ def bench_ops(cfg: OpsBenchConfig, *, ranks: int, hosts: int = 0, link: str | No
               timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str, dict]:
     """The sweep on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback):
     (records, where it ran, the calibration auto used)."""
-    from .placement import run_placed
+    from ..runtime.placement import run_placed
 
     out, where = run_placed(run_ops_sweep, cfg, ranks=ranks, hosts=hosts, link=link,
                             timeout_s=timeout_s, on_progress=on_progress)

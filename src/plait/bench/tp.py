@@ -472,7 +472,7 @@ def summarize_tp(records: list[dict]) -> dict:
 def bench_tp(cfg: TPBenchConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gbit",
              timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
     """The comparison on ``ranks`` local ranks (``hosts`` emulated hosts; 0: loopback)."""
-    from .placement import run_placed
+    from ..runtime.placement import run_placed
 
     cfg = cfg.resolved(ranks)
     return run_placed(run_tp_bench, cfg, ranks=ranks, hosts=hosts, link=link,

@@ -190,7 +190,7 @@ def bench_checkpoint(cfg: CheckpointBenchConfig, *, ranks: int, hosts: int = 0,
 
     The checkpoints go to a new folder under ``cfg.checkpoint_dir`` (default: the system's
     temporary folder), removed when the run ends, however it ends."""
-    from ..bench.placement import run_placed
+    from ..runtime.placement import run_placed
 
     cfg.check_world(ranks)
     root = tempfile.mkdtemp(prefix="plait-bench-checkpoint-", dir=cfg.checkpoint_dir)

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..bench.placement import HOST_CPU_ENV
+from ..runtime.placement import HOST_CPU_ENV
 from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
 from ..runtime.cgroup import parse_budgets, parse_host_cpu
 
@@ -150,7 +150,7 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
 
 
 def _host_cpu(text: str | None, hosts: int) -> list[float] | None:
-    """--host-cpu as cores per host, or None; handed to bench.placement.run_placed through
+    """--host-cpu as cores per host, or None; handed to runtime.placement.run_placed through
     PLAIT_HOST_CPU (set, or cleared, on every call: one command's budget never leaks into
     the next command run in the same process)."""
     os.environ.pop(HOST_CPU_ENV, None)

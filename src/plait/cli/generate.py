@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..bench.placement import run_placed
+from ..runtime.placement import run_placed
 from ..bench.report import console, print_table
 from ..training.generate import GenerateConfig, generate_rank, read_prompts
 from .args import add_dataclass_args, dataclass_from_args

@@ -1,4 +1,5 @@
-"""Run one benchmark function on N ranks, on loopback or an emulated cluster."""
+"""Run one function (a training run, a benchmark) on N ranks, on loopback or an emulated
+cluster, and say where it ran."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import os
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from ..runtime import EmulatedCluster, launch, parse_rate
-from ..runtime.cgroup import parse_budgets, parse_host_cpu
+from .cgroup import parse_budgets, parse_host_cpu
+from .cluster import EmulatedCluster, parse_rate
+from .launch import launch
 
 __all__ = ["HOST_CPU_ENV", "LOOPBACK", "run_placed"]
 
