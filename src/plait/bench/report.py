@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import platform
 import sys
-import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+
+from ..runtime.records import machine_meta, write_json
 
 __all__ = ["console", "make_table", "print_table", "print_summary", "summary_text",
            "write_json", "progress_bar", "human_bytes", "machine_meta"]
@@ -107,24 +105,6 @@ def print_summary(summary: dict, fmt: str = ".4g", to: Console | None = None) ->
     to = to or console
     for key, value in summary.items():
         to.print(f"  {key}: {summary_text(value, fmt)}", markup=False)
-
-
-def machine_meta() -> dict:
-    import os
-
-    import torch
-
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
-
-
-def write_json(path: str | Path, records: list[dict], meta: dict | None = None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": {**machine_meta(), **(meta or {})}, "records": records},
-                               indent=1))
-    return path
 
 
 @contextmanager
