@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .runtime.fields import help_meta as _h
 from .data import CharCorpus, ClickLog
 from .models import DLRM, GPT, DLRMConfig, GPTConfig
-from .nn import apply_tp
+from .parallel import apply_tp
 from .ops import explain
 from .plan import ShardPlan
 from .train_hf import (HF_MODELS, HF_PLAN_KINDS, build_hf, check_hf_plans, check_hf_sizes,

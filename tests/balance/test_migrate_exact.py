@@ -33,7 +33,8 @@ from torch.func import functional_call
 
 from plait.balance import migrate
 from plait.models import GPT, GPTConfig
-from plait.nn import ShardPlan, apply_tp
+from plait.nn import ShardPlan
+from plait.parallel import apply_tp
 from plait.ops.deferred import pending
 from plait.runtime.testing import run_ranks
 

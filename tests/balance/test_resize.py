@@ -167,7 +167,7 @@ def _balanced_gpt(policies):
     decisions, every step's loss and the final plans. Also the single-process GPT's losses."""
     from plait.balance.virtual import VirtualDevice
     from plait.models import GPT, GPTConfig
-    from plait.nn import apply_tp
+    from plait.parallel import apply_tp
     from plait.runtime import SlowSpec, Straggler, rank_context
 
     device = VirtualDevice().install(unmovable=False)  # in this rank's process only

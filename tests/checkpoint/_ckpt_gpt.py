@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from plait.balance import migrate
 from plait.models import GPT, GPTConfig
-from plait.nn import ShardPlan, apply_tp
+from plait.nn import ShardPlan
+from plait.parallel import apply_tp
 
 # 10 heads of 4 (n_embd 40), MLP 160 columns: uneven on 3 ranks as [3, 5, 2] heads and
 # [48, 80, 32] columns (the 30/50/20 split of the issue's [300, 500, 200])

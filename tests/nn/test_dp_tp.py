@@ -107,7 +107,7 @@ def _tp(ref, mesh, shards=None, sp=False, plan="auto"):
     """A deep copy of ``ref`` made tensor-parallel on the mesh's tp axis (``sp``: plait's GPT
     sequence-parallel, by ``apply_tp``)."""
     import plait
-    from plait.nn import apply_tp
+    from plait.parallel import apply_tp
 
     shards = {k: ShardPlan(v) for k, v in (shards or {}).items()}
     model = copy.deepcopy(ref)

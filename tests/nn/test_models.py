@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from plait.models import DLRM, GPT, DLRMConfig, GPTConfig
-from plait.nn import ShardPlan, apply_tp, full_state_dict
+from plait.nn import ShardPlan
+from plait.parallel import apply_tp, full_state_dict
 from plait.runtime.testing import raised, run_ranks
 
 TOL = 1e-10

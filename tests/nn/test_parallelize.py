@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.nn import ColumnParallelLinear, ShardPlan, full_state_dict
+from plait.nn import ColumnParallelLinear, ShardPlan
+from plait.parallel import full_state_dict
 from plait.runtime.testing import raised, run_ranks
 
 TOL = 1e-10

@@ -43,7 +43,8 @@ import math
 import pytest
 import torch
 
-from plait.nn import ShardPlan, full_state_dict
+from plait.nn import ShardPlan
+from plait.parallel import full_state_dict
 from plait.runtime.testing import run_ranks
 
 pytest.importorskip("transformers")

@@ -53,7 +53,7 @@ def export(source, path: str | os.PathLike) -> Path | None:
     (rank 0 of a live parallel model; None on the other ranks)."""
     path = Path(path)
     if isinstance(source, torch.nn.Module):
-        from ..nn.parallelize import full_state_dict
+        from ..parallel.full_state import full_state_dict
 
         state = full_state_dict(source)
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:

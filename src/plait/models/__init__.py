@@ -1,6 +1,6 @@
 """Small models to train here in minutes, single-device and free of parallel code.
 
-``plait.nn.parallelize.apply_tp`` makes them parallel.
+``plait.parallel.apply_tp`` makes them parallel.
 """
 
 from .dlrm import DLRM, DLRMConfig, EmbeddingBagCollection

@@ -3,7 +3,7 @@
 dense features → bottom MLP → one D-vector; each categorical feature → a
 pooled embedding bag; the pairwise dot products of those T + 1 vectors (the
 interaction) and the dense vector → top MLP → one click logit.
-``plait.nn.parallelize.apply_tp`` makes the tables model-parallel
+``plait.parallel.apply_tp`` makes the tables model-parallel
 (``ShardedEmbeddingBag``, whole tables per rank) and the MLPs data-parallel.
 """
 

@@ -1,6 +1,6 @@
 """A small GPT (nanoGPT-like), single-device and free of parallel code.
 
-``plait.nn.parallelize.apply_tp`` makes it tensor-parallel by replacing its
+``plait.parallel.apply_tp`` makes it tensor-parallel by replacing its
 modules: attention QKV column-parallel by heads, the output projection
 row-parallel; the MLP's fc column-parallel, proj row-parallel; with
 ``n_experts > 0`` the MLPs are mixtures of experts (``plait.models.moe``),

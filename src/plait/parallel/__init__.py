@@ -18,16 +18,22 @@ around the tensor parallelism on a ``dp × tp`` mesh, in :mod:`plait.parallel.da
 
     mesh = plait.parallel.dp_tp_mesh(dp=2, tp=2)         # tp groups [0, 1], [2, 3]
     model = plait.parallelize(model, "auto", mesh=mesh)   # TP on "tp", PyTorch's DP on "dp"
+
+plait's own models (``plait.models``) are made parallel by their shape in
+:mod:`plait.parallel.own_models` (``apply_tp``); the plain state_dict comes back from any
+of them through :mod:`plait.parallel.full_state` (``full_state_dict``).
 """
 
-from ..nn.parallelize import full_state_dict
 from .apply import applied, parallelize
 from .data import (MeshLayout, check_replicas, choose_kind, data_parallel, dp_tp_mesh,
                    replica_mismatch, replica_signature, unsharded)
+from .full_state import full_state_dict
+from .own_models import apply_tp, parallelize_dlrm, parallelize_gpt
 from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, TableParallel, VocabParallel)
 
-__all__ = ["parallelize", "applied", "full_state_dict", "Colwise", "Rowwise", "VocabParallel",
+__all__ = ["parallelize", "applied", "full_state_dict", "apply_tp", "parallelize_gpt",
+           "parallelize_dlrm", "Colwise", "Rowwise", "VocabParallel",
            "SequenceParallel", "Prepare", "Replicated", "ExpertsTP",
            "ExpertsEP", "PlaitMoE", "TableParallel", "BatchParallel",
            "MeshLayout", "dp_tp_mesh", "data_parallel", "choose_kind", "unsharded",
