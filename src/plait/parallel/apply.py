@@ -455,7 +455,7 @@ class _Run:
                            "matmul)")
 
     def _batch_parallel(self, path: str, style: BatchParallel, module: nn.Module) -> None:
-        from ..nn.parallelize import PLAIT_LAYERS
+        from ..nn import PLAIT_LAYERS
 
         tables = dict(module.named_modules())[style.tables]
         inside = {id(p) for m in module.modules() if isinstance(m, PLAIT_LAYERS)
