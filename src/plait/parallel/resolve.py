@@ -44,7 +44,7 @@ def auto_plan(model: nn.Module) -> dict[str, Any]:
     base = getattr(config, "base_model_tp_plan", None)
     own = getattr(model, "_tp_plan", None)
     if base is None and not own:
-        from ..nn.parallelize import plait_plan
+        from .own_plan import plait_plan
 
         plan = plait_plan(model)
         if plan is not None:
