@@ -104,12 +104,12 @@ def reference_dtype(model_type: str):
     return None, f"the model does not run on one process: {why}"
 
 
-def _steps_and_generate(model, record=None) -> list:
-    """STEPS SGD steps, then greedy tokens; ``record(step, model, loss, logits)`` after each
-    backward."""
+def _steps_and_generate(model, record=None, steps: int = STEPS) -> list:
+    """``steps`` SGD steps, then greedy tokens; ``record(step, model, loss, logits)`` after
+    each backward."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     vocab = _vocab(model)
-    for step in range(STEPS):
+    for step in range(steps):
         # a model that draws in training (PhiMoE's sparsemixer samples its routing) draws
         # the same numbers in the reference and in the copy
         torch.manual_seed(1000 + step)
@@ -121,7 +121,7 @@ def _steps_and_generate(model, record=None) -> list:
             record(step, model, out.loss, out.logits)
         opt.step()
     ids = _batch(vocab, 7, seq=PROMPT)
-    torch.manual_seed(1000 + STEPS)
+    torch.manual_seed(1000 + steps)
     with torch.no_grad():
         tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                 do_sample=False, pad_token_id=0)
@@ -155,8 +155,11 @@ def precision(model, dtype, ids: torch.Tensor | None = None) -> str:
     return "float64+float32" if seen - {torch.float64, torch.complex128} else "float64"
 
 
-def check(model_type: str, dtype_name: str = "float64") -> dict:
-    """Run on every rank: the parallel model against the reference (see the module doc)."""
+def check(model_type: str, dtype_name: str = "float64", *, steps: int = STEPS,
+          noise: bool = True) -> dict:
+    """Run on every rank: the parallel model against the reference (see the module doc).
+    ``noise=False``: no run from perturbed weights, every step held to the precision's bar
+    (a test of architectures known not to amplify rounding; half the time)."""
     import plait
     from .tiny_hf import tiny_model
 
@@ -178,19 +181,21 @@ def check(model_type: str, dtype_name: str = "float64") -> dict:
     want_tokens = _steps_and_generate(ref, lambda step, m, loss, logits: refs.append(
         (loss.detach().clone(), logits.detach().clone() if step == 0 else None,
          {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-          for n, p in m.named_parameters()})))
-    noise = _Errors(refs, lambda m: {n: p.grad for n, p in m.named_parameters()})
-    noise_tokens = _steps_and_generate(noisy, noise)
+          for n, p in m.named_parameters()})), steps)
+    noise_run = _Errors(refs, lambda m: {n: p.grad for n, p in m.named_parameters()})
+    noise_tokens = _steps_and_generate(noisy, noise_run, steps) if noise else want_tokens
     errors = _Errors(refs, lambda m: plait.full_state_dict(m, grads=True))
     try:
-        got_tokens = _steps_and_generate(par, errors)
+        got_tokens = _steps_and_generate(par, errors, steps)
     except Exception as err:  # noqa: BLE001 - accepted, then failed: not a refusal
         return {"outcome": "ERROR", "why": f"{type(err).__name__}: {_first_line(err)}",
                 "errors": errors.worst, "steps_compared": errors.steps}
     # each step's bar: the dtype's tolerance, or 10x how far the model itself moved at that
     # step from weights moved by one rounding of its precision (SGD on a tiny model
     # amplifies it step by step; the first step's bar stays the tolerance)
-    bars = {k: [max(TOL[computes], 10 * n) for n in noise.per_step[k]] for k in noise.per_step}
+    moved = noise_run.per_step if noise else {k: [0.0] * len(v)
+                                              for k, v in errors.per_step.items()}
+    bars = {k: [max(TOL[computes], 10 * n) for n in moved[k]] for k in moved}
     over = [f"{k} {e:.1e} > {b:.0e} at step {i}" for k in bars
             for i, (e, b) in enumerate(zip(errors.per_step[k], bars[k])) if e > b]
     tokens_matter = noise_tokens == want_tokens
@@ -202,7 +207,7 @@ def check(model_type: str, dtype_name: str = "float64") -> dict:
         f"{'equal' if got_tokens == want_tokens else 'differ'}")
     return {"outcome": "exact" if exact else "DIFFERENT", "errors": e, "why": why,
             "precision": computes, "tolerance": TOL[computes], "per_step": errors.per_step,
-            "noise": noise.per_step, "worst_grad": errors.name,
+            "noise": moved, "worst_grad": errors.name,
             "tokens_equal": got_tokens == want_tokens,
             "applied": plait.parallel.applied(par)[:1], "parallelize_s": parallelize_s}
 
