@@ -163,17 +163,25 @@ def render_docs(data: dict) -> str:
         "do not edit by hand -->",
         "",
         f"`plait.parallelize(model, \"auto\")` on a tiny model (random weights, 2 layers, width "
-        f"64, 4 heads over 2 KV heads, 4 experts) of every causal-LM architecture whose config "
-        f"in transformers {data['transformers']} ships a tensor-parallel plan, against the "
-        f"same model on one process: 3 SGD steps (each step's loss, every parameter's "
-        f"gradient, the first logits) and greedy `generate()` tokens. Exact is within "
-        f"1e-9 relative in float64 (2e-4 in float32, where the model's kernels take no "
-        f"float64); refused is one line naming the module, the model left unchanged. "
-        f"Not-built: the tiny model does not run on one CPU process, for reasons outside "
-        f"plait. The code: `plait.parallel.conformance` and `plait.parallel.tiny_hf`.",
+        f"64, 4 heads over 2 KV heads, 4 experts, every dropout 0) of every causal-LM "
+        f"architecture whose config in transformers {data['transformers']} ships a "
+        f"tensor-parallel plan, against the same model on one process: 3 SGD steps (each "
+        f"step's loss, every parameter's gradient gathered by name, the first logits) and "
+        f"greedy `generate()` tokens, on 2 and 3 ranks. Exact: every relative error within "
+        f"the bar of the precision the model computes in (float64 1e-9; float64 with float32 "
+        f"inside, a norm's upcast or RoPE in complex64, 1e-5; float32, where a kernel takes no "
+        f"float64, 2e-4), or within 10x the model's own noise at that step where larger (the "
+        f"same steps from weights moved by one rounding of its precision: a router's top-k "
+        f"flips, SGD amplifies); the first step is always held to the precision's bar. "
+        f"Refused: one line naming the module, the model's weights, buffers and modules "
+        f"unchanged. Not-built: the tiny model does not run on one CPU process, for reasons "
+        f"outside plait. DIFFERENT (silently other numbers) and ERROR (accepted, then failed) "
+        f"must be 0. The code: `plait.parallel.conformance`, `plait.parallel.tiny_hf`; what "
+        f"`parallelize` checks before it changes a weight: `plait.parallel.probe`.",
         "",
-        f"Command: `{data['command']}` ({data['started'][:10]}, {data['total_s'] / 60:.0f} "
-        f"min on {data['host']['cores']} cores, torch {data['torch']}).",
+        f"Command: `{data['command']}` ({data['started'][:10]}, commit {data.get('commit', '?')}, "
+        f"{data['total_s'] / 60:.0f} min on {data['host']['cores']} cores, torch "
+        f"{data['torch']}).",
         "",
         "| outcome | " + " | ".join(f"{w} ranks" for w in worlds) + " |",
         "|---|" + "---|" * len(worlds),
@@ -181,8 +189,9 @@ def render_docs(data: dict) -> str:
     counts = {w: _counts(results, w) for w in worlds}
     for o in OUTCOMES:
         lines.append(f"| {o} | " + " | ".join(str(counts[w][o]) for w in worlds) + " |")
-    lines += ["", "| architecture | dtype | " + " | ".join(f"{w} ranks" for w in worlds)
-              + " | why |", "|---|---|" + "---|" * len(worlds) + "---|"]
+    lines += ["", "| architecture | computes in | " + " | ".join(f"{w} ranks" for w in worlds)
+              + " | largest error, first step / all steps | why |",
+              "|---|---|" + "---|" * len(worlds) + "---|---|"]
     for arch in sorted(by_arch):
         rows = by_arch[arch]
         why = []
@@ -192,11 +201,26 @@ def render_docs(data: dict) -> str:
                 text = r["why"].replace("|", "\\|")
                 if text not in why:
                     why.append(text)
-        dtype = next((r["dtype"] for r in rows.values() if r.get("dtype")), "-")
+        computes = next((r.get("precision") or r["dtype"] for r in rows.values()
+                         if r.get("dtype")), "-")
         cells = [rows[w]["outcome"] if w in rows else "-" for w in worlds]
-        lines.append(f"| {arch} | {dtype} | " + " | ".join(cells) + " | "
+        first = [max(v[0] for v in r["per_step"].values() if v) for r in rows.values()
+                 if r.get("per_step")]
+        worst = [max(r["errors"].values()) for r in rows.values() if r.get("per_step")]
+        errors = f"{max(first):.0e} / {max(worst):.0e}" if first else ""
+        lines.append(f"| {arch} | {computes} | " + " | ".join(cells) + f" | {errors} | "
                      + "<br>".join(why) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "src/plait"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return done.stdout.strip() + (" (src/plait modified)" if dirty else "")
 
 
 def _host() -> dict:
@@ -235,7 +259,8 @@ def main(argv=None) -> int:
                                                            else sys.argv[1:]),
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
             "transformers": transformers.__version__, "torch": torch.__version__,
-            "host": _host(), "worlds": worlds, "results": kept, "total_s": 0.0}
+            "host": _host(), "commit": _commit(), "worlds": worlds, "results": kept,
+            "total_s": 0.0}
     if old is not None:
         data["command"], data["worlds"] = old["command"], old["worlds"]
     out.parent.mkdir(parents=True, exist_ok=True)

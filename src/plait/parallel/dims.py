@@ -4,7 +4,8 @@ A *dim* is what one ``ShardPlan`` splits: the column-parallel layers under one
 parent module and the row-parallel layers that read their outputs (attention:
 q/k/v and o; an MLP: gate/up and down). The plan counts:
 
-- attention (the parent has an integer ``head_dim``, ``head_size`` or ``attention_head_size``): **KV-head groups**, each one
+- attention (the parent has an integer ``head_dim``, ``head_size`` or
+  ``attention_head_size``): **KV-head groups**, each one
   K/V head and the ``g = heads / kv_heads`` query heads that read it, so every
   rank keeps the model's grouping (local q heads / local kv heads = g, which
   ``repeat_kv`` and SDPA's ``enable_gqa`` assume). Groups need not divide by the

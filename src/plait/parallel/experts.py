@@ -6,9 +6,10 @@ routes every token alike. The experts module gets the replicated tokens with
 their routing (``top_k_index``, ``top_k_weights``); each rank takes an even
 share of the tokens (``scatter_to_region``), sends each (token, expert) row to
 the expert's owner while it multiplies (``all_to_all_matmul`` with
-``gate_up_proj``), applies the experts' gate (``act(gate) · up``, or the class's own ``_apply_gate``), multiplies
-by ``down_proj`` while sending the rows back (``matmul_all_to_all``), weighs and
-sums each token's rows, and the shares are gathered back (``gather_from_region``).
+``gate_up_proj``), applies the experts' gate (``act(gate) · up``, or the class's own
+``_apply_gate``), multiplies by ``down_proj`` while sending the rows back
+(``matmul_all_to_all``), weighs and sums each token's rows, and the shares are
+gathered back (``gather_from_region``).
 
 ============  =========================  =========================================
 tensor        shape on rank r            note

@@ -58,9 +58,11 @@ _SIZES: dict[str, Any] = {
     "sliding_window": 8, "sliding_window_size": 8, "attention_chunk_size": 8,
     "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
     "rotary_dim": 8, "query_pre_attn_scalar": 16,
-    "vocab_size_per_layer_input": VOCAB, "unpadded_vocab_size": VOCAB, "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": VOCAB, "unpadded_vocab_size": VOCAB,
+    "hidden_size_per_layer_input": 8,
     "laurel_rank": 8, "num_kv_shared_layers": 0,
-    "global_head_dim": 16, "block_multiple_of": 32, "gated_norm_rank": 8, "loop_gate_rank": 8, "hc_lowrank": 8,
+    "global_head_dim": 16, "block_multiple_of": 32, "gated_norm_rank": 8, "loop_gate_rank": 8,
+    "hc_lowrank": 8,
 }
 # sizes a config may leave None for "derive it" or "absent": given all the same
 _MISSING = {"head_dim", "num_key_value_heads", "n_routed_experts", "n_shared_experts",
