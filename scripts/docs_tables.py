@@ -459,7 +459,8 @@ def _summary(run: Run, key: str):
     the noise floor was reported), computed from its records as bench hetero does."""
     summary = run.data["meta"]["summary"]
     if key not in summary and key.endswith("_paired_per_seed"):
-        from plait.bench.hetero import HeteroBenchConfig, paired_gaps
+        from plait.bench.hetero import HeteroBenchConfig
+        from plait.bench.hetero_summary import paired_gaps
 
         return paired_gaps(run.data["records"], HeteroBenchConfig.warmup)[key]
     return summary[key]

@@ -3,7 +3,7 @@
 
 import pytest
 
-from plait.bench.hetero import paired_gaps
+from plait.bench.hetero_summary import paired_gaps
 
 
 def _record(seed, scenario, policy, times, ideal=0.1):

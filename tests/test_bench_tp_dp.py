@@ -35,8 +35,8 @@ def records():
 
 def one_process_losses(cfg: TPBenchConfig) -> list[float]:
     """The same GPT, batches and AdamW in one process, on the whole global batch."""
-    from plait.data import CharCorpus
-    from plait.train import build_gpt, gpt_loss
+    from plait.training.data import CharCorpus
+    from plait.training.models import build_gpt, gpt_loss
 
     corpus = CharCorpus.load()
     model = build_gpt(cfg.train_config(overlap=False), vocab_size=corpus.vocab_size)

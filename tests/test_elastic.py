@@ -38,7 +38,7 @@ def test_plan_follows_the_world_and_data_follows_the_step():
     assert train_config(args, 3).plans == ("heads=2:1:1", "mlp=86:85:85")
     assert train_config(args, 2).plans == ("heads=2:2", "mlp=128:128")
     assert train_config(args, 1).plans == ()
-    from plait.data import CharCorpus
+    from plait.training.data import CharCorpus
 
     corpus, cfg = CharCorpus.load(), train_config(args, 2)
     assert batch_at(corpus, cfg, 7)[0].equal(batch_at(corpus, cfg, 7)[0])

@@ -1,4 +1,4 @@
-"""``plait train``'s capacity ideal (``plait.train_report.capacity_ideal``) and its × ideal.
+"""``plait train``'s capacity ideal (``plait.training.report.capacity_ideal``) and its × ideal.
 
 By hand: two ranks, rank 1 2 × slower, each with 100 units of work a step: rank 0 computes
 4 ms, rank 1 8 ms (its sleeps included) in a 10 ms step. Both ranks' unslowed speed is
@@ -24,10 +24,11 @@ from dataclasses import replace
 import pytest
 
 from plait.balance import static_plan
-from plait.bench.hetero import ideal_step
+from plait.bench.hetero_ideal import ideal_step
 from plait.runtime import launch, parse_slow
-from plait.train import TrainConfig, train_rank
-from plait.train_report import capacity_ideal
+from plait.training.config import TrainConfig
+from plait.training.run import train_rank
+from plait.training.report import capacity_ideal
 
 CFG = TrainConfig(model="gpt", steps=36, n_layer=1, n_head=8, n_embd=64, seq_len=32,
                   batch_size=8, eval_batches=0, chunks="2", extra={"ranks": 2})

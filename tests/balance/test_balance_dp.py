@@ -1,6 +1,6 @@
 """The balancer under data parallelism: dp 2 × tp 2 (4 ranks, tp groups [0, 1] and [2, 3]),
 plait's GPT in float64, the loop ``plait train --dp 2 --tp 2 --balance POLICY --no-overlap``
-runs (``plait.train_parallel.RankParallel``: DDP over dp, the balancer on each tp group with
+runs (``plait.training.dp_tp.RankParallel``: DDP over dp, the balancer on each tp group with
 its speeds agreed over dp), rank 1 (replica 0, tp position 1) made 3 × slower at compute.
 Every rank is a virtual device (:mod:`plait.balance.virtual`, timed by its products' FLOPs,
 planning by speed alone), so the speeds read (1, 1/3) exactly and the first decision is known:
@@ -28,15 +28,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.data import CharCorpus
 from plait.models import GPT
-from plait.plan import ShardPlan
 from plait.parallel.data import data_parallel, dp_tp_mesh, replanned, replica_signature
+from plait.plan import ShardPlan
 from plait.runtime import rank_context
 from plait.runtime.straggler import SlowSpec, Straggler
 from plait.runtime.testing import raised, run_ranks
-from plait.train import TrainConfig, build_gpt, gpt_loss, train_steps
-from plait.train_parallel import RankParallel
+from plait.training.components import OnStep, Straggling
+from plait.training.config import TrainConfig
+from plait.training.data import CharCorpus
+from plait.training.dp_tp import RankParallel
+from plait.training.loop import Trainer, cosine_schedule
+from plait.training.models import build_gpt, gpt_loss
 
 TOL = 1e-9
 SLOW, FACTOR = 1, 3.0
@@ -75,14 +78,13 @@ def _train(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     run.attach(model, optimizer)
     states = []
-
-    def on_step(record: dict) -> None:
-        run.after_step(record)  # the balancer's step (DDP rebuilt after a migration), the loss
-        states.append(_state(run))
-
+    # the straggler's step, the balancer's (DDP rebuilt after a migration), the loss over dp,
+    # then this test's look at the balancer
+    look = OnStep(lambda record: states.append(_state(run)))
+    trainer = Trainer(model, optimizer, gpt_loss, schedule=cosine_schedule(cfg.steps, cfg.lr),
+                      components=[Straggling(), *run.components(), look])
     with device:
-        history = train_steps(model, optimizer, batches, gpt_loss, cfg.steps, peak_lr=cfg.lr,
-                              on_step=on_step)
+        history = trainer.run(batches, cfg.steps)
     return {"losses": [r["loss"] for r in history], "states": states,
             "decisions": [d.to_json() for d in run.balancer.log], "replica": run.replica,
             "kind": run.dp_kind}
@@ -99,7 +101,9 @@ def _reference(cfg: TrainConfig) -> list[float]:
         model = GPT(cfg.gpt_config(corpus.vocab_size))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         batches = corpus.batches("train", cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
-        history = train_steps(model, optimizer, batches, gpt_loss, cfg.steps, peak_lr=cfg.lr)
+        trainer = Trainer(model, optimizer, gpt_loss,
+                          schedule=cosine_schedule(cfg.steps, cfg.lr))
+        history = trainer.run(batches, cfg.steps)
         return [r["loss"] for r in history]
     finally:
         torch.set_default_dtype(previous)

@@ -17,7 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from plait.balance import SpeedMonitor, speed
-from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero, with_ideal
+from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero
+from plait.bench.hetero_ideal import with_ideal
 from plait.runtime import EmulatedCluster, SlowSpec, Straggler, launch, rank_context
 from plait.runtime.cgroup import (CpuController, cpu_budget, cpu_controller,
                                   cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget)

@@ -12,8 +12,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from plait.bench.hetero import (HeteroBenchConfig, Neighbour, bench_hetero, factors_at,
-                                neighbour_factors, run_hetero, scenario_specs, with_ideal)
+from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero
+from plait.bench.hetero_ideal import neighbour_factors, with_ideal
+from plait.bench.scenarios import Neighbour, factors_at, scenario_specs
 from plait.runtime import EmulatedCluster, Straggler, launch, rank_context
 from plait.runtime.cgroup import (NoisyNeighbour, cgroup_pids, cpu_controller,
                                   plait_cgroups)

@@ -14,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.balance import Balancer, PolicyConfig
-from plait.bench.hetero import HeteroBenchConfig, scenario_specs, with_ideal
+from plait.bench.hetero import HeteroBenchConfig
+from plait.bench.hetero_ideal import with_ideal
+from plait.bench.scenarios import scenario_specs
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
 from plait.runtime.testing import run_ranks
 
@@ -310,7 +312,7 @@ def _balancer_resizes_and_rotates():
 def test_hetero_rows_give_every_seeds_ratio_and_the_targets():
     """Per (scenario, policy): the median ratio over seeds, each seed's in seed order, their
     range; the summary's per-seed figures for issue 22's targets."""
-    from plait.bench.hetero import _targets, mean_over_seeds, ratio_cell
+    from plait.bench.hetero_summary import _targets, mean_over_seeds, ratio_cell
 
     def rec(seed, scenario, policy, ratio, acc, decisions=0):
         return {"seed": seed, "scenario": scenario, "policy": policy, "t_step_s": ratio,

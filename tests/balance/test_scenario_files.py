@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from plait.bench.hetero import HeteroBenchConfig, factors_at, scenario_specs
+from plait.bench.hetero import HeteroBenchConfig
+from plait.bench.scenarios import factors_at, scenario_specs
 from plait.runtime import Straggler
 from plait.runtime.scenario_file import load_scenario, parse_scenario
 from plait.runtime.straggler import SlowCurve

@@ -86,7 +86,7 @@ def _round_trip(root):
     from types import SimpleNamespace
 
     from plait.balance import Balancer, PolicyConfig
-    from plait.train_resume import restore_balancer
+    from plait.training.resume import restore_balancer
 
     model3, opt3 = build(seed=2)
     found = checkpoint.Checkpointer(root).load(model3, opt3)

@@ -1,9 +1,9 @@
 """A balanced run resumed from a checkpoint taken while the balancer had a rank resized goes
 on with exactly the losses, and the decisions, of the run never stopped.
 
-Each rank runs ``plait train``'s own (``plait.train.train_rank``), whose ``resume_run`` and
+Each rank runs ``plait train``'s own (``plait.training.run.train_rank``), whose ``resume_run`` and
 ``checkpoint_after`` are given its ``RankParallel``, so the checkpoints hold each rank's
-balancer state and a resume restores it (``plait.train_resume.restore_balancer``). Rank 1 is 4 × slower at
+balancer state and a resume restores it (``plait.training.resume.restore_balancer``). Rank 1 is 4 × slower at
 compute (straggler emulation) and every rank a virtual device (timed by its products' FLOPs,
 :mod:`plait.balance.virtual`), so the semi policy resizes it to half its heads and MLP columns
 (``max_skip`` 0.5 clips it) at step 10 exactly (3 warm-up steps, the window half full after
@@ -13,7 +13,7 @@ step 8, confirmed over 3 steps), and would migrate only from step 19 on (``spike
 1. One run of 18 steps, float64, checkpointing every 4 steps (keeping 5): its records and
    decisions. Its checkpoints up to step-12 are copied to another directory, as if it had
    been killed after step-12 was published (with rank 1 resized since step 10).
-2. In the same two ranks (one launch: each spawn imports ``plait.train`` anew, ~10 s on a
+2. In the same two ranks (one launch: each spawn imports ``plait.training.run`` anew, ~10 s on a
    loaded machine), everything built anew (model, optimizer, ``RankParallel`` and its
    balancer, data stream; the RNGs come from the checkpoint), a run resumed from the
    copy: every step's loss and learning rate equal the first run's, bit for bit, and so
@@ -30,7 +30,7 @@ import torch
 
 from plait.runtime.launch import launch
 from plait.runtime.straggler import parse_slow
-from plait.train import TrainConfig
+from plait.training.config import TrainConfig
 
 STEPS, EVERY, RESUME_AT = 18, 4, 12
 SIZES = dict(model="gpt", steps=STEPS, n_layer=1, n_head=4, n_embd=32, seq_len=16,
@@ -40,8 +40,8 @@ SLOW = [parse_slow("1:4")]
 
 
 def _train_rank(cfg: TrainConfig) -> dict:
-    """``plait train``'s rank (``plait.train.train_rank``) in float64, and what it reports."""
-    from plait.train import train_rank
+    """``plait train``'s rank (``plait.training.run.train_rank``) in float64, and what it reports."""
+    from plait.training.run import train_rank
 
     torch.set_default_dtype(torch.float64)
     out = train_rank(cfg)

@@ -36,7 +36,7 @@ def _on_2x2(root3, roots):
     """Per kind: (its class, the tensors loaded from the 3-rank checkpoint, the tensors it
     saved after one more step, full_state_dict (FSDP2) or None)."""
     from plait.parallel import full_state_dict
-    from plait.train_resume import resharded_line
+    from plait.training.resume import resharded_line
 
     out = {}
     for kind in KINDS:

@@ -27,7 +27,8 @@ from plait.cli.main import build_parser, main
 import plait.runtime.launch  # noqa: F401 - its module, whose _launch_once the sweep replaces
 from plait.runtime import cluster_support
 from plait.runtime.leftovers import LAUNCH_DIR_PREFIX
-from plait.train import TrainConfig, train_rank
+from plait.training.config import TrainConfig
+from plait.training.run import train_rank
 
 NETNS = cluster_support() is None and shutil.which("unshare") is not None
 # a mount namespace whose /run/netns is an empty tmpfs of its own (see the module's doc)

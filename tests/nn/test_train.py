@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from plait.cli.train import register
-from plait.data import CharCorpus, ClickLog
+from plait.training.data import CharCorpus, ClickLog
 from plait.models import DLRM, GPT, DLRMConfig
 from plait.runtime.testing import run_ranks
-from plait.train import (TrainConfig, dlrm_loss, evaluate_dlrm, evaluate_gpt, gpt_loss, lr_at,
-                         train, train_rank)
-from plait.train_report import write_train_report
+from plait.training.config import TrainConfig
+from plait.training.loop import lr_at
+from plait.training.models import dlrm_loss, evaluate_dlrm, evaluate_gpt, gpt_loss
+from plait.training.run import train, train_rank
+from plait.training.report import write_train_report
 
 GPT_SIZES = dict(steps=16, n_layer=1, n_head=4, n_embd=32, seq_len=16, batch_size=8, lr=1e-2,
                  eval_batches=4)

@@ -21,8 +21,9 @@ import torch
 
 from plait.balance import static_plan
 from plait.runtime import launch, parse_slow
-from plait.train import TrainConfig, train_rank
-from plait.train_report import write_train_report
+from plait.training.config import TrainConfig
+from plait.training.run import train_rank
+from plait.training.report import write_train_report
 
 TOL = 1e-9
 EVEN = TrainConfig(model="gpt", steps=14, n_layer=1, n_head=4, n_embd=64, seq_len=32,

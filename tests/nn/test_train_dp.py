@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from plait.cli.main import main
-from plait.data import CharCorpus
+from plait.training.data import CharCorpus
 from plait.models import GPT
 from plait.runtime.testing import run_ranks
-from plait.train import TrainConfig, evaluate_gpt, gpt_loss, hf_loss, train_rank
-from plait.train_hf import hf_model
+from plait.training.config import TrainConfig
+from plait.training.models import evaluate_gpt, gpt_loss, hf_loss
+from plait.training.run import train_rank
+from plait.training.hf import hf_model
 from test_train import fit
 
 TOL = 1e-9

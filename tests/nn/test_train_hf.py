@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from plait.cli.main import main
-from plait.data import CharCorpus
+from plait.training.data import CharCorpus
 from plait.runtime.testing import run_ranks
-from plait.train import TrainConfig, build_hf, lr_at, train_rank
+from plait.training.config import TrainConfig
+from plait.training.loop import lr_at
+from plait.training.models import build_hf
+from plait.training.run import train_rank
 
 pytest.importorskip("transformers")
 

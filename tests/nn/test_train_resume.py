@@ -45,8 +45,9 @@ from plait.checkpoint import SeededStream, rng_state, set_rng_state
 from plait.cli.main import main as plait_main
 from plait.runtime.errors import RankError
 from plait.runtime.testing import run_ranks
-from plait.train import TrainConfig, train_rank
-from plait.train_resume import checkpoint_note
+from plait.training.config import TrainConfig
+from plait.training.run import train_rank
+from plait.training.resume import checkpoint_note
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt", "--n-layer", "1", "--n-head", "4", "--n-embd", "32", "--seq-len", "16",

@@ -2,7 +2,8 @@
 (``plait bench checkpoint``; the command line is :mod:`plait.cli.bench_checkpoint`).
 
 A GPT made tensor-parallel over every rank (by default ``plait bench tp``'s: 2 blocks,
-8 heads, width 512, 16 sequences of 128 tokens, fused, 2 micro-batches; AdamW) trains.
+8 heads, width 512, 16 sequences of 128 tokens, fused, 2 micro-batches; AdamW) trains
+through the training loop (:class:`plait.training.loop.Trainer`).
 ``warmup`` steps, then ``plain_steps`` steps without checkpoints give the plain step
 (median). Then ``checkpoints`` checkpoints of each kind, taking turns (blocking,
 asynchronous, blocking, …) so that a slow stretch of a shared machine lands on both
@@ -77,7 +78,7 @@ class CheckpointBenchConfig:
                              f"{self.batch_size} sequences")
 
     def train_config(self):
-        from ..train import TrainConfig
+        from ..training.config import TrainConfig
 
         steps = self.warmup + self.plain_steps + 2 * self.checkpoints * self.every
         return TrainConfig(model="gpt", steps=steps, batch_size=self.batch_size, lr=self.lr,
@@ -100,23 +101,23 @@ def _rank_bench(cfg: CheckpointBenchConfig, root: str) -> dict:
     """One rank's part: every figure already the slowest rank's (seconds)."""
     import torch
 
+    from ..checkpoint import Checkpointer
     from ..runtime import rank_context
     from ..runtime.timing import agreed_max, time_once
-    from ..train import build_gpt
-    from .checkpointer import Checkpointer
+    from ..training.loop import Trainer
+    from ..training.models import build_gpt, gpt_loss, make_optimizer
 
     ctx = rank_context()
     device = ctx.topology.device
     model = build_gpt(cfg.train_config(), vocab_size=VOCAB).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = make_optimizer(model, cfg.lr)
+    trainer = Trainer(model, opt, gpt_loss)  # a constant learning rate
     gen = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
 
     def train_step() -> None:
         x = torch.randint(0, VOCAB, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
         x = x.to(device)
-        model(x[:, :-1], x[:, 1:])[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        trainer.step(0, (x[:, :-1], x[:, 1:]))
 
     for _ in range(cfg.warmup):
         train_step()

@@ -8,7 +8,7 @@ once with the last rank turning ``factor`` × slower at ``slow_from``. The end:
 a side-by-side table (median step time after the slowdown, tokens/s, ratio to
 the capacity-proportional ideal, held-out loss and accuracy) and a report
 folder with the step-time plot, the loss curves, the balancer's decisions and
-an HTML page (:mod:`plait.demo_report`).
+an HTML page (:mod:`plait.bench.demo_report`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from .runtime.fields import help_meta as _h
-from .balance import PolicyConfig
-from .bench.hetero import BalancedRun, factors_at, ideal_step
-from .runtime.placement import LOOPBACK
-from .data import CharCorpus
-from .runtime import rank_context
-from .runtime.straggler import SlowSpec
-from .runtime.timing import balanced_round
-from .train import TrainConfig
+from ..balance import PolicyConfig
+from ..runtime import rank_context
+from ..runtime.fields import help_meta as _h
+from ..runtime.placement import LOOPBACK
+from ..runtime.straggler import SlowSpec
+from ..runtime.timing import balanced_round
+from ..training.config import TrainConfig
+from ..training.data import CharCorpus
+from .balanced_run import BalancedRun
+from .hetero_ideal import ideal_step
+from .scenarios import factors_at
 
 __all__ = ["DemoConfig", "SYSTEMS", "QUICK_DEMO", "WARMUP_STEPS", "LOOPBACK", "run_demo", "demo",
            "summarize_demo"]
@@ -111,7 +113,7 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
     for step in range(cfg.steps):
         for i, (system, scenario, *_, run) in enumerate(balanced_round(runs, step)):
             before = run.balancer.monitor.compute_s
-            run.step(step, barrier=True)
+            run.step(step)
             compute[id(run)].append(run.balancer.monitor.compute_s - before)
             if rank == 0:
                 report({"system": system, "scenario": scenario, "step": step,
@@ -164,7 +166,7 @@ def demo(cfg: DemoConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gb
          timeout_s: float | None = None, on_progress=None) -> tuple[list[dict], str]:
     """Run the demo on ``ranks`` ranks: on an emulated cluster of ``hosts`` hosts with
     ``link`` links, or on loopback (``hosts=0``); rank 0's records and where they ran."""
-    from .runtime.placement import run_placed
+    from ..runtime.placement import run_placed
 
     cfg = replace(cfg)
     if ranks < 2:

@@ -46,13 +46,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.fields import help_meta as _h
-from ..data import CharCorpus
 from ..models import GPT
 from ..ops import explain, get_context
 from ..runtime import parse_rate, rank_context
 from ..runtime.priority import raise_comm_threads
 from ..runtime.timing import agreed_max, balanced_round, median, time_once
-from ..train import TrainConfig, build_gpt, gpt_loss
+from ..training.config import TrainConfig
+from ..training.data import CharCorpus
+from ..training.loop import Trainer
+from ..training.models import build_gpt, gpt_loss, make_optimizer
 from . import tp_hf
 from .tp_dlrm import EMB_SYSTEMS, PLAIT_EMB_SYSTEMS, EmbBenchConfig, run_emb_bench, torchrec_missing
 
@@ -296,21 +298,6 @@ def _build(system: str, cfg: TPBenchConfig, vocab_size: int) -> nn.Module:
     return model.to(device)
 
 
-def _optimizer(model: nn.Module, cfg: TPBenchConfig) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-
-
-def _step(model: nn.Module, opt: torch.optim.Optimizer, batch, losses: list[float],
-          loss_fn=gpt_loss) -> None:
-    loss = loss_fn(model, batch)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())  # also waits for the step to finish
-
-
 def _train_interleaved(cfg: TPBenchConfig, built: dict, batches: list) -> dict:
     """Step i of every system, then step i + 1 (in balanced orders, so no system always goes
     first or always follows the same one): per system its losses and own step times."""
@@ -318,12 +305,11 @@ def _train_interleaved(cfg: TPBenchConfig, built: dict, batches: list) -> dict:
     losses = {name: [] for name in built}
     times = {name: [] for name in built}
     names = list(built)
-    loss_fn = tp_hf.llama_loss if cfg.model == "hf-llama" else gpt_loss
     for i, batch in enumerate(batches):
         for name in balanced_round(names, i):
-            model, opt = built[name]
-            times[name].append(time_once(
-                lambda: _step(model, opt, batch, losses[name], loss_fn), device))
+            trainer = built[name]
+            times[name].append(time_once(  # the loss read waits for the step to finish
+                lambda: losses[name].append(trainer.step(i, batch)["loss"]), device))
         ctx.report({"part": cfg.model, "step": i, "of": len(batches)})
     return {"losses": losses, "times": times}
 
@@ -344,7 +330,7 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
     ctx, world = rank_context(), dist.get_world_size()
     wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size, name) if cfg.model == "hf-llama"
             else _wire(cfg, world, ctx.link))
-    model = _model_info(cfg, vocab_size)
+    model = tp_hf.model_info(cfg, vocab_size)
     return {"system": name, "part": cfg.model, "t_step_s": t_step,
             "tokens_per_s": tokens / t_step, **wire,
             "max_loss_diff": diff, "loss_diff_vs": ref if diff is not None else None,
@@ -355,15 +341,6 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
             "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
             "note": (tp_hf.NOTES if cfg.model == "hf-llama" else NOTES)[name],
             "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
-
-
-def _model_info(cfg: TPBenchConfig, vocab_size: int) -> dict:
-    sizes = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size")
-    model = {"name": cfg.model, **{k: getattr(cfg, k) for k in sizes}}
-    if cfg.model == "hf-llama":
-        model.update(n_kv_head=cfg.n_kv_head, ffn=tp_hf.ffn_width(cfg.n_embd),
-                     vocab=tp_hf.padded_vocab(vocab_size), plan=cfg.hf_plan)
-    return model
 
 
 def _wire(cfg: TPBenchConfig, world: int, link: str) -> dict:
@@ -393,9 +370,10 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
     device = rank_context().topology.device
     batches = [tuple(t.to(device) for t in next(stream)) for _ in range(cfg.total_steps)]
     built = {}
-    for name in cfg.systems:
+    loss_fn = tp_hf.llama_loss if cfg.model == "hf-llama" else gpt_loss
+    for name in cfg.systems:  # a constant learning rate: no schedule
         model = _build(name, cfg, corpus.vocab_size)
-        built[name] = (model, _optimizer(model, cfg))
+        built[name] = Trainer(model, make_optimizer(model, cfg.lr, cfg.optimizer), loss_fn)
     # the same priority for every group's transfer threads, whoever made the group (the
     # DeviceMesh's own, if it made one, as well as plait's): runtime.priority
     raise_comm_threads()
@@ -407,7 +385,7 @@ def run_tp_bench(cfg: TPBenchConfig) -> list[dict]:
         if r["system"] == "plait":
             r["paths"] = paths
         if cfg.model == "hf-llama":
-            r["split_modules"] = tp_hf.split_modules(built[r["system"]][0])
+            r["split_modules"] = tp_hf.split_modules(built[r["system"]].model)
     return _with_speedups(records, REFERENCE) + (_dlrm_records(cfg) if cfg.runs_dlrm else [])
 
 

@@ -36,6 +36,8 @@ from ..ops import explain
 from ..ops.pieces import even_sizes
 from ..runtime import rank_context
 from ..runtime.timing import agreed_max, balanced_round, median, time_once
+from ..training.loop import Trainer
+from ..training.models import make_optimizer
 
 __all__ = ["EmbBenchConfig", "EMB_SYSTEMS", "PLAIT_EMB_SYSTEMS", "torchrec_missing",
            "initial_tables", "batch_slice", "run_emb_bench"]
@@ -162,20 +164,22 @@ class _Plait:
         with torch.no_grad():
             for bag, w in zip(plain.bags, full):
                 bag.weight.copy_(w)
-        self.cfg, self.tables = cfg, ShardedEmbeddingBag.from_module(plain, overlap=overlap,
-                                                                     chunks=cfg.chunks)
-        self.opt = torch.optim.SGD(self.tables.parameters(), lr=cfg.lr)
+        self.cfg = cfg
+        tables = ShardedEmbeddingBag.from_module(plain, overlap=overlap, chunks=cfg.chunks)
+        self.trainer = Trainer(tables, make_optimizer(tables, cfg.lr, "sgd"), self._loss)
         self.offsets = [torch.arange(0, cfg.batch * cfg.pool, cfg.pool)] * cfg.tables
         self.path = ""
 
-    def step(self, ids, target_r) -> torch.Tensor:
-        out = self.tables(ids, self.offsets)  # [B_r, T, D]
+    def _loss(self, tables: nn.Module, batch) -> torch.Tensor:
+        ids, target_r = batch
+        out = tables(ids, self.offsets)  # [B_r, T, D]
         self.path = explain("embedding_all_to_all")  # this call's path (fused or not, and why)
-        loss = _mse(out, target_r, self.cfg)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        return loss.detach()
+        return _mse(out, target_r, self.cfg)
+
+    def step(self, ids, target_r) -> torch.Tensor:
+        # the loss as the tensor it was (the tables' dtype: the record's float holds it exactly)
+        dtype = next(self.trainer.model.parameters()).dtype
+        return torch.tensor(self.trainer.step(0, (ids, target_r))["loss"], dtype=dtype)
 
 
 class _TorchRec:

@@ -37,7 +37,6 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
-from ..data import CharCorpus
 from ..ops import get_context
 from ..parallel.data import MeshLayout, data_parallel
 from ..perf.placement import (PLACEMENTS, Hardware, StepWork, predict_placement,
@@ -45,7 +44,10 @@ from ..perf.placement import (PLACEMENTS, Hardware, StepWork, predict_placement,
 from ..runtime import parse_rate, rank_context
 from ..runtime.priority import raise_comm_threads
 from ..runtime.timing import agreed_max, balanced_round, median, time_once, time_repeated
-from ..train import build_gpt, gpt_loss
+from ..training.data import CharCorpus
+from ..training.dp_tp import placement_line
+from ..training.loop import Trainer
+from ..training.models import build_gpt, gpt_loss, make_optimizer
 from .report import print_table
 
 __all__ = ["run_placement_bench", "placement_work", "summarize_placements", "print_placements"]
@@ -75,9 +77,10 @@ def _build(cfg, system: str, layout: MeshLayout, vocab_size: int):
 
 
 def _copies(cfg, vocab_size: int) -> dict:
-    """Per (system, placement): model, optimizer, replica rows, tp module, mesh."""
-    from .tp import _optimizer
+    """Per (system, placement): its trainer, replica rows, tp module, mesh."""
+    from . import tp_hf
 
+    loss_fn = tp_hf.llama_loss if cfg.model == "hf-llama" else gpt_loss
     built = {}
     for system in cfg.systems:
         for placement, inside in PLACEMENTS.items():
@@ -85,7 +88,8 @@ def _copies(cfg, vocab_size: int) -> dict:
             model, tp_model, mesh = _build(cfg, system, layout, vocab_size)
             rows = cfg.batch_size // cfg.dp
             d = mesh.get_local_rank("dp")
-            built[(system, placement)] = dict(model=model, opt=_optimizer(model, cfg),
+            opt = make_optimizer(model, cfg.lr, cfg.optimizer)
+            built[(system, placement)] = dict(trainer=Trainer(model, opt, loss_fn),
                                               rows=slice(d * rows, (d + 1) * rows),
                                               tp_model=tp_model, mesh=mesh, layout=layout,
                                               dp_kind="DDP" if model is not tp_model else "FSDP2")
@@ -93,10 +97,6 @@ def _copies(cfg, vocab_size: int) -> dict:
 
 
 def _train(cfg, built: dict, batches: list) -> dict:
-    from . import tp_hf
-    from .tp import _step
-
-    loss_fn = tp_hf.llama_loss if cfg.model == "hf-llama" else gpt_loss
     device, ctx = rank_context().topology.device, rank_context()
     own = {key: [] for key in built}
     times = {key: [] for key in built}
@@ -105,8 +105,8 @@ def _train(cfg, built: dict, batches: list) -> dict:
         for key in balanced_round(keys, i):
             c = built[key]
             share = tuple(t[c["rows"]] for t in batch)
-            times[key].append(time_once(
-                lambda: _step(c["model"], c["opt"], share, own[key], loss_fn), device))
+            times[key].append(time_once(  # the loss read waits for the step to finish
+                lambda: own[key].append(c["trainer"].step(i, share)["loss"]), device))
         ctx.report({"part": PART, "step": i, "of": len(batches)})
     losses = {}
     for key, c in built.items():  # the replicas' mean: the global batch's loss
@@ -123,7 +123,6 @@ def _compute_rate(cfg, vocab: int, batch: tuple) -> float:
     a FLOP count leaves out (norms, softmax, the optimizer, Python) and the cores' sharing."""
     from . import tp_hf
     from ..models import GPT
-    from .tp import _optimizer, _step
 
     device = rank_context().topology.device
     torch.manual_seed(cfg.seed)
@@ -131,11 +130,11 @@ def _compute_rate(cfg, vocab: int, batch: tuple) -> float:
         model, loss_fn = tp_hf.build_llama(cfg, vocab).to(device), tp_hf.llama_loss
     else:
         model, loss_fn = GPT(cfg.train_config().gpt_config(vocab)).to(device), gpt_loss
-    opt = _optimizer(model, cfg)
+    trainer = Trainer(model, make_optimizer(model, cfg.lr, cfg.optimizer), loss_fn)
     rows = max(1, cfg.batch_size // (cfg.dp * cfg.tp))
     share = tuple(t[:rows] for t in batch)
-    _step(model, opt, share, [], loss_fn)  # warm-up
-    times = time_repeated(lambda: _step(model, opt, share, [], loss_fn), TIMING_ROUNDS, device)
+    trainer.step(0, share)  # warm-up
+    times = time_repeated(lambda: trainer.step(0, share), TIMING_ROUNDS, device)
     block, head, _ = _shapes(cfg, vocab, tp=1)
     flops = transformer_flops(tokens=rows * cfg.seq_len, layers=cfg.n_layer, tp=1,
                               sharded_weights=block, seq_len=cfg.seq_len, width=cfg.n_embd,
@@ -234,7 +233,7 @@ def run_placement_bench(cfg) -> list[dict]:
 
 
 def _record(cfg, key, c: dict, run: dict, hw: Hardware, vocab: int) -> dict:
-    from .tp import _model_info
+    from .tp_hf import model_info
 
     system, placement = key
     # FSDP2's parameters are DTensors sharded over dp whose global shape is the tp shard
@@ -257,15 +256,13 @@ def _record(cfg, key, c: dict, run: dict, hw: Hardware, vocab: int) -> dict:
             "predicted_step_s": predicted.step_s, "prediction": predicted.to_dict(),
             "work": asdict(work), "hardware": asdict(hw),
             "losses": run["losses"][key], "step_times_s": steps,
-            "tokens_per_step": tokens, "world_size": world, "model": _model_info(cfg, vocab),
+            "tokens_per_step": tokens, "world_size": world, "model": model_info(cfg, vocab),
             "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
             "link": rank_context().link, "backend": rank_context().topology.backend,
             **cfg.extra}
 
 
 def _line(layout: MeshLayout, hosts: int) -> str:
-    from ..train_parallel import placement_line
-
     return placement_line(layout, hosts)
 
 

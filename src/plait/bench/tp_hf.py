@@ -54,7 +54,7 @@ from ..runtime import parse_rate, rank_context
 
 __all__ = ["HF_PLANS", "NOTES", "ffn_width", "padded_vocab", "llama_config", "build_llama",
            "own_plan", "torch_tp_plan", "build_hf", "split_modules", "llama_loss", "hf_wire",
-           "transformers_missing"]
+           "transformers_missing", "model_info"]
 
 HF_PLANS = ("auto", "layers")
 NOTES = {
@@ -201,3 +201,13 @@ def hf_wire(cfg, world: int, link: str, vocab_size: int, system: str) -> dict:
     rate = parse_rate(link)
     return {"allreduce_per_step": count, "allreduce_bytes": buf, "allgather_bytes": gather,
             "t_comm_link_s": wire * 8 / rate if rate else None}
+
+
+def model_info(cfg, vocab_size: int) -> dict:
+    """The trained model's sizes as a record holds them (``bench tp``'s ``cfg``)."""
+    sizes = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size")
+    model = {"name": cfg.model, **{k: getattr(cfg, k) for k in sizes}}
+    if cfg.model == "hf-llama":
+        model.update(n_kv_head=cfg.n_kv_head, ffn=ffn_width(cfg.n_embd),
+                     vocab=padded_vocab(vocab_size), plan=cfg.hf_plan)
+    return model

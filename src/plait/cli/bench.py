@@ -11,8 +11,8 @@ from ..bench.collectives import (LINK_SHARE_OK, CollectiveBenchConfig, bench_col
 from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
 from ..bench.report import (console, human_bytes, print_summary, print_table, progress_bar,
                             write_json)
-from ..bench.hetero import (QUICK_HETERO, HeteroBenchConfig, bench_hetero, mean_over_seeds,
-                            plot_hetero, ratio_cell, summarize_hetero)
+from ..bench.hetero import QUICK_HETERO, HeteroBenchConfig, bench_hetero
+from ..bench.hetero_summary import mean_over_seeds, plot_hetero, ratio_cell, summarize_hetero
 from ..bench.tp import QUICK_TP, TPBenchConfig, bench_tp, summarize_tp
 from ..bench.tp_dp import print_placements
 from ..runtime import parse_rate

@@ -1,12 +1,12 @@
 """``plait bench checkpoint``: how long training waits for a blocking checkpoint and for an
-asynchronous one (:mod:`plait.checkpoint.stall`), every checkpoint's figure and the medians."""
+asynchronous one (:mod:`plait.bench.checkpoint_stall`), every checkpoint's figure and the medians."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
-from ..checkpoint.stall import QUICK_CHECKPOINT, CheckpointBenchConfig, bench_checkpoint
+from ..bench.checkpoint_stall import QUICK_CHECKPOINT, CheckpointBenchConfig, bench_checkpoint
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
                      check_writable, remove_empty_folders, resolve_placement)

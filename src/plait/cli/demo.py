@@ -7,8 +7,8 @@ import os
 import time
 
 from ..bench.report import console, print_table, progress_bar
-from ..demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
-from ..demo_report import busy_note, write_demo_report
+from ..bench.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
+from ..bench.demo_report import busy_note, write_demo_report
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, resolve_placement
 

@@ -7,11 +7,12 @@ import os
 import time
 
 from ..bench.report import console, print_table, progress_bar
-from ..train import TrainConfig, train
-from ..train_parallel import mesh_layout, placement_line
-from ..train_report import write_train_report
-from ..train_resume import checkpoint_note
 from ..runtime.scenario_file import load_scenario
+from ..training.config import TrainConfig
+from ..training.dp_tp import mesh_layout, placement_line
+from ..training.report import write_train_report
+from ..training.resume import checkpoint_note
+from ..training.run import train
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement
 
@@ -95,7 +96,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _print_ideal(summary: dict, cfg, args: argparse.Namespace) -> None:
-    """The median step against the capacity ideal (plait.train_report.capacity_ideal)."""
+    """The median step against the capacity ideal (plait.training.report.capacity_ideal)."""
     ideal = summary.get("ideal", {})
     if "t_ideal_s" not in ideal:
         console.print(f"capacity ideal: not computed ({ideal.get('omitted', 'no figures')})",

@@ -6,7 +6,8 @@
 Each incarnation (every restart of the workers by torchrun's agents) builds the GPT from
 its seed, splits it over the world it finds (the balancer's static plan for that many
 equal ranks: ``plait.balance.policy.static_plan``), loads the newest checkpoint under
-``DIR/checkpoints`` (DCP reshards it onto the new plan), trains to ``--steps``,
+``DIR/checkpoints`` (DCP reshards it onto the new plan), trains to ``--steps`` through the
+training loop (:class:`plait.training.loop.Trainer`),
 checkpoints every ``--checkpoint-every`` steps and evaluates the held-out loss at the
 end. The batch of step ``s`` is drawn from a generator seeded by ``(seed, s)``, and the
 learning rate is a function of ``s``, so a resumed run sees the same data and schedule
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ..training.loop import Component
 
 __all__ = ["parse_args", "train_config", "batch_at", "main", "HOLD_ENV"]
 
@@ -63,9 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_config(args: argparse.Namespace, world: int):
-    """The run's :class:`~plait.train.TrainConfig` with plans for ``world`` equal ranks."""
+    """The run's :class:`~plait.training.config.TrainConfig` with plans for ``world`` equal
+    ranks."""
     from ..balance.policy import static_plan
-    from ..train import TrainConfig
+    from ..training.config import TrainConfig
 
     base = TrainConfig(model="gpt", steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                        seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
@@ -104,14 +108,31 @@ class _Log:
             self.file.flush()
 
 
+class _StepLog(Component):
+    """Each step's line in rank 0's log; at ``HOLD_ENV``'s step, the wait for the kill."""
+
+    def __init__(self, log: _Log, world_size: int, restart: int):
+        self.log, self.world_size, self.restart = log, world_size, restart
+        self.hold = int(os.environ.get(HOLD_ENV, "0"))
+
+    def after_step(self, record: dict) -> None:
+        done = record["step"] + 1
+        self.log.write(event="step", step=done, loss=record["loss"],
+                       world_size=self.world_size, restart=self.restart)
+        if done == self.hold:
+            while True:  # until the launcher's SIGKILL, or this worker's agent's end
+                time.sleep(3600)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from ..checkpoint import Checkpointer
-    from ..data import CharCorpus
     from ..runtime import init_from_env
-    from ..train import build_gpt, evaluate_gpt, lr_at
-
     from ..runtime.launch import exit_with
+    from ..training.components import Checkpointing
+    from ..training.data import CharCorpus
+    from ..training.loop import Trainer, cosine_schedule
+    from ..training.models import build_gpt, evaluate_gpt, gpt_loss, make_optimizer
 
     exit_with(os.getppid())  # a worker ends with its agent (which ends with the launcher)
     started = time.time()
@@ -123,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = train_config(args, topo.world_size)
     corpus = CharCorpus.load()
     model = build_gpt(cfg, vocab_size=corpus.vocab_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optimizer = make_optimizer(model, cfg.lr)
     ckpt = Checkpointer(root / "checkpoints", keep=2, timeout_s=args.timeout)
     built = time.time()
     loaded = ckpt.load(model, optimizer)
@@ -132,23 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     log.write(event="start", world_size=topo.world_size, restart=restart, resumed_from=first,
               saved_world_size=loaded.world_size if loaded else None, plans=list(cfg.plans),
               process_start=started, joined=joined, built=built)
-    model.train()
-    for step in range(first, args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
-        x, y = batch_at(corpus, cfg, step)
-        loss = model(x, y)[1]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        done = step + 1
-        log.write(event="step", step=done, loss=loss.item(), world_size=topo.world_size,
-                  restart=restart)
-        if done == int(os.environ.get(HOLD_ENV, "0")):
-            while True:  # until the launcher's SIGKILL, or this worker's agent's end
-                time.sleep(3600)
-        if done % args.checkpoint_every == 0 or done == args.steps:
-            ckpt.save(done, model, optimizer, extra_state={"step": done})
+    trainer = Trainer(model, optimizer, gpt_loss, schedule=cosine_schedule(args.steps, args.lr),
+                      components=[_StepLog(log, topo.world_size, restart),
+                                  Checkpointing(ckpt, model, optimizer,
+                                                every=args.checkpoint_every, steps=args.steps)])
+    trainer.run((batch_at(corpus, cfg, step) for step in range(first, args.steps)), args.steps,
+                start=first)
     final = evaluate_gpt(model, corpus, cfg)
     log.write(event="end", world_size=topo.world_size, restart=restart, **final)
     ckpt.close()

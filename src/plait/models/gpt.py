@@ -23,7 +23,7 @@ __all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block", "moe_gpt_c
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    vocab_size: int = 97    # plait.data.CHARS
+    vocab_size: int = 97    # plait.training.data.CHARS
     block_size: int = 64   # longest sequence
     n_layer: int = 2
     n_head: int = 4

@@ -10,10 +10,9 @@ gradient). Every rank draws the same global batch; replica ``d`` keeps rows
 ``[d·B/N, (d+1)·B/N)``. The logged loss is the replicas' mean: the rows are
 equal in number and length, so it is the global batch's mean loss.
 
-Balancing: ``plait.balance.Balancer`` (the API ``bench hetero``'s ``BalancedRun``
-drives) steps after every optimizer step; its time is added to the step's
-time (as ``BalancedRun`` times it), its decisions go into the step's record and
-the run's result. With ``dp > 1`` data parallelism needs every replica in a tp position to
+Balancing: ``plait.balance.Balancer`` steps after every optimizer step, inside the step's
+time (the loop's :class:`~plait.training.components.Balancing`, as in ``bench hetero``);
+its decisions go into the step's record and the run's result. With ``dp > 1`` data parallelism needs every replica in a tp position to
 hold the same shapes, so the plans are agreed across dp: the balancer runs on each rank's tp
 group with its dp group beside it, every speed reading is its tp position's slowest
 replica's (``plait.balance.balancer.ReplicaMonitor``), and every replica takes the same
@@ -23,24 +22,26 @@ decisions. After a migration DDP's reducer is rebuilt for the new shapes
 does not see the weight gradients fused row-parallel layers add outside autograd, so it
 needs ``--no-overlap`` unless ``--sequence-parallel`` (refused in one line).
 
-The capacity ideal (``plait.train_report.capacity_ideal``), with or without a balancer: a
-:class:`StepTally` times every plait layer's compute regions beside the balancer's monitor
-and closes each step's figures after the step (outside its time); ``report`` gathers them
-from every rank into the step records and computes the ideal.
+The capacity ideal (``plait.training.report.capacity_ideal``), with or without a balancer:
+a :class:`~plait.training.tally.StepTally` times every plait layer's compute regions beside
+the balancer's monitor and closes each step's figures after the step (outside its time);
+``report`` gathers them from every rank into the step records and computes the ideal.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from .parallel.data import MeshLayout
+from ..parallel.data import MeshLayout
+from .components import Balancing
+from .loop import Component
+from .tally import StepTally
 
 __all__ = ["BALANCE", "DP_MODELS", "BALANCED_MODELS", "mesh_layout", "check_parallel",
-           "placement_line", "RankParallel", "StepTally"]
+           "placement_line", "RankParallel"]
 
 BALANCE = ("even", "resize", "migrate", "semi")
 DP_MODELS = ("gpt", "hf-llama")
@@ -99,84 +100,9 @@ def placement_line(layout: MeshLayout, hosts: int) -> str:
     return f"{layout.describe(hosts=hosts)}; hosts {blocks}"
 
 
-class _TeeTimer:
-    """A layer's compute timer feeding two: the balancer's (None without one) and the
-    tally's; it adds the work it is told of to the tally's step."""
-
-    def __init__(self, first, second, tally: "StepTally"):
-        self.first, self.second, self.tally = first, second, tally
-
-    def begin(self, device):
-        return (None if self.first is None else self.first.begin(device),
-                self.second.begin(device))
-
-    def count(self, work: float) -> None:
-        if self.first is not None:
-            self.first.count(work)
-        self.second.count(work)
-        self.tally.work += work
-
-    def end(self, token, work: float = 0.0) -> None:
-        self.second.end(token[1], work)
-        if self.first is not None:
-            self.first.end(token[0], work)
-        self.tally.work += work
-
-
-class StepTally:
-    """This rank's timed compute per step: seconds (the straggler's sleeps included), work
-    (weight elements multiplied) and its slowdown factor. A ``SpeedMonitor`` that never
-    exchanges (no collective), whose timers sit beside those already on ``model``'s layers."""
-
-    def __init__(self, model: torch.nn.Module):
-        from .balance import SpeedMonitor
-
-        self.monitor = SpeedMonitor(None)
-        self.work, self._seen = 0.0, 0.0
-        self.rows: list[tuple[int, float, float, float]] = []  # (step, s, work, factor)
-        for name, layer in model.named_modules():
-            if hasattr(layer, "compute_timer"):
-                layer.compute_timer = _TeeTimer(layer.compute_timer, self.monitor.timer(name),
-                                                self)
-
-    def close_step(self, step: int) -> None:
-        """After the step: its figures (on CUDA the monitor reads its events: a synchronize)."""
-        from .runtime import rank_context
-
-        self.monitor.discard()  # resolves pending CUDA timings into compute_s
-        seconds, self._seen = self.monitor.compute_s - self._seen, self.monitor.compute_s
-        factor = rank_context().straggler.factor(step) if dist.is_initialized() else 1.0
-        self.rows.append((step, seconds, self.work, factor))
-        self.work = 0.0
-
-    def into_records(self, records: list[dict]) -> None:
-        """Every rank's figures into the records of the steps tallied (a collective: every
-        rank): ``compute_s``, ``work``, ``slow`` (lists over ranks), ``time_max_s``."""
-        from .runtime.timing import agreed_max
-
-        if not self.rows:
-            return
-        by_step = {r["step"]: r for r in records}
-        local = torch.tensor([row[1:] for row in self.rows], dtype=torch.float64)  # [n, 3]
-        parts, device = [local], torch.device("cpu")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, local.to(device))
-        table = torch.stack(parts).cpu()  # [ranks, n, 3]
-        times = agreed_max([by_step[row[0]]["time_s"] for row in self.rows], device=device)
-        for i, row in enumerate(self.rows):
-            record = by_step[row[0]]
-            record["compute_s"] = table[:, i, 0].tolist()
-            record["work"] = table[:, i, 1].tolist()
-            record["slow"] = table[:, i, 2].tolist()
-            record["time_max_s"] = times[i]
-
-
 class RankParallel:
     """One rank's share of ``--dp``/``--tp`` and ``--balance``; every rank makes one, in the
-    same order of calls (each of ``wrap``, ``after_step`` and ``report`` may hold collectives)."""
+    same order of calls (``wrap``, the components' steps and ``report`` may hold collectives)."""
 
     def __init__(self, cfg, ranks: int | None = None):
         self.cfg = cfg
@@ -195,7 +121,7 @@ class RankParallel:
         self.tp_model = self.model = model
         if self.mesh is None:
             return model
-        from .parallel.data import data_parallel
+        from ..parallel.data import data_parallel
 
         # a balanced run re-applies data parallelism after a migration: DDP only (see above)
         kind = "auto" if self.cfg.balance == "even" else "ddp"
@@ -220,7 +146,7 @@ class RankParallel:
         agreed over its dp group; then the step tally (every policy, even included)."""
         tp_model = self.tp_model if self.tp_model is not None else model
         if self.cfg.balance != "even":
-            from .balance import Balancer, PolicyConfig
+            from ..balance import Balancer, PolicyConfig
 
             policy = PolicyConfig(name=self.cfg.balance, confirm_steps=CONFIRM_STEPS,
                                   spike_steps=SPIKE_STEPS)
@@ -228,36 +154,30 @@ class RankParallel:
                                      refresh=REFRESH, dp_group=self.dp_group)
         self.tally = StepTally(tp_model)
 
-    def after_step(self, record: dict) -> None:
-        """After the optimizer step: the balancer's step (timed into ``time_s``, its
-        decisions into ``record["decisions"]``), then the global batch's loss over dp."""
+    def components(self) -> list[Component]:
+        """What the loop runs around each step for this rank's share (after ``attach``): the
+        balancer's step (DDP's reducer rebuilt after a migration), the step tally, then the
+        global batch's loss over dp."""
+        out: list[Component] = []
         if self.balancer is not None:
-            start = time.perf_counter()
-            done = self.balancer.step(record["step"])
-            if self.mesh is not None and any(d.kind == "migrate" for d in done):
-                from .parallel.data import replanned
-
-                replanned(self.model, self.mesh)  # DDP's reducer for the new shapes
-            record["time_s"] += time.perf_counter() - start
-            if done:
-                record["decisions"] = [d.to_json() for d in done]
+            replan = None if self.mesh is None else self._replanned
+            out.append(Balancing(self.balancer, after_migrate=replan))
         if self.tally is not None:
-            self.tally.close_step(record["step"])
+            out.append(self.tally)
         if self.dp_group is not None:
-            loss = torch.tensor([record["loss"]], dtype=torch.float64, device=self._device())
-            dist.all_reduce(loss, group=self.dp_group)
-            record["loss"] = float(loss) / self.layout.dp
+            out.append(_ReplicaLoss(self))
+        return out
 
-    def _device(self):
-        if dist.get_backend(self.dp_group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _replanned(self) -> None:
+        from ..parallel.data import replanned
+
+        replanned(self.model, self.mesh)  # DDP's reducer for the new shapes
 
     def report(self, result: dict, steps: int) -> dict:
         """``result`` with the placement, what each parallel layer did, the balancer's
         decisions, final plans and measured compute, every rank's figures in the step
         records and the capacity ideal (collectives: every rank)."""
-        from .train_report import capacity_ideal
+        from .report import capacity_ideal
 
         if self.tally is not None:
             self.tally.into_records(result["records"])
@@ -276,3 +196,19 @@ class RankParallel:
                                  "compute_s_per_step": monitor.compute_s / max(steps, 1),
                                  "monitor_s": monitor.overhead_s}
         return result
+
+
+class _ReplicaLoss(Component):
+    """The global batch's loss: every replica's own rows' loss, averaged over dp (the rows are
+    equal in number and length)."""
+
+    def __init__(self, run: RankParallel):
+        self.group, self.dp = run.dp_group, run.layout.dp
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else \
+            torch.device("cpu")
+
+    def after_step(self, record: dict) -> None:
+        loss = torch.tensor([record["loss"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss, group=self.group)
+        record["loss"] = float(loss) / self.dp

@@ -16,7 +16,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from .plan import ShardPlan
+from ..plan import ShardPlan
 
 __all__ = ["HF_MODELS", "HF_PLAN_KINDS", "require_transformers", "hf_model", "build_hf",
            "hf_loss", "hf_logits_loss", "check_hf_sizes", "check_hf_plans", "hf_intermediate"]
@@ -56,7 +56,7 @@ def check_hf_sizes(cfg) -> None:
 
 def check_hf_plans(cfg, plans: dict[str, ShardPlan], world: int) -> None:
     """Each dim ``parallelize`` will split, given (``--plans``) or even, fits ``world`` ranks."""
-    from .parallel.dims import head_split
+    from ..parallel.dims import head_split
 
     heads = plans.get("heads")
     try:  # attention counts KV-head groups, or sub-groups that each copy their K/V head
@@ -105,7 +105,7 @@ def hf_model(cfg, vocab_size: int) -> torch.nn.Module:
 def build_hf(cfg, group=None, vocab_size: int = 97) -> torch.nn.Module:
     """``hf_model`` made tensor-parallel on ``group`` by its own plan (``plan="auto"``), with
     ``--plans``' uneven shares, ``--overlap`` and ``--chunks``."""
-    from .parallel import parallelize
+    from ..parallel import parallelize
 
     return parallelize(hf_model(cfg, vocab_size), "auto", group=group,
                        shards=cfg.shard_plans(), overlap=cfg.overlap, chunks=cfg.chunk_count)

@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from .runtime.records import write_json
+from ..runtime.records import write_json
 
 __all__ = ["write_train_report", "smooth", "capacity_ideal", "IDEAL_WARMUP", "IDEAL_KIND"]
 

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Callable
 
 import torch.distributed as dist
 
-from .checkpoint import Checkpointer, Loaded, SeededStream, latest, rng_state, set_rng_state
-from .checkpoint.layout import module_plans
-from .checkpoint.replicas import unwrap
+from ..checkpoint import Checkpointer, Loaded, SeededStream, latest, rng_state, set_rng_state
+from ..checkpoint.layout import module_plans
+from ..checkpoint.replicas import unwrap
+from .components import Checkpointing
 
 __all__ = ["SeededStream", "check_checkpoint_flags", "checkpoint_note", "resume_run",
-           "checkpoint_after", "restore_balancer", "resharded_line"]
+           "checkpointing", "restore_balancer", "resharded_line"]
 
 # the settings that decide the trajectory besides the model's shapes: a resumed run that
 # changes one of them continues, and its first line says so
@@ -92,7 +92,7 @@ def resume_run(cfg, model, optimizer, stream: SeededStream, parallel=None
     is a collective), the first step to run, the records of the steps before it, and with
     ``--resume`` the line saying what was restored and resharded. Restores the model, the
     optimizer, the data stream and the RNGs from the newest checkpoint, and the balancer of
-    ``parallel`` (``plait.train_parallel.RankParallel``; None: no balancer) when the
+    ``parallel`` (``plait.training.dp_tp.RankParallel``; None: no balancer) when the
     checkpoint holds one that fits (:func:`restore_balancer`)."""
     if not cfg.checkpoint_dir:
         return None, 0, [], None
@@ -113,29 +113,23 @@ def resume_run(cfg, model, optimizer, stream: SeededStream, parallel=None
     return ckpt, found.step, list(found.extra_state["records"]), line
 
 
-def checkpoint_after(on_step: Callable[[dict], None], cfg, ckpt: Checkpointer, model,
-                     optimizer, stream: SeededStream, done: list[dict], parallel=None
-                     ) -> Callable[[dict], None]:
-    """``on_step`` followed, every ``--checkpoint-every`` steps and after the last, by an
-    asynchronous checkpoint of everything the next step depends on (the balancer of
+def checkpointing(cfg, ckpt: Checkpointer, model, optimizer, stream: SeededStream,
+                  done: list[dict], parallel=None) -> Checkpointing:
+    """The loop's checkpoint component: every ``--checkpoint-every`` steps and after the last,
+    an asynchronous checkpoint of everything the next step depends on (the balancer of
     ``parallel`` included: each rank's own state, after its step)."""
     balancer = getattr(parallel, "balancer", None)
-    records = list(done)
 
-    def step_then_save(record: dict) -> None:
-        on_step(record)
-        records.append(record)
-        steps_done = record["step"] + 1
-        if steps_done % cfg.checkpoint_every and steps_done != cfg.steps:
-            return
+    def state(steps_done: int, records: list[dict]) -> tuple[dict, dict]:
         own = {"data": stream.state_dict(), "rng": rng_state()}
         extra = {**own, "step": steps_done, "records": [dict(r) for r in records],
                  "config": {k: getattr(cfg, k) for k in ("model", *_TRAJECTORY)}}
         if balancer is not None:  # this rank's own: its kept features, its snapshots
             own["balancer"] = balancer.state_dict()
-        ckpt.save(steps_done, model, optimizer, extra, rank_state=own, blocking=False)
+        return extra, own
 
-    return step_then_save
+    return Checkpointing(ckpt, model, optimizer, every=cfg.checkpoint_every, steps=cfg.steps,
+                         state=state, blocking=False, records=done)
 
 
 def restore_balancer(parallel, found: Loaded) -> str | None:
@@ -163,7 +157,7 @@ def restore_balancer(parallel, found: Loaded) -> str | None:
                 f"replicas) {everyone[0]}, this run has {mine}")
     moved = balancer.load_state_dict(saved)
     if moved and getattr(parallel, "mesh", None) is not None:
-        from .parallel.data import replanned
+        from ..parallel.data import replanned
 
         replanned(parallel.model, parallel.mesh)  # DDP's reducer for the saved shapes
     resized = [f"{dim} keeps {[round(f, 2) for f in policy.fractions]}"
