@@ -4,11 +4,8 @@ balancer takes, and every decision it makes, is known in advance whatever the ma
     from plait.balance.virtual import VirtualDevice
 
     device = VirtualDevice().install()        # in the rank's own process
-    with device:                              # the step's compute is counted
-        loss = model(x).square().mean()
-        loss.backward()
-    optimizer.step()
-    balancer.step(step)
+    with device:                              # the steps' compute is counted
+        trainer.run(batches, steps)           # plait.training.loop.Trainer, with Balancing
 
 The device takes ``seconds_per_flop`` per FLOP of its matrix products (``mm``, ``addmm``,
 ``bmm``, ``baddbmm``: what a tensor-parallel layer's time is made of) and nothing for
