@@ -31,7 +31,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 REGION = re.compile(r"(<!-- generated: ([\w.-]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
-DOCS = ("README.md", "docs/*.md")
+DOCS = ("README.md", "docs/*.md", "docs/results/*.md")  # results pages: the runs' histories
 MIN_RUNS_README = 2
 
 
@@ -715,13 +715,13 @@ HEADLINE = [
      "benchmarks.md#plait-against-pytorch-tp-plait-bench-tp"),
     ("A 2 × straggler made by sleeping: step time / ideal, even shards (no balancing; median "
      "of 3 seeds a run)", "bench-hetero", _hetero("even"), ".2f", "×",
-     "balancing.md#measured-plait-bench-hetero"),
+     "results/balancing.md#measured-plait-bench-hetero"),
     ("A 2 × straggler made by sleeping: step time / ideal, `semi` balancer (median of 3 seeds "
      "a run; each seed's in the docs)", "bench-hetero", _hetero("semi"), ".2f", "×",
-     "balancing.md#measured-plait-bench-hetero"),
+     "results/balancing.md#measured-plait-bench-hetero"),
     ("… the same straggler made by the kernel (a host at half its CPU budget), `semi`",
      "bench-hetero-kernel", _hetero("semi"), ".2f", "×",
-     "balancing.md#slow-hosts-made-by-the-kernel---slow-by-kernel"),
+     "results/balancing.md#slow-hosts-made-by-the-kernel---slow-by-kernel"),
     ("The demo: plait (fused, `semi`) against plain TP with a straggler, step speed",
      "demo", lambda r: next(x for x in r.data["summary"] if x["system"] == "plait")["speedup_vs_plain"],
      ".2f", "×", "benchmarks.md#the-demo-plait-demo"),
@@ -819,6 +819,13 @@ def rebase_links(text: str, doc: Path, root: Path) -> str:
     """Generators write links as seen from docs/; a file elsewhere gets them rebased."""
     if doc.parent == root / "docs":
         return text
+    if doc.parent == root / "docs" / "results":  # a results page, beside the runs' folders
+
+        def beside(m: re.Match) -> str:
+            target = m[1]
+            return f"]({target[len('results/'):]})" if target.startswith("results/") \
+                else f"](../{target})"
+        return re.sub(r"\]\((?!https?:|#|/)([^)]+)\)", beside, text)
     return re.sub(r"\]\((?!https?:|#|/)([^)]+)\)", r"](docs/\1)", text)
 
 

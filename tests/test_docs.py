@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "docs_tables.py"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "docs" / "results").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 ABSOLUTE = re.compile(r"(?:^|[\s`'\"(\[=])(/(?:work|home|tmp|root|usr|etc|opt|var|mnt|srv)/[\w./-]*)")
 
