@@ -17,7 +17,7 @@ steps after the warm-up:
   replica's speed, as the agreed plans must); ``t_ideal_s`` is the median over the steps.
 
 With equal ``σ_r = σ`` this is ``bench hetero``'s ``t_none − c + c · p / Σ_r 1/F_r``
-(:func:`plait.bench.hetero.ideal_step`) with ``c = W / (p σ)``, the even share's unslowed
+(:func:`plait.bench.hetero_ideal.ideal_step`) with ``c = W / (p σ)``, the even share's unslowed
 compute, and ``rest`` in place of ``t_none − c``. With no straggler (every ``F_r = 1``)
 it is the run's own balanced capacity: ``× ideal`` above 1 is the imbalance of its plans
 or of its ranks' real speeds.
