@@ -753,7 +753,7 @@ def test_semi_does_not_bridge_what_a_resizing_cannot(world, monkeypatch):
     there semi migrates as soon as that repays its cost, with no resizing first; a slowdown
     of the layers alone it still bridges. Contrast: with no bar (BRIDGES 0) it resizes and
     waits ``spike_steps`` under the resizing."""
-    import plait.balance.policy as policy
+    import plait.balance.semi as semi_module
 
     cfg = PolicyConfig(confirm_steps=3, spike_steps=12)
     slow_all = [1.0] * (world - 1) + [0.25], [0.2] * (world - 1) + [0.8]
@@ -768,7 +768,7 @@ def test_semi_does_not_bridge_what_a_resizing_cannot(world, monkeypatch):
     assert first and first[0][1] == "migrate" and first[0][0] < cfg.spike_steps, first
     assert "resize" not in [k for _, k in first], first
     assert acts(*slow_layers)[0][1] == "resize"
-    monkeypatch.setattr(policy, "BRIDGES", 0.0)
+    monkeypatch.setattr(semi_module, "BRIDGES", 0.0)
     assert acts(*slow_all)[:2] == [(2, "resize"), (11, "migrate")]
 
 

@@ -52,7 +52,8 @@ import torch.distributed as dist
 from ..nn.linear import select_features
 from ..plan import ShardPlan
 from .migrate import MigrationReport, migrate
-from .policy import Action, PolicyConfig, SemiPolicy
+from .policy import Action, PolicyConfig
+from .semi import SemiPolicy
 from .speed import SpeedMonitor
 
 __all__ = ["Balancer", "Decision", "ReplicaMonitor"]
