@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.pieces import offsets, row_parts
-from ..runtime.compat import all_gather_into
+from ..ops.context import transport_of
 from ..runtime.timing import agreed_max
 
 __all__ = ["Case", "SLOTS", "check_outputs", "busiest_link_bytes", "all_to_all_pieces",
@@ -167,10 +167,26 @@ def busiest_link_bytes(sent: Sequence[Sequence[float]], host_of: Sequence[int]) 
     return max([*out.values(), *into.values()], default=0.0)
 
 
+def gather_equal(out: torch.Tensor, x: torch.Tensor, async_op: bool = False):
+    """Every rank's ``x`` (the same rows on each) into ``out`` in rank order, on the group's
+    transport (what the fused operators use: gloo or shared memory)."""
+    return transport_of(None).all_gather(out, x, [x.shape[0]] * (out.shape[0] // x.shape[0]),
+                                         async_op=async_op)
+
+
+def all_to_all_equal(out: torch.Tensor, send: torch.Tensor, async_op: bool = False):
+    """``all_to_all_single(out, send)`` (dim 0 cut alike for every rank) on the group's
+    transport."""
+    world = dist.get_world_size()
+    return transport_of(None).all_to_all(out, send, [out.shape[0] // world] * world,
+                                         [send.shape[0] // world] * world, async_op=async_op)
+
+
 def all_reduce_pieces(buf: torch.Tensor, pieces: int) -> Pending:
     """``buf`` all-reduced as ``pieces`` row blocks in flight (views: nothing to land)."""
     at = offsets(row_parts(buf.shape[0], pieces))
-    return [(dist.all_reduce(buf[lo:hi], async_op=True), None) for lo, hi in zip(at, at[1:])]
+    return [(transport_of(None).all_reduce(buf[lo:hi], async_op=True), None)
+            for lo, hi in zip(at, at[1:])]
 
 
 def all_gather_pieces(out: torch.Tensor, x: torch.Tensor, pieces: int) -> Pending:
@@ -182,7 +198,7 @@ def all_gather_pieces(out: torch.Tensor, x: torch.Tensor, pieces: int) -> Pendin
     for lo, hi in zip(at, at[1:]):
         buf = x.new_empty(world * (hi - lo), *x.shape[1:])  # [W·(hi-lo), ...]
         dst = out.view(world, rows, *x.shape[1:])[:, lo:hi]
-        pending.append((all_gather_into(buf, x[lo:hi], async_op=True),
+        pending.append((gather_equal(buf, x[lo:hi], async_op=True),
                         lambda buf=buf, dst=dst: dst.copy_(buf.view_as(dst))))
     return pending
 
@@ -204,7 +220,7 @@ def all_to_all_pieces(recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequenc
                             for d, p in enumerate(send_parts)])
         got = recv.new_empty(sum(in_rows), *recv.shape[1:])
         blocks = [recv[recv_at[s] + sum(p[:j]):][:p[j]] for s, p in enumerate(recv_parts)]
-        work = dist.all_to_all_single(got, packed, in_rows, out_rows, async_op=True)
+        work = transport_of(None).all_to_all(got, packed, in_rows, out_rows, async_op=True)
         pending.append((work, lambda got=got, blocks=blocks, n=in_rows: [
             b.copy_(g) for b, g in zip(blocks, got.split(n))]))
     return pending

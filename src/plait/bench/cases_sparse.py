@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .case import SLOTS, Case, all_to_all_pieces
+from .case import SLOTS, Case, all_to_all_equal, all_to_all_pieces
 from ..ops import all_to_all_matmul, embedding_all_to_all, matmul_all_to_all
+from ..ops.context import transport_of
 
 __all__ = ["SPARSE_CASES", "SPARSE_QUICK_SHAPES", "SPARSE_FULL_SHAPES", "EmbeddingCase",
            "DispatchCase", "CombineCase"]
@@ -52,7 +53,7 @@ class EmbeddingCase(_Base):
 
     def comm(self, async_op=False, slot=0):  # [T, B, D] cut along B: each destination's rows
         send = self.pooled[slot].transpose(0, 1).contiguous()
-        return dist.all_to_all_single(self.recv[slot].view_as(send), send, async_op=async_op)
+        return all_to_all_equal(self.recv[slot].view_as(send), send, async_op=async_op)
 
     def run(self, chunks):
         return embedding_all_to_all(self.tables, self.indices, self.offsets, chunks=chunks)
@@ -124,8 +125,8 @@ class DispatchCase(_MoE):
         self._expert_matmuls(self.arrived[slot], self.w, self.y[slot])
 
     def comm(self, async_op=False, slot=0):
-        return dist.all_to_all_single(self.arrived[slot], self.x, self.recv_rows, self.send_rows,
-                                      async_op=async_op)
+        return transport_of(None).all_to_all(self.arrived[slot], self.x, self.recv_rows,
+                                             self.send_rows, async_op=async_op)
 
     def run(self, chunks):
         return all_to_all_matmul(self.x, self.w, self.send_counts, self.recv_counts, chunks=chunks)
@@ -164,8 +165,8 @@ class CombineCase(_MoE):
         self._expert_matmuls(self.y, self.w, self.out_local[slot])
 
     def comm(self, async_op=False, slot=0):
-        return dist.all_to_all_single(self.back[slot], self.out_local[slot], self.send_rows,
-                                      self.recv_rows, async_op=async_op)
+        return transport_of(None).all_to_all(self.back[slot], self.out_local[slot],
+                                             self.send_rows, self.recv_rows, async_op=async_op)
 
     def run(self, chunks):
         return matmul_all_to_all(self.y, self.w, self.send_counts, self.recv_counts, chunks=chunks)

@@ -57,9 +57,10 @@ from ..ops.matmul_all_reduce import GEMV_ROWS
 from ..ops.pieces import even_sizes
 from ..perf.pieces import calibration_dict
 from ..runtime import parse_rate, rank_context
-from ..runtime.compat import all_gather_into
+from ..ops.context import transport_of
 from ..runtime.timing import median, time_interleaved
-from .case import SLOTS, Case, all_gather_pieces, all_reduce_pieces, all_to_all_pieces, check_outputs
+from .case import (SLOTS, Case, all_gather_pieces, all_reduce_pieces, all_to_all_equal,
+                   all_to_all_pieces, check_outputs, gather_equal)
 from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
 from .memory import peak_bytes
 
@@ -88,7 +89,7 @@ class MatmulAllReduceCase(Case):
         torch.mm(self.x, self.w, out=self.result(slot))
 
     def comm(self, async_op=False, slot=0):
-        return dist.all_reduce(self.wire[slot], async_op=async_op)
+        return transport_of(None).all_reduce(self.wire[slot], async_op=async_op)
 
     def run(self, chunks):
         return matmul_all_reduce(self.x, self.w, chunks=chunks)
@@ -126,7 +127,7 @@ class AllGatherMatmulCase(Case):
         torch.matmul(self.gathered[slot], self.w, out=self.y[slot])
 
     def comm(self, async_op=False, slot=0):
-        return all_gather_into(self.gathered[slot], self.x, async_op=async_op)
+        return gather_equal(self.gathered[slot], self.x, async_op=async_op)
 
     def run(self, chunks):
         return all_gather_matmul(self.x, self.w, chunks=chunks)
@@ -148,7 +149,7 @@ class AllGatherMatmulCase(Case):
         # not run(1): with one piece the operator still multiplies its own rows while the
         # gather is on the wire; the plain path (Megatron's, plait.nn's overlap=False) waits
         gathered = self.x.new_empty(self.gathered[0].shape)  # the plain path's own buffer
-        all_gather_into(gathered, self.x)
+        gather_equal(gathered, self.x)
         return gathered @ self.w
 
 
@@ -171,7 +172,7 @@ class MatmulReduceScatterCase(Case):
         torch.matmul(self.x, self.w, out=self.partial[slot])
 
     def comm(self, async_op=False, slot=0):  # the plain path's: one all_to_all of partial sums
-        return dist.all_to_all_single(self.recv[slot], self.partial[slot], async_op=async_op)
+        return all_to_all_equal(self.recv[slot], self.partial[slot], async_op=async_op)
 
     def run(self, chunks):
         return matmul_reduce_scatter(self.x, self.w, chunks=chunks)
@@ -221,6 +222,8 @@ class OpsBenchConfig:
         "help": "fixed piece counts timed beside auto"})
     quick: bool = field(default=True, metadata={"help": None})
     sweep: dict | None = field(default=None, metadata={"help": None})  # {op: [shape]}, for tests
+    # --transport; () takes PLAIT_TRANSPORT's (auto where unset)
+    transports: tuple[str, ...] = field(default=(), metadata={"help": None})
     extra: dict = field(default_factory=dict, metadata={"help": None})
 
     def __post_init__(self) -> None:
@@ -390,19 +393,44 @@ def _on_device(case, device: torch.device):
 
 def run_ops_sweep(cfg: OpsBenchConfig) -> dict:
     """Run on every rank of an initialised group: ``{"records", "calibration"}`` (the same on
-    every rank; the calibration is what ``chunks="auto"`` priced pieces with)."""
+    every rank; the calibration is what ``chunks="auto"`` priced pieces with). Several
+    transports take turns at every shape (in alternating orders), each shape's variants
+    timed on one transport at a time."""
+    from ..transport.select import choose, wanted
+    from .collectives import _copy_GBps
+
     ctx = rank_context()
     cal = get_context().calibration()  # calibrate once, before anything is timed
+    transports = {name: choose(None, name) for name in cfg.transports or (wanted(),)}
     records = []
     device = ctx.topology.device
     host_of = [None] * dist.get_world_size()
     dist.all_gather_object(host_of, ctx.host.index)  # which links a rank's bytes cross
-    for op, shape in cfg.shapes():
+    for i, (op, shape) in enumerate(cfg.shapes()):
         case = _on_device(CASES[op](shape, torch.float32), device)
-        record = _bench_case(case, cfg, host_of)
-        records.append({**record, "beats_limit": beats_limit(record)})
+        order = list(transports.items())
+        for asked, transport in (order[::-1] if i % 2 else order):
+            with get_context().using(transport):
+                record = _bench_case(case, cfg, host_of)
+            record.update(transport=transport.choice.name, transport_asked=asked,
+                          transport_reason=transport.choice.reason)
+            _one_host_limit(record, _copy_GBps(int(case.comm_bytes), torch.float32, device))
+            records.append({**record, "beats_limit": beats_limit(record)})
         ctx.report({"op": op, "shape": shape})
     return {"records": records, "calibration": calibration_dict(cal)}
+
+
+def _one_host_limit(record: dict, copy_GBps: float) -> None:
+    """Beside every record, the limit on one host: one core's copy bandwidth for the bytes
+    the collective moves (``comm_bytes``, its bus bytes a rank), measured in the same run.
+    On shared memory it is the limit (max(compute's fastest round, that copy)), as the
+    link's rate is on the emulated cluster."""
+    t_copy = record["comm_bytes"] / (copy_GBps * 1e9)
+    record.update(copy_GBps=copy_GBps, t_copy_s=t_copy)
+    if record["transport"] in ("shm", "shm+gloo") and record["limit_kind"] == "measured":
+        t_limit = max(record["t_compute_fastest_s"], t_copy)
+        record.update(t_limit_s=t_limit, limit_kind="copy",
+                      efficiency=t_limit / record["t_fused_s"])
 
 
 def bench_ops(cfg: OpsBenchConfig, *, ranks: int, hosts: int = 0, link: str | None = "1gbit",
@@ -414,6 +442,23 @@ def bench_ops(cfg: OpsBenchConfig, *, ranks: int, hosts: int = 0, link: str | No
     out, where = run_placed(run_ops_sweep, cfg, ranks=ranks, hosts=hosts, link=link,
                             timeout_s=timeout_s, on_progress=on_progress)
     return out["records"], where, out["calibration"]
+
+
+def summarize_transports(records: list[dict]) -> dict:
+    """:func:`summarize` for one transport; for several, one summary each, and shared
+    memory's fused time against gloo's unfused, shape by shape (median and each)."""
+    names = list(dict.fromkeys(r.get("transport", "gloo") for r in records))
+    if len(names) == 1:
+        return summarize(records)
+    out = {name: summarize([r for r in records if r.get("transport", "gloo") == name])
+           for name in names}
+    by = {(r["op"], str(r["shape"]), r["transport"]): r for r in records}
+    if "shm" in names and "gloo" in names:
+        ratios = [by[op, shape, "gloo"]["t_unfused_s"] / by[op, shape, "shm"]["t_fused_s"]
+                  for op, shape, t in by if t == "shm" and (op, shape, "gloo") in by]
+        out["gloo_unfused_over_shm_fused_median"] = median(ratios) if ratios else None
+        out["gloo_unfused_over_shm_fused"] = ratios
+    return out
 
 
 def summarize(records: list[dict]) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..bench.collectives import (LINK_SHARE_OK, CollectiveBenchConfig, bench_collectives,
                                  plot_bandwidth, shortfalls)
-from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize
+from ..bench.ops import OpsBenchConfig, bench_ops, plot_ops, summarize_transports
 from ..bench.report import (console, human_bytes, print_summary, print_table, progress_bar,
                             write_json)
 from ..bench.hetero import QUICK_HETERO, HeteroBenchConfig, bench_hetero
@@ -168,8 +168,11 @@ def _ms(t: float) -> str:
 
 
 def run_ops(args: argparse.Namespace) -> int:
-    ranks, hosts, link = resolve_placement(args)
+    many = transports(args, many=True)
+    ranks, hosts, link = resolve_placement(args) if len(many) == 1 else \
+        _placement_of_many(args)
     cfg = dataclass_from_args(OpsBenchConfig, args, defaults={"quick": args.quick})
+    cfg = replace(cfg, transports=many)
     check_outputs(args, "json", "plot")
     shapes = cfg.shapes()
     with progress_bar("bench ops", len(shapes), enabled=not args.no_progress) as advance:
@@ -178,29 +181,30 @@ def run_ops(args: argparse.Namespace) -> int:
             on_progress=lambda rank, p: rank == 0 and advance(note=p["op"]))
     if not where.startswith("loopback (no emulated cluster:"):
         console.print(f"[dim]{where}[/dim]")
-    rows = [[r["op"], "×".join(str(v) for v in r["shape"].values()), _ms(r["t_compute_s"]),
+    rows = [[r["op"], "×".join(str(v) for v in r["shape"].values()), r["transport"],
+             _ms(r["t_compute_s"]),
              _ms(r["t_comm_s"]), _ms(r["t_unfused_one_call_s"]),
              f"{_ms(r['t_unfused_pieces_s'])} ({r['unfused_pieces']})", _ms(r["t_fused_s"]),
-             _ms(r["t_limit_s"]), _ms(r["t_beside_s"]), f"{r['path']}/{r['chunks']}",
+             f"{_ms(r['t_limit_s'])} ({r['limit_kind']})", f"{r['copy_GBps']:.1f}",
+             _ms(r["t_beside_s"]), f"{r['path']}/{r['chunks']}",
              f"{r['speedup']:.2f}", f"{r['speedup_one_call']:.2f}",
              f"[red]{r['efficiency']:.2f}![/red]" if r["beats_limit"] else f"{r['efficiency']:.2f}",
              f"{r['best_fixed_chunks']}: {_ms(r['t_best_fixed_s'])}" if r["best_fixed_chunks"] else "–",
              "yes" if r["correct"] else "[red]NO[/red]"] for r in records]
-    kind = records[0]["limit_kind"] if records else "measured"
     # a lower bound: its measured terms are their fastest round (the columns are medians)
-    limit_text = ("limit = max(compute's fastest round, bytes over the busiest link ÷ link rate)"
-                  if kind == "link" else
-                  "limit = max(compute, comm), each its fastest round (loopback: no link rate)")
+    limit_text = ("limit = max(compute's fastest round, link: bytes over the busiest link ÷ "
+                  "link rate; copy: the bus bytes ÷ one core's copy bandwidth (shared memory); "
+                  "measured: the collective alone)")
     print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}), ms",
-                ["op", "shape", "compute", "comm", "unfused 1 call", "unfused pieces", "fused",
-                 f"limit ({kind})", "beside", "path/pieces", "speedup", "vs 1 call", "effic.",
+                ["op", "shape", "transport", "compute", "comm", "unfused 1 call", "unfused pieces",
+                 "fused", "limit", "copy GB/s", "beside", "path/pieces", "speedup", "vs 1 call", "effic.",
                  "best fixed", "correct"], rows,
                 caption="median over interleaved iterations, slowest rank; unfused pieces = "
                         "compute, then the same bytes as (n) collectives in flight; speedup = "
                         "min(unfused 1 call, pieces)/fused, vs 1 call = unfused 1 call/fused; "
                         f"{limit_text}, efficiency = limit/fused (! = beats the limit: a bug); "
                         "beside = compute and transfer at once with no dependency")
-    summary = summarize(records)
+    summary = summarize_transports(records)
     print_summary(summary, ".3f")
     for r in records:
         if r["beats_limit"]:

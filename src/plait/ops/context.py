@@ -15,6 +15,7 @@ flight (``matmul_all_reduce_start``) would otherwise wait for all of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -70,6 +71,17 @@ class OpsContext:
     # ≈ 0.4 ms of Python to recompute, on every call
     _auto_made: dict[tuple, Decision] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def using(self, transport):
+        """Run this group's collectives on ``transport`` inside the block (a benchmark
+        timing two transports in turn in one run); the decisions follow it."""
+        saved, self.transport = self.transport, transport
+        self._auto_made = {}
+        try:
+            yield transport
+        finally:
+            self.transport, self._auto_made = saved, {}
 
     def mover(self):
         """This group's transport (``plait.transport``): shared memory inside a host, else
