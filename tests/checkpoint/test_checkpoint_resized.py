@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from plait import checkpoint
-from plait.nn.linear import select_features
+from plait.nn.linear_base import select_features
 from plait.runtime.testing import run_ranks
 
 from _ckpt_gpt import CFG, build, dp_tp, full, plain_full, rank, same, train, trained_uneven

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..nn.linear import select_features
+from ..nn.linear_base import select_features
 from ..plan import ShardPlan
 from .migrate import MigrationReport, migrate
 from .policy import Action, PolicyConfig

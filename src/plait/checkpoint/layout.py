@@ -137,7 +137,7 @@ def _module_layouts(module: nn.Module) -> dict[str, Layout | None] | None:
     """``{parameter key: Layout}`` of a sharded module (None: replicated), or None for a
     module that shards nothing itself."""
     from ..nn.embedding import ShardedEmbeddingBag
-    from ..nn.linear import _ParallelLinear
+    from ..nn.linear_base import _ParallelLinear
     from ..nn.moe import MoE
     from ..parallel.experts import ExpertParallelExperts
     from ..parallel.layers import VocabParallelEmbedding
