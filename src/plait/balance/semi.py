@@ -105,8 +105,8 @@ class SemiPolicy:
         every plan and imbalance; departures from a plan's basis are in speeds alone. While
         resized the policy keeps those read before the resizing: read under it they hold the
         resizing's own work (choosing and gathering the kept features), which a migration
-        ends (a kernel-throttled 2 × rank read 0.45 and 0.46 before resizing, 0.52 to 0.55
-        under it, scaled to the whole dim), and they are over the work done, not the dim's."""
+        ends (a kernel-throttled 2 × rank read 0.45 before resizing, 0.52 to 0.55 under it),
+        and they are over the work done, not the dim's."""
         speeds = check_speeds(speeds, self.world)
         self.fixed = check_fixed(fixed, self.world)
         self.deferred = None
@@ -150,10 +150,8 @@ class SemiPolicy:
         """The speeds a migration is sized by: ``speeds``, except that while resized a
         resized rank's reading counts for no less than its reading before the resizing
         (fastest = 1 again). A resized rank computes a narrower share, which costs more per
-        unit, and does the resizing's own work on top, so it reads slow: in issue 22's
-        command a 2 × rank read 0.36 to 0.46 under resizing, 0.49 to 0.54 before it, and
-        semi's migrations from those readings gave the fast rank 702 to 752 of 1024 columns
-        where 683 fit. One that really got slower under the resizing is sized too fast, and
+        unit, and does the resizing's own work on top, so it reads slow (a 2 × rank read
+        0.36 to 0.46 under resizing, 0.49 to 0.54 before it). One that really got slower under the resizing is sized too fast, and
         the readings under the new plan depart from its basis: resized, then migrated again.
         Only readings from a settled window bound it (each newest reading within ``trigger``
         of the window's: not a window still holding readings from before a slowdown began or
@@ -243,11 +241,9 @@ class SemiPolicy:
         monitor restarts, so this dim's next decision is ``delay`` steps away, and an
         imbalance under way ages through them. If this step found it persisting but not yet
         repaying a migration, and it would repay ``delay`` steps older, migrate now, beside
-        the other dim, rather than run that imbalance for ``delay`` more steps. In a
-        kernel-made graded run semi migrated the MLP columns at step 11 (4 steps × saving
-        0.63 ≥ 2) and the heads (saving 0.47) only at step 16, when the readings were back:
-        the 4 × host kept 4 of 16 heads for 5 steps, its timed CPU 18-24 ms a step where
-        1 head took 8-10."""
+        the other dim, rather than run that imbalance for ``delay`` more steps (in a
+        kernel-made graded run the 4 × host otherwise kept 4 of 16 heads for 5 steps after
+        its MLP columns had migrated)."""
         sizing, self.deferred = self.deferred, None
         if sizing is None:
             return Action("none", "nothing under way")
@@ -266,10 +262,9 @@ class SemiPolicy:
         """While resized: how much faster the resized ranks read than when the resizing
         began, the least of them (1 when not resized). A slowdown that ended shows here
         first: read under the resizing a rank is a little slow (a narrower GEMM and the
-        resizing's own work: 0.79-0.91 × its speed in kernel-made runs after their spike),
-        and the unmovable times kept from before the resizing were read during the
-        slowdown, so the other tests can see the resizing as still needed (8 of 12 such
-        runs stayed resized to the end, losing 0.21-0.67 pp of held-out accuracy)."""
+        resizing's own work), and the unmovable times kept from before the resizing were
+        read during the slowdown, so the other tests can see the resizing as still needed
+        (8 of 12 kernel-made spike runs stayed resized to the end without this)."""
         if self.fractions is None or self.before_resize is None:
             return 1.0
         return min(s / b for s, b, k in zip(speeds, self.before_resize, self.fractions)
@@ -293,16 +288,13 @@ class SemiPolicy:
 
     def _check_plan(self, speeds) -> tuple[Action, tuple[float, ...]]:
         """The first confident readings under a plan that was sized by readings taken under
-        resizing. A resized rank computes a narrower share, which costs more per unit (a
-        quiet ``bench hetero`` run read a 2 × rank at 0.38 and 0.32 while resized, 0.47 and
-        0.53 before), so that plan gave the slow rank too little. The check undoes that
-        bias and nothing else: each rank's reading counts only as far as it lies between
-        the plan's basis and the readings that started the resizing (``before_resize``; a
-        kernel-throttled 2 × rank read 0.60 just after a migration, 0.49 and 0.52 before it,
-        0.46 after), and its unmovable time likewise (a kernel-throttled 2 × rank's read
-        0.45 and 0.46 of the movable compute before and at the migration, 0.29 just after
-        it, when the fast rank's read 0.24 to 0.27). Where the speeds so bounded find the plan ``trigger`` or more out of
-        balance, and correcting repays one migration's cost over the imbalance's age, it is
+        resizing. A resized rank computes a narrower share, which costs more per unit, so
+        that plan gave the slow rank too little. The check undoes that bias and nothing
+        else: each rank's reading counts only as far as it lies between the plan's basis
+        and the readings that started the resizing (``before_resize``), and its unmovable
+        time likewise: just after a migration a kernel-throttled 2 × rank read 0.60 where it
+        read 0.49 to 0.52 before and after. Where the speeds so bounded find the plan
+        ``trigger`` or more out of balance, and correcting repays one migration's cost over the imbalance's age, it is
         migrated once more, to the plan they give; otherwise they become its basis. Never a
         resize on top of it for the same imbalance. Returns the action and the speeds it
         judged by."""
@@ -335,11 +327,9 @@ class SemiPolicy:
         Only a rank whose speed has fallen from the plan's basis by ``trigger`` against the
         rank that fell least (:meth:`_slowed`) is resized: a resizing bridges a slowdown,
         and the others have none to bridge. Without that, the unmovable times alone could
-        pick the ranks: in a kernel-made graded run (4 hosts, 4 ×, 2 ×, 1 ×, 1 ×) the
-        4 × host, migrated down to 1 column, read 0.22 against a basis of 0.26 and its
-        unmovable time fell from 0.73 to 0.29 (it now waited), and semi resized the other
-        three hosts to keep 0.50 for the rest of the run (1.07 and 1.36 pp of held-out
-        accuracy lost)."""
+        pick the ranks: in a kernel-made graded run, once the 4 × host had migrated down to
+        1 column and waited, its unmovable time fell and semi resized the three fast hosts
+        for the rest of the run."""
         cfg = self.config
         fractions = self._fractions(speeds)
         if all(f == 1.0 for f in fractions):
@@ -354,12 +344,9 @@ class SemiPolicy:
     def _bridges(self, speeds, current: float) -> tuple[bool, str]:
         """Whether resizing would bridge the ``current`` imbalance: take at least
         ``BRIDGES`` of its height (in log) away; and the figures. A host slow at everything
-        is slow at its unmovable work too, which no resizing shortens: in a kernel-made
-        graded run (4 hosts, 4 ×, 2 ×, 1 ×, 1 ×) the best resizing took 6.05 to 4.39 (0.18
-        of the height), and semi waited 9 steps under it for its migration at 0.80 of the
-        even plan's step, where migrate alone had migrated. In the stored runs on 258295f
-        the bridging resizes of that scenario took 0.17 to 0.25 away, every other one 0.52
-        to 1.0 (a kernel-made 3 × spike's 0.60 to 0.64)."""
+        is slow at its unmovable work too, which no resizing shortens: in kernel-made graded
+        runs the bridging resizes took 0.17 to 0.25 of the height away, every other one
+        0.52 to 1.0 (docs/results/balancing.md)."""
         fractions = self._fractions(speeds)
         after = imbalance(speeds, self.plan, fractions, self.fixed)
         taken = 1.0 - math.log(after) / math.log(current) if current > 1.0 else 1.0
