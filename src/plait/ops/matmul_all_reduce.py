@@ -118,6 +118,11 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
     """
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
+        mover = transport_of(group)
+        if hasattr(mover, "matmul_all_reduce") and meanwhile is None and in_flight is None:
+            # shared memory: the product is made in the slot its peers read (the compute
+            # region around the product alone: waiting for a peer is not this rank's compute)
+            return mover.matmul_all_reduce(x2, w, region=piece)
         with piece():
             out = x2 @ w
         asynchronous = meanwhile is not None or in_flight is not None

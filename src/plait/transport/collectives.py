@@ -83,10 +83,25 @@ class ShmGroup:
             self._all_reduce(part, part.numel() * part.element_size())
         return tensor
 
-    def _all_reduce(self, flat: torch.Tensor, size: int) -> None:
+    def reduce_computed(self, compute, out: torch.Tensor) -> torch.Tensor:
+        """``out`` = the sum over ranks of ``compute(slot)``, where ``compute`` writes this
+        rank's term straight into its slot (``torch.mm(x, w, out=slot)``): the term is made
+        where its peers read it, with no copy into a buffer. ``out`` contiguous, within one
+        buffer."""
+        flat = out.view(-1)
+        size = flat.numel() * flat.element_size()
+        assert size <= self.capacity, (size, self.capacity)
+        self._all_reduce(flat, size, compute)
+        return out
+
+    def _all_reduce(self, flat: torch.Tensor, size: int, compute=None) -> None:
         n, dtype = flat.numel(), flat.dtype
         call = self.call("all_reduce", _AR_NAMES, (DTYPES[dtype], n))
-        call.slot(self.rank, dtype, n).copy_(flat)
+        slot = call.slot(self.rank, dtype, n)
+        if compute is None:
+            slot.copy_(flat)
+        else:
+            compute(slot.view(flat.shape if flat.dim() > 1 else (-1,)))
         call.exchange()  # every rank's tensor is in its slot
         if size <= ONE_SHOT_BYTES:
             _sum_into(flat, [call.slot(r, dtype, n) for r in range(self.world)])

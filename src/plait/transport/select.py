@@ -19,6 +19,7 @@ so there the call is done when it returns and the handle is already complete.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -123,6 +124,24 @@ class ShmTransport:
         else:
             tensor.copy_(self.shm.all_reduce(tensor.contiguous()))
         return _Done() if async_op else None
+
+    def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None) -> torch.Tensor:
+        """``all_reduce(x @ w)`` with ``x @ w`` computed straight into this rank's slot
+        (where the peers read it): one copy less than computing, then reducing.
+        ``region()``: a context entered around the product alone (the compute's timing)."""
+        region = region or contextlib.nullcontext
+        out = x.new_empty(x.shape[0], w.shape[1])
+        rows, cols = out.shape
+        if out.numel() * out.element_size() > self.shm.capacity:
+            with region():
+                torch.mm(x, w, out=out)
+            self.all_reduce(out)
+            return out
+
+        def product(slot):
+            with region():
+                torch.mm(x, w, out=slot.view(rows, cols))
+        return self.shm.reduce_computed(product, out)
 
     def all_gather(self, out, piece, rows, async_op: bool = False):
         self.shm.all_gather(out, piece.contiguous(), rows)
