@@ -49,6 +49,14 @@ def test_readme_is_a_front_page():
     assert len(lines) < 200, f"README.md has {len(lines)} lines; the rest belongs in docs/"
 
 
+def test_every_docs_page_is_a_front_page():
+    """A page says what a feature is, how to use it, what it promises and its figures; run
+    histories go to the results pages beside the runs (docs/results/*.md), which may be long."""
+    long = {p.name: n for p in sorted((ROOT / "docs").glob("*.md"))
+            if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, f"pages over 300 lines (move their histories to docs/results/): {long}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_path_outside_the_repository(page):
     text = page.read_text()
