@@ -1,7 +1,8 @@
 """Collectives on shared memory against the same collectives on gloo, in one launch: 2 and 3
 ranks, uneven splits, float32, bfloat16 and float64.
 
-- all_gather, reduce_scatter's rows and all_to_all: bit-identical to gloo's;
+- all_gather, reduce_scatter's rows and all_to_all (a rank with an empty share too):
+  bit-identical to gloo's;
 - all_reduce, one-shot (4 KiB) and two-shot (past ``ONE_SHOT_BYTES``), and a message
   larger than a buffer (in turns): the same bits on every rank, and within the dtype's
   tolerance of the float64 sum;
@@ -63,6 +64,14 @@ def _both(capacity: int):
             recv = torch.empty(sum(recv_rows), 5, dtype=dtype)
             transport.all_to_all(recv, send, recv_rows, send_rows)
             out[f"all_to_all/{dtype}/{name}"] = recv
+            # the last rank sends nothing and gets nothing (an expert-parallel rank with no
+            # tokens): its share is empty, its width still 5
+            idle = world - 1
+            empty_send = [0 if rank == idle or d == idle else 2 for d in range(world)]
+            empty_recv = [0 if rank == idle or s == idle else 2 for s in range(world)]
+            got = torch.empty(sum(empty_recv), 5, dtype=dtype)
+            transport.all_to_all(got, send[:sum(empty_send)], empty_recv, empty_send)
+            out[f"all_to_all_empty/{dtype}/{name}"] = got
     return out
 
 

@@ -20,6 +20,7 @@ A message larger than a buffer goes in turns of at most a buffer each (one call 
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -122,7 +123,7 @@ class ShmGroup:
     # --- all_gather, reduce_scatter, all_to_all ---------------------------------------
     def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``."""
-        width = piece[0].numel() if piece.shape[0] else out[0].numel()
+        width = math.prod(piece.shape[1:])  # an empty share has a width too
         names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
         nbytes = piece.numel() * piece.element_size()
         call = self.call("all_gather", names, (DTYPES[piece.dtype], width, *rows,
@@ -144,7 +145,7 @@ class ShmGroup:
     def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor,
                        rows: Sequence[int]) -> torch.Tensor:
         """Rows ``rows[r]`` of the sum of every rank's ``tensor`` land on rank r's ``out``."""
-        width = tensor[0].numel()
+        width = math.prod(tensor.shape[1:])
         n = tensor.numel()
         call = self.call("reduce_scatter", ("dtype", "width", "total"),
                          (DTYPES[tensor.dtype], width, tensor.shape[0]),
@@ -161,7 +162,7 @@ class ShmGroup:
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
                    in_rows: Sequence[int]) -> torch.Tensor:
         """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order."""
-        width = send[0].numel() if send.shape[0] else out[0].numel() if out.shape[0] else 0
+        width = math.prod(send.shape[1:])  # a rank that sends and gets no rows too
         world = self.world
         names = ("dtype", "width", *(f"to{d}" for d in range(world)),
                  *(f"from{s}" for s in range(world)))
