@@ -15,7 +15,8 @@ write one line), then ``BUFFERS`` data buffers used in turn by successive calls.
 holds an *epoch* (the group's call count, never reset to 0: a flag from an earlier call
 can never be taken for this one's; compared modulo 2**32). A rank sets a flag after the
 data it stands for is written (x86-64 keeps stores in order, and shared memory is only
-chosen there); a waiter spins a few microseconds on the peer's flag, then sleeps on it
+chosen there); a waiter spins 50 microseconds on the peer's flag (yielding its core while
+it spins where the host has more ranks than cores), then sleeps on it
 (``futex``, woken by the writer when the waiter has said it sleeps; a wake lost between
 the two costs at most one ``SLEEP_S``), so more ranks than cores neither hang nor starve
 the machine. Every wait has the group's collective timeout, marks the launcher's
@@ -48,7 +49,7 @@ LINE = 16                # int32 words a flag line (64 bytes)
 WORDS = 256              # flag lines in a control block
 CONTROL_BYTES = WORDS * LINE * 4
 BUFFERS = 2              # data buffers a segment, used in turn by successive calls
-SPIN_S = 50e-6           # spin (yielding the core) this long on a flag before sleeping on it
+SPIN_S = 50e-6           # spin this long on a flag before sleeping on it
 SLEEP_S = 1e-3           # one futex sleep at most (a lost wake costs no more)
 ALIVE_EVERY_S = 0.1      # how often a sleeping waiter checks its peer still lives
 
@@ -187,6 +188,9 @@ class ShmSegments:
         self.data = self.peers[self.rank].data
         self._others = [p for p in self.peers if p.rank != self.rank]
         self._sleeping_word = WORDS - 1  # my "I sleep on a flag" word, read by writers
+        # a rank per core or fewer: spin on the core (a yield would hand it to any other
+        # process for a time slice); more ranks than cores: yield it while spinning
+        self._crowded = self.world > len(os.sched_getaffinity(0))
         self._views: dict = {}
 
     def _map(self, rank: int, path: str, pid: int, size: int) -> _Peer:
@@ -232,7 +236,8 @@ class ShmSegments:
             return
         start = time.perf_counter()
         while True:
-            os.sched_yield()
+            if self._crowded:  # more ranks than cores here: a peer may need this one
+                os.sched_yield()
             if reached(flags[index], epoch):
                 return
             if time.perf_counter() - start > SPIN_S:
