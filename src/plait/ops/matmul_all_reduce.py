@@ -50,6 +50,9 @@ __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_p
            "GEMV_ROWS"]
 
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
+OP = "matmul_all_reduce"
+# the check's fields (_local_row), named as agree.check_same names them
+_ROW_NAMES = ("dtype", "M", "N", "chunks", "K_r", "w column-major")
 
 
 def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[int, ...]:
@@ -107,7 +110,8 @@ def _same_rows(op: str, metas) -> None:
 
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
-                   transposed: bool, meanwhile=None, in_flight: list | None = None) -> torch.Tensor:
+                   transposed: bool, meanwhile=None, in_flight: list | None = None,
+                   check: tuple | None = None) -> torch.Tensor:
     """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce.
 
     ``meanwhile``: called once every piece is on the wire, before waiting for them (a
@@ -119,10 +123,10 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
         mover = transport_of(group)
-        if hasattr(mover, "matmul_all_reduce") and meanwhile is None and in_flight is None:
+        if hasattr(mover, "matmul_all_reduce") and meanwhile is None:  # done when it returns
             # shared memory: the product is made in the slot its peers read (the compute
             # region around the product alone: waiting for a peer is not this rank's compute)
-            return mover.matmul_all_reduce(x2, w, region=piece)
+            return mover.matmul_all_reduce(x2, w, region=piece, check=check)
         with piece():
             out = x2 @ w
         asynchronous = meanwhile is not None or in_flight is not None
@@ -197,10 +201,11 @@ class InFlight:
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, group, decision, transposed, wgrad_into, in_flight):
+    def forward(ctx, x2, w, group, decision, transposed, wgrad_into, in_flight, check=None):
         ctx.save_for_backward(x2, w)
         ctx.region, ctx.wgrad_into = current_region(), wgrad_into
-        return _fused_forward(x2, w, group, decision, transposed, in_flight=in_flight)
+        return _fused_forward(x2, w, group, decision, transposed, in_flight=in_flight,
+                              check=check)
 
     @staticmethod
     def backward(ctx, dy):
@@ -215,7 +220,7 @@ class _MatmulAllReduce(torch.autograd.Function):
                 with compute_region(region), piece():
                     accumulate(param, dy.t() @ x2)
             defer(wgrad)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -243,8 +248,19 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     behind these pieces); the backward is the same as ``matmul_all_reduce``'s."""
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
-    decision, transposed = _plan("matmul_all_reduce", x2, w, chunks, ctx, wgrad_into)
-    works: list = []
+    if chunks == "auto" and getattr(ctx.mover(), "name", None) == "shm":
+        # shared memory takes the plain path at "auto" (OpsContext.decide): the check rides
+        # in the header of the call that carries the product, not in a call of its own
+        row, problem = attempt(lambda: _local_row(OP, x2, w, chunks))
+        if problem is not None:
+            ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
+        decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
+        works: list = []
+        out = _MatmulAllReduce.apply(x2, w, group, decision, False, wgrad_into, works,
+                                     (OP, _ROW_NAMES, row, lambda rows: _same_rows(OP, rows)))
+        return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
+    decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
+    works = []
     out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
 

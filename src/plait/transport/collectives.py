@@ -84,26 +84,39 @@ class ShmGroup:
             self._all_reduce(part, part.numel() * part.element_size())
         return tensor
 
-    def reduce_computed(self, compute, out: torch.Tensor) -> torch.Tensor:
+    def reduce_computed(self, compute, out: torch.Tensor, check: tuple | None = None
+                        ) -> torch.Tensor:
         """``out`` = the sum over ranks of ``compute(slot)``, where ``compute`` writes this
         rank's term straight into its slot (``torch.mm(x, w, out=slot)``): the term is made
         where its peers read it, with no copy into a buffer. ``out`` contiguous, within one
-        buffer."""
+        buffer. ``check``: (op, names, values, verify): the operator's fields, carried in the
+        call's header; ``verify(rows)`` (every rank's values) raises where they do not agree,
+        on every rank alike."""
         flat = out.view(-1)
         size = flat.numel() * flat.element_size()
         assert size <= self.capacity, (size, self.capacity)
-        self._all_reduce(flat, size, compute)
+        self._all_reduce(flat, size, compute, check)
         return out
 
-    def _all_reduce(self, flat: torch.Tensor, size: int, compute=None) -> None:
+    def _all_reduce(self, flat: torch.Tensor, size: int, compute=None, check=None) -> None:
         n, dtype = flat.numel(), flat.dtype
-        call = self.call("all_reduce", _AR_NAMES, (DTYPES[dtype], n))
+        if check is None:
+            call = self.call("all_reduce", _AR_NAMES, (DTYPES[dtype], n))
+        else:  # the operator's own fields, compared by its own check once every rank's is read
+            op, names, values, verify = check
+            call = self.call(op, (*names, "numel"), (*values, n), local=(*names, "numel"))
         slot = call.slot(self.rank, dtype, n)
         if compute is None:
             slot.copy_(flat)
         else:
             compute(slot.view(flat.shape if flat.dim() > 1 else (-1,)))
-        call.exchange()  # every rank's tensor is in its slot
+        rows = call.exchange()  # every rank's tensor is in its slot
+        if check is not None:
+            try:
+                check[3]([row[:-1] for row in rows])  # the same rows, the same verdict, everywhere
+            except (ValueError, TypeError):
+                call.close()
+                raise
         if size <= ONE_SHOT_BYTES:
             _sum_into(flat, [call.slot(r, dtype, n) for r in range(self.world)])
         else:

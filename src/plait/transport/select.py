@@ -125,14 +125,20 @@ class ShmTransport:
             tensor.copy_(self.shm.all_reduce(tensor.contiguous()))
         return _Done() if async_op else None
 
-    def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None) -> torch.Tensor:
+    def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None,
+                          check: tuple | None = None) -> torch.Tensor:
         """``all_reduce(x @ w)`` with ``x @ w`` computed straight into this rank's slot
         (where the peers read it): one copy less than computing, then reducing.
-        ``region()``: a context entered around the product alone (the compute's timing)."""
+        ``region()``: a context entered around the product alone (the compute's timing).
+        ``check``: (op, field names, this rank's values, verify(rows)): the operator's
+        cross-rank check, carried in the data's own call (``verify`` raises where every
+        rank's values do not agree)."""
         region = region or contextlib.nullcontext
         out = x.new_empty(x.shape[0], w.shape[1])
         rows, cols = out.shape
         if out.numel() * out.element_size() > self.shm.capacity:
+            if check is not None:
+                check[3](self.shm.gather_meta(check[0], check[2], len(check[2])))
             with region():
                 torch.mm(x, w, out=out)
             self.all_reduce(out)
@@ -141,7 +147,7 @@ class ShmTransport:
         def product(slot):
             with region():
                 torch.mm(x, w, out=slot.view(rows, cols))
-        return self.shm.reduce_computed(product, out)
+        return self.shm.reduce_computed(product, out, check=check)
 
     def all_gather(self, out, piece, rows, async_op: bool = False):
         self.shm.all_gather(out, piece.contiguous(), rows)
