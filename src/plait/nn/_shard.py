@@ -38,12 +38,29 @@ def group_info(group=None) -> GroupInfo:
     return GroupInfo(group)
 
 
-@contextlib.contextmanager
-def compute_scope(device: torch.device | None = None, timer=None,
-                  work: float = 0.0) -> Iterator[None]:
+def _idle(timer) -> bool:
+    """Nothing times this region and nothing slows this rank: the region may be skipped (a
+    decoding step enters a few hundred; each costs a few microseconds of Python)."""
+    if timer is not None:
+        return False
+    from ..runtime import current
+
+    ctx = current.get()
+    straggler = None if ctx is None else ctx.straggler
+    return straggler is None or (not straggler.specs and straggler.throttle is None)
+
+
+def compute_scope(device: torch.device | None = None, timer=None, work: float = 0.0):
     """A layer's local compute region: the rank's straggler emulation (a no-op outside a group)
     and, when the layer has a ``compute_timer`` (``plait.balance.SpeedMonitor.attach``), its
     timing, which includes the emulated delay: a slow rank is measured slow."""
+    if _idle(timer):
+        return contextlib.nullcontext()
+    return _scope(device, timer, work)
+
+
+@contextlib.contextmanager
+def _scope(device, timer, work: float) -> Iterator[None]:
     region = _Region(device, timer, work)
     region.open()
     try:
@@ -97,6 +114,8 @@ def straggled(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.
     and, when ``x`` needs a gradient, in the backward too (from the output's gradient arriving
     to the input's leaving), so an emulated slow rank is slow at all of its compute, not only
     the forward's third, and the timer sees both. ``work`` is counted once, in the forward."""
+    if not (torch.is_grad_enabled() and x.requires_grad) and _idle(timer):
+        return compute(x)  # no region to enter, forward or backward
     live = dist.is_available() and dist.is_initialized()
     backward = live and torch.is_grad_enabled() and x.requires_grad
     scope = _Region(x.device, timer) if backward else None
@@ -118,6 +137,7 @@ class _PieceRegion:
         return compute_scope(self.device, self.timer)
 
 
+
 def pieces(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.Tensor:
     """``compute(x)``, a fused operator, with the layer's compute region around each of its
     local pieces, forward and backward, and not around its waits for other ranks: a fast
@@ -126,7 +146,8 @@ def pieces(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.Ten
 
     if timer is not None:
         timer.count(work)
-    with compute_region(_PieceRegion(x.device, timer)):
+    region = None if _idle(timer) else _PieceRegion(x.device, timer)
+    with compute_region(region):
         return compute(x)
 
 
