@@ -69,7 +69,7 @@ class DecodeBenchConfig:
         if unknown:
             raise ValueError(f"--systems {','.join(unknown)}: choose from {', '.join(SYSTEMS)}")
         for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size", "prompt_len",
-                     "new_tokens", "rounds"):
+                     "new_tokens", "rounds", "speed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
