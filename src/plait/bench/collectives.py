@@ -29,6 +29,7 @@ algorithms, measured in docs/link.md).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from ..runtime import parse_rate, rank_context
 from ..runtime.placement import run_placed
-from ..runtime.timing import agreed_max, median, time_once
+from ..runtime.timing import agreed_max, median, sync, time_once
 
 __all__ = ["COLLECTIVES", "GLOO_SHORTFALL", "LINK_SHARE_OK", "CollectiveBenchConfig",
            "bench_collectives", "bus_factor", "link_share", "plot_bandwidth", "run_sweep",
@@ -247,15 +248,31 @@ def _repeated(run, reps: int):
 def _time_point(cfg: CollectiveBenchConfig, run, device) -> tuple[list[float], int]:
     """Warm-up, then per-call times (each iteration the slowest rank's, over ``reps``
     calls back to back: a call of a few microseconds is not timed alone, as nccl-tests
-    averages over -n); and ``reps``."""
+    averages over -n); and ``reps``. Each iteration starts behind a barrier and one untimed
+    call of the collective itself: the barrier's own exit skew (hundreds of microseconds on
+    gloo) would otherwise land on the first timed call."""
     for _ in range(cfg.warmup):
         run()
-    probe = agreed_max([time_once(run, device)])[0]
+    probe = agreed_max([_synced(run, 10, device) / 10])[0]
     reps = max(1, min(1000, int(REP_S / max(probe, 1e-7))))
     reps = int(agreed_max([reps])[0])
-    many = _repeated(run, reps)
-    per = agreed_max([time_once(many, device) for _ in range(_iterations(cfg, probe * reps))])
+    per = agreed_max([_synced(run, reps, device)
+                      for _ in range(_iterations(cfg, probe * reps))])
     return [t / reps for t in per], reps
+
+
+def _synced(run, reps: int, device) -> float:
+    """Seconds of ``reps`` calls of ``run`` back to back on this rank, behind a barrier and
+    one untimed call (which meets every rank at the collective itself)."""
+    sync(device)
+    dist.barrier()
+    run()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    sync(device)
+    return time.perf_counter() - start
 
 
 def _copy_GBps(nbytes: int, dtype, device) -> float:

@@ -106,10 +106,16 @@ class ShmGroup:
             op, names, values, verify = check
             call = self.call(op, (*names, "numel"), (*values, n), local=(*names, "numel"))
         slot = call.slot(self.rank, dtype, n)
-        if compute is None:
-            slot.copy_(flat)
-        else:
+        two_shot = size > ONE_SHOT_BYTES
+        bounds = _bounds(n, self.world) if two_shot else None
+        if compute is not None:
             compute(slot.view(flat.shape if flat.dim() > 1 else (-1,)))
+        elif two_shot:  # the peers read every chunk but this rank's own: stage only those
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            slot[:lo].copy_(flat[:lo])
+            slot[hi:].copy_(flat[hi:])
+        else:
+            slot.copy_(flat)
         rows = call.exchange()  # every rank's tensor is in its slot
         if check is not None:
             try:
@@ -117,14 +123,23 @@ class ShmGroup:
             except (ValueError, TypeError):
                 call.close()
                 raise
-        if size <= ONE_SHOT_BYTES:
+        if not two_shot:
             _sum_into(flat, [call.slot(r, dtype, n) for r in range(self.world)])
         else:
-            bounds = _bounds(n, self.world)
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
-            mine = flat[lo:hi]
-            _sum_into(mine, [call.slot(r, flat.dtype, n)[lo:hi] for r in range(self.world)])
-            call.slot(self.rank, flat.dtype, n)[lo:hi].copy_(mine)
+            own = slot[lo:hi]
+            # this rank's chunk, summed in rank order straight into its slot (which held
+            # nothing the peers read: its own chunk was read from flat, or is overwritten
+            # only after every term is read), then copied out
+            terms = [own if (r == self.rank and compute is not None) else
+                     flat[lo:hi] if r == self.rank else call.slot(r, dtype, n)[lo:hi]
+                     for r in range(self.world)]
+            if compute is not None and self.world > 2:
+                _sum_into(flat[lo:hi], terms)
+                own.copy_(flat[lo:hi])
+            else:
+                _sum_into(own, terms)
+                flat[lo:hi].copy_(own)
             call.reduced()
             for rank in range(self.world):
                 if rank != self.rank:
