@@ -38,12 +38,7 @@ LAYERS: list[set[str]] = [
 ONLY = {"models": {"nn"}}
 """Packages held to fewer than their layer allows (models carry no parallel code)."""
 
-KNOWN_CYCLES: list[set[str]] = [
-    # transport's lead owns these files: select lazily picks cuda/hier, which import
-    # select's Choice, DistTransport and _Done (reported in issue 38's note; remove the
-    # entry when those move to a module of their own)
-    {"plait.transport.cuda", "plait.transport.hier", "plait.transport.select"},
-]
+KNOWN_CYCLES: list[set[str]] = []
 """Cycles known and owned elsewhere; each must still exist (a fixed one is taken out)."""
 
 

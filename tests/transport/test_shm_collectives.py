@@ -32,7 +32,7 @@ def _data(seed: int, shape, dtype) -> torch.Tensor:
 def _both(capacity: int):
     """The collectives on gloo and on shared memory, each rank's results by name."""
     from plait.transport.collectives import ONE_SHOT_BYTES, ShmGroup
-    from plait.transport.select import Choice, DistTransport
+    from plait.transport.base import Choice, DistTransport
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shm = ShmGroup(capacity=capacity, timeout_s=20)

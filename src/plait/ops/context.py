@@ -87,7 +87,7 @@ class OpsContext:
         """This group's transport (``plait.transport``): shared memory inside a host, else
         torch.distributed."""
         if self.transport is None:
-            from ..transport.select import Choice, DistTransport
+            from ..transport.base import Choice, DistTransport
 
             backend = dist.get_backend(self.group)
             self.transport = DistTransport(self.group, Choice(backend, "a context made by hand"))

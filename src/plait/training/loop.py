@@ -8,6 +8,7 @@ torchtitan's ``train.py`` calls its checkpointer and metrics:
 
 - ``before_step(step)``: before the step's clock starts (the straggler emulation's step,
   a kernel throttle, a barrier, readings taken before the step);
+- ``after_backward(step)``: after the backward, before the update (the gradients);
 - ``after_update(step)``: after the optimizer's update, inside the clock (the balancer's
   step: what it costs is part of the step);
 - ``after_step(record)``: after the clock stops, in order (the balancer's decisions and the
@@ -51,6 +52,10 @@ class Component:
     def before_step(self, step: int) -> None:
         """Before the step's clock starts."""
 
+    def after_backward(self, step: int) -> None:
+        """After the backward, before the update, inside the clock (the gradients as the
+        update will read them)."""
+
     def after_update(self, step: int) -> None:
         """After the optimizer's update, inside the step's clock."""
 
@@ -83,6 +88,8 @@ class Trainer:
         loss = self.loss_fn(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        for c in self.components:
+            c.after_backward(step)
         self.optimizer.step()
         for c in self.components:
             c.after_update(step)

@@ -20,7 +20,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from .select import Choice, DistTransport, _Done
+from .base import Choice, DistTransport, Done
 
 __all__ = ["SymmMemTransport", "available", "ONE_SHOT_BYTES"]
 
@@ -71,4 +71,4 @@ class SymmMemTransport(DistTransport):
             flat.copy_(staged)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view(tensor.shape))
-        return _Done() if async_op else None
+        return Done() if async_op else None

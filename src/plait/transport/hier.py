@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import ShmGroup, _bounds
-from .select import Choice, DistTransport, _Done
+from .base import Choice, DistTransport, Done
 
 __all__ = ["HierTransport", "host_groups"]
 
@@ -67,4 +67,4 @@ class HierTransport(DistTransport):
             tensor.copy_(out.view(tensor.shape))
         else:
             flat.copy_(out)                                             # 3: every chunk
-        return _Done() if async_op else None
+        return Done() if async_op else None

@@ -22,13 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 
-from ..runtime.compat import all_gather_into
+from .base import Choice, DistTransport, Done
 
 __all__ = ["TRANSPORTS", "Choice", "choose", "DistTransport", "ShmTransport", "wanted"]
 
@@ -44,67 +41,6 @@ def wanted() -> str:
     if value not in TRANSPORTS:
         raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(TRANSPORTS)}")
     return value
-
-
-@dataclass(frozen=True)
-class Choice:
-    name: str    # "shm", "gloo" or "nccl"
-    reason: str
-
-
-class _Done:
-    """A handle of a call already complete."""
-
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class DistTransport:
-    """``torch.distributed`` on ``group`` (gloo on CPU, NCCL on CUDA)."""
-
-    def __init__(self, group, choice: Choice):
-        self.group, self.choice = group, choice
-        self.name = choice.name
-
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
-
-    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
-                   async_op: bool = False):
-        """Equal rows: one all_gather; unequal (gloo refuses them): one all_to_all whose send
-        buffer repeats the piece once per rank."""
-        if len(set(rows)) == 1:
-            return all_gather_into(out, piece.contiguous(), group=self.group, async_op=async_op)
-        world = len(rows)
-        send = piece.unsqueeze(0).expand(world, *piece.shape) \
-            .reshape(world * piece.shape[0], *piece.shape[1:]).contiguous()
-        return self.all_to_all(out, send, list(rows), [piece.shape[0]] * world, async_op)
-
-    def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
-                   in_rows: Sequence[int], async_op: bool = False):
-        assert out.is_contiguous(), "a receive buffer is written in place"
-        return dist.all_to_all_single(out, send.contiguous(), [int(r) for r in out_rows],
-                                      [int(r) for r in in_rows], group=self.group,
-                                      async_op=async_op)
-
-    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, rows: Sequence[int],
-                       async_op: bool = False):
-        """One all_to_all, then a rank-ordered sum (gloo's reduce_scatter moves as much data
-        as an all_reduce); synchronous."""
-        rank, world = dist.get_rank(self.group), len(rows)
-        mine = rows[rank]
-        width = tensor[0].numel() if tensor.shape[0] else out.numel() // max(mine, 1)
-        recv = tensor.new_empty(world * mine, width)
-        self.all_to_all(recv, tensor.reshape(tensor.shape[0], -1), [mine] * world, list(rows))
-        parts = recv.view(world, mine, width)
-        flat = out.view(mine, width)
-        flat.copy_(parts[0])
-        for src in range(1, world):
-            flat.add_(parts[src])
-        return _Done() if async_op else None
 
 
 class ShmTransport:
@@ -123,7 +59,7 @@ class ShmTransport:
             self.shm.all_reduce(tensor)
         else:
             tensor.copy_(self.shm.all_reduce(tensor.contiguous()))
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
     def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None,
                           check: tuple | None = None) -> torch.Tensor:
@@ -151,15 +87,15 @@ class ShmTransport:
 
     def all_gather(self, out, piece, rows, async_op: bool = False):
         self.shm.all_gather(out, piece.contiguous(), rows)
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
     def all_to_all(self, out, send, out_rows, in_rows, async_op: bool = False):
         self.shm.all_to_all(out, send.contiguous(), out_rows, in_rows)
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
     def reduce_scatter(self, out, tensor, rows, async_op: bool = False):
         self.shm.reduce_scatter(out, tensor.contiguous(), rows)
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
 
 def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):

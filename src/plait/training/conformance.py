@@ -88,7 +88,7 @@ def _quiet() -> None:
 def reference_dtype(model_type: str):
     """The dtype the tiny model runs in on one process (float64, else float32) and the
     reason it does not run at all (None where it does)."""
-    from .tiny_hf import NotBuilt, tiny_model
+    from ..parallel.tiny_hf import NotBuilt, tiny_model
 
     _quiet()
     why = None
@@ -105,21 +105,33 @@ def reference_dtype(model_type: str):
 
 
 def _steps_and_generate(model, record=None, steps: int = STEPS) -> list:
-    """``steps`` SGD steps, then greedy tokens; ``record(step, model, loss, logits)`` after
-    each backward."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    """``steps`` SGD steps through the training loop (:class:`plait.training.loop.Trainer`),
+    then greedy tokens; ``record(step, model, loss, logits)`` after each backward."""
+    from .loop import Component, Trainer
+
     vocab = _vocab(model)
-    for step in range(steps):
+    last: dict = {}
+
+    def loss_fn(m, ids):
+        out = m(input_ids=ids, labels=ids)
+        last["out"] = out
+        return out.loss
+
+    class Seeded(Component):
         # a model that draws in training (PhiMoE's sparsemixer samples its routing) draws
         # the same numbers in the reference and in the copy
-        torch.manual_seed(1000 + step)
-        ids = _batch(vocab, 100 + step)
-        out = model(input_ids=ids, labels=ids)
-        opt.zero_grad()
-        out.loss.backward()
-        if record is not None:
-            record(step, model, out.loss, out.logits)
-        opt.step()
+        def before_step(self, step):
+            torch.manual_seed(1000 + step)
+
+    class Recorded(Component):
+        def after_backward(self, step):
+            if record is not None:
+                record(step, model, last["out"].loss, last["out"].logits)
+
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn,
+                      components=[Seeded(), Recorded()])
+    for step in range(steps):
+        trainer.step(step, _batch(vocab, 100 + step))
     ids = _batch(vocab, 7, seq=PROMPT)
     torch.manual_seed(1000 + steps)
     with torch.no_grad():
@@ -161,7 +173,7 @@ def check(model_type: str, dtype_name: str = "float64", *, steps: int = STEPS,
     ``noise=False``: no run from perturbed weights, every step held to the precision's bar
     (a test of architectures known not to amplify rounding; half the time)."""
     import plait
-    from .tiny_hf import tiny_model
+    from ..parallel.tiny_hf import tiny_model
 
     torch.set_num_threads(1)
     _quiet()
