@@ -36,7 +36,8 @@ from ..runtime import rank_context
 from ..runtime.timing import agreed_max, balanced_round
 from ..training.decode import decode
 
-__all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "run_decode_bench", "summarize"]
+__all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "kernel_budgets", "run_decode_bench",
+           "summarize"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process", "plait-speed")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
@@ -59,6 +60,10 @@ class DecodeBenchConfig:
         "even, or speed: also run plait with every split dim sized by each rank's measured "
         "speed (plait-speed), beside the even split"))
     speed_steps: int = field(default=8, metadata=_h("decoding steps timed to measure speeds"))
+    slow_by: str = field(default="sleep", metadata=_h(
+        "how --slow RANK:F makes a rank F × slower: sleep (F − 1 × each split layer's compute "
+        "time) or kernel (its host's CPU budget ÷ F, a cgroup cpu quota; needs --hosts equal "
+        "to --ranks; --host-cpu is the full budget, default 1 core)"))
     rounds: int = field(default=3, metadata=_h("rounds: every system decodes once a round"))
     seed: int = field(default=0, metadata=_h("weights' and prompts' seed"))
     extra: dict = field(default_factory=dict, metadata={"help": None})  # where it ran
@@ -73,6 +78,8 @@ class DecodeBenchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
+        if self.slow_by not in ("sleep", "kernel"):
+            raise ValueError(f"--slow-by must be sleep or kernel, got {self.slow_by!r}")
         if self.split not in ("even", "speed"):
             raise ValueError(f"--split must be even or speed, got {self.split!r}")
         if self.split == "speed" and "plait-speed" not in self.systems:
@@ -249,7 +256,43 @@ def summarize(records: list[dict]) -> dict:
 def bench_decode(cfg: DecodeBenchConfig, *, ranks: int, hosts: int = 0, link=None,
                  timeout_s: float | None = None, on_progress=None,
                  slow=()) -> tuple[list[dict], str]:
+    """:func:`run_decode_bench` on ``ranks`` ranks (``hosts`` emulated hosts, 0: loopback).
+    ``slow``: ``SlowSpec``s; with ``cfg.slow_by == "kernel"`` each becomes its host's CPU
+    budget ÷ its factor for the whole run (the kernel holds the rank back, compute and
+    communication alike), else the launcher's sleep-made slowdown of the split layers."""
     from ..runtime.placement import run_placed
 
-    return run_placed(run_decode_bench, cfg, ranks=ranks, hosts=hosts, link=link,
-                      timeout_s=timeout_s, on_progress=on_progress, slow=slow)
+    host_cpu = None
+    if cfg.slow_by == "kernel":
+        host_cpu, slow = kernel_budgets(ranks, hosts, slow), ()
+    records, where = run_placed(run_decode_bench, cfg, ranks=ranks, hosts=hosts, link=link,
+                                timeout_s=timeout_s, on_progress=on_progress, slow=slow,
+                                host_cpu=host_cpu)
+    if host_cpu is not None:
+        where += f"; --slow-by kernel: host CPU budgets {host_cpu} cores"
+    return records, where
+
+
+def kernel_budgets(ranks: int, hosts: int, slow) -> list[float]:
+    """Every host's CPU budget in cores for ``--slow-by kernel``: the full budget
+    (``--host-cpu``, default 1 core a host) with each slowed rank's host's divided by its
+    factor. Refused unless every rank has its own host and every slowdown lasts the run."""
+    import os
+
+    from ..runtime.cgroup import MIN_BUDGET, parse_budgets, parse_host_cpu
+    from ..runtime.placement import HOST_CPU_ENV
+
+    if not hosts or hosts != ranks:
+        raise ValueError(f"--slow-by kernel needs one rank per host (--hosts {ranks} with "
+                         f"--ranks {ranks}): a host's CPU budget slows every rank on it")
+    full = os.environ.get(HOST_CPU_ENV)
+    budgets = parse_budgets(parse_host_cpu(full) if full else 1.0, hosts)
+    for spec in slow:
+        if spec.from_step or spec.until_step is not None:
+            raise ValueError(f"--slow {spec.rank}:{spec.factor:g}@…: with --slow-by kernel a "
+                             "slowdown lasts the whole run (no @FROM-UNTIL)")
+        budgets[spec.rank] /= spec.factor
+        if budgets[spec.rank] < MIN_BUDGET:
+            raise ValueError(f"--slow {spec.rank}:{spec.factor:g} leaves host {spec.rank} "
+                             f"{budgets[spec.rank]:g} core, under {MIN_BUDGET:g}")
+    return budgets
