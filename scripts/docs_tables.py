@@ -698,6 +698,128 @@ def _load_peak(world):
     return get
 
 
+# ---------------------------------------------------------------------------- transports
+
+
+def shm_collectives_table(res: Results) -> str:
+    """bench collectives --transport shm,gloo: per collective at the smallest and largest
+    size, each transport's median time a run, gloo over shm, and shm's bus bandwidth over one
+    core's copy bandwidth measured in the same run."""
+    name = "bench-collectives-shm"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    recs = runs[0].data["records"]
+    sizes = sorted({r["bytes"] for r in recs})
+    rows = []
+    for coll in dict.fromkeys(r["collective"] for r in recs):
+        for nbytes in (sizes[0], sizes[-1]):
+            def pick(run, t, coll=coll, nbytes=nbytes):
+                return next((x for x in run.data["records"] if x["collective"] == coll
+                             and x["bytes"] == nbytes and x["transport"] == t), None)
+            shm = figures(runs, lambda r: pick(r, "shm")["time_us"])
+            gloo = figures(runs, lambda r: pick(r, "gloo")["time_us"])
+            ratio = [g / s if g and s else None for g, s in zip(gloo, shm)]
+            copy = figures(runs, lambda r: pick(r, "shm")["busbw_over_copy"])
+            wrong = figures(runs, lambda r: pick(r, "shm")["wrong"] + pick(r, "gloo")["wrong"])
+            size = f"{nbytes / 2**10:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.0f} MiB"
+            rows.append([coll, size, each(shm, ".1f"), each(gloo, ".1f"), each(ratio, ".1f"),
+                         each(copy, ".0%"), each(wrong, "d")])
+    caption = ("2 ranks on this host, the transports taking turns at every size; time: the "
+               "median of the timed iterations (µs); busbw / copy: shared memory's bus "
+               "bandwidth over one core's `memcpy` of the same bytes, timed in the same run "
+               "(the limit on one host).")
+    head = ["collective", "size", "shm (µs)", "gloo (µs)", "gloo / shm", "shm busbw / copy",
+            "#wrong"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+def shm_ops_table(res: Results) -> str:
+    """bench ops --transport shm,gloo: per run, each transport's worst chunks="auto" over
+    the unfused path, shm's median efficiency against the one-host limit, and gloo's
+    unfused time over shm's fused one (median over shapes)."""
+    name = "bench-ops-shm"
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for r in runs:
+        s = r.data["meta"]["summary"]
+        recs = r.data["records"]
+        shm = [x for x in recs if x["transport"] == "shm"]
+        eff = [x["efficiency"] for x in shm if x.get("efficiency") is not None]
+        above = sum(1 for x in shm if x.get("beats_limit"))
+        wrong = sum(1 for x in recs if not x.get("correct", True))
+        rows.append([str(r.k), fmt(s["shm"]["worst_auto_over_unfused"], ".2f"),
+                     fmt(s["gloo"]["worst_auto_over_unfused"], ".2f"),
+                     fmt(median(eff), ".2f") if eff else "–", str(above),
+                     fmt(s["gloo_unfused_over_shm_fused_median"], ".2f"), str(wrong),
+                     str(len(shm))])
+    caption = ("2 ranks on this host, every shape on both transports in turns. Worst auto / "
+               "unfused: the largest `chunks=\"auto\"` time over the unfused path's, over "
+               "shapes; efficiency: the one-host limit (max of the compute's fastest round "
+               "and one core's copy of the bytes) over the fused time, median over shapes; "
+               "above limit: shapes timed faster than it; gloo unfused / shm fused: median "
+               "over shapes.")
+    head = ["run", "shm: worst auto / unfused", "gloo: worst auto / unfused",
+            "shm: median efficiency", "shm: above limit", "gloo unfused / shm fused",
+            "#wrong", "shapes"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def decode_table(res: Results, name: str) -> str:
+    """bench decode: every run's systems and batch sizes, per-token latency against one
+    process, the capacity ideal where measured, and whether the tokens were one process's."""
+    runs = res.runs(name)
+    if not runs:
+        return provenance(name, runs)
+    rows = []
+    for r in runs:
+        timed = [x for x in r.data["records"] if "batch" in x]
+        one = {x["batch"]: x["ms_per_token"] for x in timed if x["system"] == "one-process"}
+        for x in timed:
+            vs = x["ms_per_token"] / one[x["batch"]] if x["batch"] in one else None
+            split = x.get("split", {}).get("sizes")
+            rows.append([str(r.k), x["system"], str(x["batch"]), str(x["ranks_used"]),
+                         x["transport"], f"{x['ms_per_token']:.2f}", f"{x['p99_ms']:.2f}",
+                         f"{x['ttft_ms']:.1f}", f"{x['tokens_per_s']:,.0f}",
+                         fmt(vs, ".2f") + ("×" if vs is not None else ""),
+                         f"{x['ratio_to_ideal']:.2f}×" if "ratio_to_ideal" in x else "–",
+                         "; ".join(f"{d.rsplit('.', 1)[-1]} {'/'.join(map(str, v))}"
+                                   for d, v in split.items()) if split else "–",
+                         {True: "yes", False: "**no**", None: "–"}[x["same_tokens"]]])
+    c = runs[0].data["meta"]
+    caption = (f"Where: {c.get('where', '–')}. Per-token latency: the median over every "
+               "round's decoding steps, a step taking as long as its slowest rank; × one "
+               "process: against the whole model on one rank in the same run; × ideal: "
+               "against the capacity ideal (the even split's step less its slowest rank's "
+               "compute in the split layers, plus all that work at the ranks' summed "
+               "speeds).")
+    head = ["run", "system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
+            "tokens/s", "× one process", "× ideal", "split (KV groups / MLP columns)",
+            "same tokens"]
+    return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
+
+
+def _shm_4k(r):
+    """(shm, gloo) median time of a 4 KiB all_reduce, µs."""
+    def t(name):
+        return next(x["time_us"] for x in r.data["records"] if x["collective"] == "all_reduce"
+                    and x["bytes"] == 4096 and x["transport"] == name)
+    return (t("shm"), t("gloo"))
+
+
+def _decode_b1(r):
+    """(plait, one-process) ms per token at batch 1."""
+    def t(name):
+        return next(x["ms_per_token"] for x in r.data["records"] if x.get("batch") == 1
+                    and x["system"] == name)
+    return (t("plait"), t("one-process"))
+
+
 # (what, results folder, how to read a run's figure, format, where the full table is); a
 # figure that is a pair (a, b) reads "a vs b", each with its own range
 HEADLINE = [
@@ -743,6 +865,11 @@ HEADLINE = [
     ("A 2.1 GB transformers Llama built on meta, each of 2 ranks reading its shards: peak "
      "resident memory of the largest rank vs the bound (0.6 × model + 0.5 GB), same loss",
      "bench-load", _load_peak(2), ".2f", "GB", "loading.md#memory-measured-plait-bench-load"),
+    ("2 ranks on one host: a 4 KiB all_reduce on shared memory vs gloo (loopback TCP)",
+     "bench-collectives-shm", _shm_4k, ".1f", "µs", "transport.md#figures"),
+    ("Decoding a transformers Llama (4 × 512, batch 1, KV cache) on 2 ranks of one host vs "
+     "one process, same tokens", "bench-decode", _decode_b1, ".2f", "ms/token",
+     "decoding.md#figures"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
      "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
     ("Model: median error against this machine's measurements",
@@ -808,6 +935,10 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "demo": demo_table,
     "bench-checkpoint": checkpoint_table,
     "bench-tp-dp": placement_table,
+    "bench-collectives-shm": shm_collectives_table,
+    "bench-ops-shm": shm_ops_table,
+    **{name: (lambda res, name=name: decode_table(res, name)) for name in (
+        "bench-decode", "bench-decode-3", "bench-decode-slow")},
     "headline": headline_table,
 }
 

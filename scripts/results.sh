@@ -59,6 +59,13 @@ COMMANDS=(
   "bench-checkpoint|bench checkpoint --hosts 2 --link 1gbit --checkpoints 5 --no-progress --json {json}"
   # a 2.1 GB Llama saved with save_pretrained, loaded whole and on 2 and 3 ranks (issue 37)
   "bench-load|bench load --size-gb 2 --no-progress --json {json}"
+  # 2 ranks on one host: shared memory against gloo's loopback TCP, taking turns (issue 39)
+  "bench-collectives-shm|bench collectives --ranks 2 --transport shm,gloo --quick --no-progress --json {json}"
+  "bench-ops-shm|bench ops --ranks 2 --transport shm,gloo --quick --no-progress --json {json}"
+  # decoding a transformers Llama 4 x 512 (8 heads over 4 KV heads) with its KV cache: 2 ranks
+  # at batch 1 and 16, 3 ranks (uneven heads), and a host at half its CPU budget (issue 40)
+  "bench-decode|bench decode --ranks 2 --batch-sizes 1,16 --no-progress --json {json}"
+  "bench-decode-3|bench decode --ranks 3 --batch-sizes 1 --no-progress --json {json}"
   "simulate-h100-16k|simulate --cluster h100-16k --model llama3-70b --json {json}"
   "simulate-validate|simulate --validate --measurements $RESULTS/bench-collectives-quick/run-{round}.json $RESULTS/bench-ops-quick/run-{round}.json --json {json}"
 )
