@@ -682,7 +682,8 @@ def load_table(res: Results) -> str:
                f"`save_pretrained` in {s0['files']} files; `whole`: transformers' own "
                "`from_pretrained` in one process (it maps the files and reads pages only as the "
                "forward touches them), `plait`: `plait.from_pretrained` on each rank. Peak = "
-               "the process's peak resident memory (VmHWM), before = resident before loading, "
+               "the process's peak resident memory (VmHWM) through the load and one forward, "
+               "before = resident before loading, "
                "bound = 0.6 × the model's bytes + 0.5 GB; Δ loss against `whole`.")
     head = ["run", "system", "ranks", "rank", "KV groups", "before (GB)", "own tensors (GB)",
             "peak (GB)", "bound (GB)", "Δ loss"]

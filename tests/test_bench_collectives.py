@@ -55,11 +55,17 @@ def test_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "out.json"
     code = main(["bench", "collectives", "--ranks", "2", "--collectives", "all_reduce,all_to_all_uneven",
                  "--min-bytes", "4096", "--max-bytes", "8192", "--max-iters", "3", "--no-progress",
-                 "--json", str(out), "--plot", str(tmp_path / "bw.png")])
+                 "--transport", "shm,gloo", "--json", str(out), "--plot", str(tmp_path / "bw.png")])
     assert code == 0
     data = json.loads(out.read_text())
-    keys = {"collective", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "world_size", "link"}
+    keys = {"collective", "bytes", "time_s", "time_us", "algbw_GBps", "busbw_GBps", "world_size",
+            "link", "transport", "copy_GBps", "busbw_over_copy"}
     assert data["records"] and all(keys <= set(r) for r in data["records"])
+    # both transports at every point, each correct
+    assert sorted((r["collective"], r["bytes"], r["transport"]) for r in data["records"]) == \
+        sorted((c, b, t) for c in ("all_reduce", "all_to_all_uneven") for b in (4096, 8192)
+               for t in ("shm", "gloo"))
+    assert not any(r["wrong"] for r in data["records"])
     assert data["meta"]["shortfalls"] == {}  # loopback: no link to fall short of
     assert (tmp_path / "bw.png").stat().st_size > 1000
 

@@ -182,3 +182,19 @@ def test_a_fused_time_under_the_physical_limit_is_rejected():
     # compute-bound: the limit is compute alone, with the burst still allowed
     slow = physical_limit(t_compute=0.5, t_comm=0.1, link_bytes=2**20, link="50mbit")  # 168 ms
     assert (slow["t_limit_s"], slow["limit_tolerance_s"]) == (0.5, pytest.approx(64 * 1024 * 8 / 50e6))
+
+
+
+def test_two_transports_summarize_each_and_together(records):
+    """``--transport shm,gloo``: a summary per transport, shm's fused against gloo's unfused
+    shape by shape, and ``all_correct`` over both, which the exit status reads (the CLI
+    read it from a two-transport summary that lacked it, and ended in a traceback)."""
+    from plait.bench.ops import summarize_transports
+
+    gloo = [{**r, "transport": "gloo"} for r in records]
+    shm = [{**r, "transport": "shm", "t_fused_s": r["t_unfused_s"] / 2} for r in records]
+    out = summarize_transports(gloo + shm)
+    assert out["all_correct"] is True and set(out["shm"]) == set(out["gloo"])
+    assert out["gloo_unfused_over_shm_fused"] == [2.0] * len(records)
+    shm[-1] = {**shm[-1], "correct": False}
+    assert summarize_transports(gloo + shm)["all_correct"] is False

@@ -195,8 +195,11 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
                 "tokens_per_s": batch / (ms / 1e3),
                 "same_tokens": None if reference is None or tokens is None
                 else bool(torch.equal(tokens, reference)),
-                "transport": "–" if name in ("one-process", "pytorch-tp") else transport.name,
-                "transport_reason": transport.reason, "steps": len(steps),
+                "transport": {"one-process": "–", "pytorch-tp": dist.get_backend()}.get(
+                    name, transport.name),
+                "transport_reason": {"one-process": "one rank: nothing to communicate",
+                                     "pytorch-tp": "DTensor: the process group's backend"}.get(
+                    name, transport.reason), "steps": len(steps),
                 "new_tokens": cfg.new_tokens, "link": rank_context().link, **cfg.extra})
             if name == "plait-speed" and split is not None:
                 records[-1]["split"] = split

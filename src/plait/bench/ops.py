@@ -452,6 +452,7 @@ def summarize_transports(records: list[dict]) -> dict:
         return summarize(records)
     out = {name: summarize([r for r in records if r.get("transport", "gloo") == name])
            for name in names}
+    out["all_correct"] = all(r["correct"] for r in records)  # what the exit status reads
     by = {(r["op"], str(r["shape"]), r["transport"]): r for r in records}
     if "shm" in names and "gloo" in names:
         ratios = [by[op, shape, "gloo"]["t_unfused_s"] / by[op, shape, "shm"]["t_fused_s"]

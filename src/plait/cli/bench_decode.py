@@ -74,6 +74,9 @@ def run_decode(args: argparse.Namespace) -> int:
         if "skipped" in r:
             console.print(f"[dim]  {r['system']}: not run: {r['skipped']}[/dim]")
     summary = summarize(records)
+    console.print("[dim]ratios of ms per token (below 1: faster): SYSTEM_bBATCH_vs_OTHER is "
+                  "SYSTEM's over OTHER's at that batch; ratio_to_ideal: over the capacity "
+                  "ideal[/dim]")
     print_summary(summary, ".3f")
     if args.json:
         write_json(args.json, records, {"command": "bench decode", "where": where,
