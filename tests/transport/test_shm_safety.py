@@ -71,7 +71,9 @@ def test_a_sigkilled_rank_is_named_and_its_peers_stop(tmp_path, world):
                threads=1, deadline_s=300)
     took = time.monotonic() - float((tmp_path / "killed_at").read_text())
     assert info.value.rank == 1 and "SIGKILL" in str(info.value), str(info.value)
-    assert took < timeout_s + 5, took  # its peers did not wait out the group's timeout
+    # its peers saw it die (a liveness check every 0.1 s a wait), not the group's timeout:
+    # half of it is a hang guard many times their own seconds, and fails if they waited it out
+    assert took < timeout_s / 2, took
     assert _ours() == []
 
 
