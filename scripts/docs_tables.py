@@ -789,8 +789,9 @@ def decode_table(res: Results, name: str) -> str:
                          f"{x['ttft_ms']:.1f}", f"{x['tokens_per_s']:,.0f}",
                          fmt(vs, ".2f") + ("×" if vs is not None else ""),
                          f"{x['ratio_to_ideal']:.2f}×" if "ratio_to_ideal" in x else "–",
-                         "; ".join(f"{d.rsplit('.', 1)[-1]} {'/'.join(map(str, v))}"
-                                   for d, v in split.items()) if split else "–",
+                         "; ".join(f"{d} {'/'.join(map(str, v))}" for d, v in {
+                             d.rsplit(".", 1)[-1]: v for d, v in split.items()}.items())
+                         if split else "–",
                          {True: "yes", False: "**no**", None: "–"}[x["same_tokens"]]])
     c = runs[0].data["meta"]
     caption = (f"Where: {c.get('where', '–')}. Per-token latency: the median over every "

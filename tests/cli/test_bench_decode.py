@@ -36,6 +36,8 @@ def test_three_ranks_uneven_heads_decode_the_same_tokens_as_one_process(tmp_path
             assert r[key] > 0, (key, r)
     skipped = [r for r in data["records"] if "skipped" in r]
     assert [r["system"] for r in skipped] == ["pytorch-tp"]  # 4 KV heads over 3: DTensor can't
+    even = next(r for r in timed if r["system"] == "plait")["split"]["sizes"]
+    assert {d.rsplit(".", 1)[-1]: v for d, v in even.items()}["self_attn"] == [2, 1, 1], even
     speed = next(r for r in timed if r["system"] == "plait-speed")
     assert sum(speed["split"]["sizes"][next(iter(speed["split"]["sizes"]))]) > 0
     assert data["meta"]["summary"]["all_same_tokens"] is True

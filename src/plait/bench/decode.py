@@ -203,6 +203,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
                 "new_tokens": cfg.new_tokens, "link": rank_context().link, **cfg.extra})
             if name == "plait-speed" and split is not None:
                 records[-1]["split"] = split
+            elif name.startswith("plait"):
+                records[-1]["split"] = {"sizes": _sizes(models[name])}
             if name.startswith("plait") and capacity is not None and name != "plait-plain":
                 even = statistics.median(sorted(seen["plait"]["steps"]))
                 records[-1].update(_ideal(capacity, even, ms / 1e3))
@@ -211,6 +213,14 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
     if records:
         records[0]["paths"] = explain()
     return records
+
+
+def _sizes(model) -> dict[str, list[int]]:
+    """Each split dim's shares (``model._plait_dims``: an attention's KV-head groups, an
+    MLP's columns), as its first module's plan holds them."""
+    modules = dict(model.named_modules())
+    return {dim: list(modules[names[0]].plan.sizes)
+            for dim, names in (getattr(model, "_plait_dims", None) or {}).items()}
 
 
 def _capacity(cfg: DecodeBenchConfig, models: dict, prompt) -> dict:

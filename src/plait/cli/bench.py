@@ -193,8 +193,8 @@ def run_ops(args: argparse.Namespace) -> int:
              "yes" if r["correct"] else "[red]NO[/red]"] for r in records]
     # a lower bound: its measured terms are their fastest round (the columns are medians)
     limit_text = ("limit = max(compute's fastest round, link: bytes over the busiest link ÷ "
-                  "link rate; copy: the bus bytes ÷ one core's copy bandwidth (shared memory); "
-                  "measured: the collective alone)")
+                  "link rate; measured: the collective alone); on shared memory (copy) the sum "
+                  "compute + the bus bytes ÷ one core's copy bandwidth: one core does both")
     print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}), ms",
                 ["op", "shape", "transport", "compute", "comm", "unfused 1 call", "unfused pieces",
                  "fused", "limit", "copy GB/s", "beside", "path/pieces", "speedup", "vs 1 call", "effic.",

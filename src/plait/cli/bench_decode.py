@@ -68,8 +68,10 @@ def run_decode(args: argparse.Namespace) -> int:
     for r in timed:
         if "split" in r:
             sizes = {d.rsplit(".", 1)[-1]: s for d, s in r["split"]["sizes"].items()}
-            console.print(f"[dim]  {r['system']} (batch {r['batch']}): speeds "
-                          f"{[round(v, 2) for v in r['split']['speeds']]}, split {sizes}[/dim]")
+            speeds = (f"speeds {[round(v, 2) for v in r['split']['speeds']]}, "
+                      if "speeds" in r["split"] else "")
+            console.print(f"[dim]  {r['system']} (batch {r['batch']}): {speeds}split "
+                          f"{sizes}[/dim]")
     for r in records:
         if "skipped" in r:
             console.print(f"[dim]  {r['system']}: not run: {r['skipped']}[/dim]")
