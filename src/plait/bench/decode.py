@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..runtime.fields import help_meta as _h
 from ..runtime import rank_context
+from ..runtime.straggler import SLOW_BY
 from ..runtime.timing import agreed_max, balanced_round
 from ..training.decode import decode
 
@@ -78,7 +79,7 @@ class DecodeBenchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
-        if self.slow_by not in ("sleep", "kernel"):
+        if self.slow_by not in SLOW_BY:
             raise ValueError(f"--slow-by must be sleep or kernel, got {self.slow_by!r}")
         if self.split not in ("even", "speed"):
             raise ValueError(f"--split must be even or speed, got {self.split!r}")

@@ -44,7 +44,7 @@ from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
 from .errors import (RankError, all_timed_out, describe_exit, host_label, is_secondary,
                      raise_first)
-from .leftovers import LAUNCH_DIR_PREFIX, remove_leftovers
+from .leftovers import LAUNCH_DIR_PREFIX, owner_alive, remove_leftovers
 from .progress import ProgressBoard
 from .straggler import SlowSpec, Straggler, validate_slow
 from .watchdog import Watchdog, process_state
@@ -151,21 +151,11 @@ def exit_with(pid: int) -> None:
         if fd is not None:
             select.select([fd], [], [])
         else:
-            while _alive(pid):
+            while owner_alive(pid):
                 time.sleep(1.0)
         os._exit(1)
 
     threading.Thread(target=watch, name="plait-launcher-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _InitError(RuntimeError):

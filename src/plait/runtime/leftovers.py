@@ -34,6 +34,7 @@ LAUNCH_DIR_OWNED = re.compile(rf"^(?:{LAUNCH_DIR_PREFIX}|{ELASTIC_DIR_PREFIX})(\
 
 
 def owner_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts: it is not reaped yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

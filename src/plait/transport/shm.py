@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..runtime.leftovers import owner_alive
 from ..runtime.progress import mark
 
 __all__ = ["ShmSegments", "PeerDied", "supported", "remove_stale", "SHM_DIR", "WORDS",
@@ -111,23 +112,13 @@ def remove_stale() -> list[str]:
             pid = int(name[len(PREFIX):].split("-", 1)[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not owner_alive(pid):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
             except FileNotFoundError:
                 pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def reached(value: int, epoch: int) -> bool:
@@ -256,7 +247,7 @@ class ShmSegments:
                                    f"rank {rank} (shared memory, epoch {epoch})")
             if now - checked > ALIVE_EVERY_S:
                 checked = now
-                if not _alive(self.peers[rank].pid):
+                if not owner_alive(self.peers[rank].pid):
                     raise PeerDied(f"{op}: rank {rank} (pid {self.peers[rank].pid}) died; "
                                    f"rank {self.rank} was waiting for it (shared memory)")
             mine[self._sleeping_word * LINE] = 1
