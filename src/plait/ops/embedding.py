@@ -35,7 +35,8 @@ all_to_all whose receive buffer is the output. A bag's pooled value does not
 depend on which other bags one ``embedding_bag`` call holds, so every path is
 bit-identical to pooling the whole batch and then exchanging.
 
-Checks. Before any data moves, one small all_gather per call carries every
+Checks. Before any data moves, one small exchange per call (``ctx.gather_meta``: an
+all_gather on gloo, one header-only call on shared memory) carries every
 rank's dtype, D, batch, mode, chunks, batch_sizes, table count, lookups (for
 ``chunks="auto"``) and its verdict on its own input (index ranges, offsets,
 dtypes), so bad input on any rank raises on every rank. ``ctx.validate`` does not
@@ -52,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .agree import attempt, check_chunks, check_same, chunks_code, gather_checked
+from .agree import attempt, check_chunks, check_same, chunks_code
 from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
@@ -168,7 +169,7 @@ def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
         row = [DTYPE_CODES[dtype], tables[0].shape[1], batch, _MODES[mode], chunks_code(chunks),
                needs_grad, *sizes, len(tables), sum(len(i) for i in indices)]
-    metas = gather_checked(op, group, problem, row, 8 + world)
+    metas = ctx.gather_meta(op, 8 + world, row, problem)  # shared memory: one header
     modes = {code: name for name, code in _MODES.items()}
     check_same(op, ("dtype", "D", "batch", "mode", "chunks", "needs grad", "batch_sizes"),
                [(*m[:3], modes[m[3]], *m[4:6], tuple(m[6:-2])) for m in metas])  # not T_r, lookups

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
-from .agree import attempt, check_chunks, check_same, chunks_code, gather_checked
+from .agree import attempt, check_chunks, check_same, chunks_code
 from .exchange import start_all_to_all
 from .pieces import DTYPE_CODES, check_float, offsets, row_parts
 
@@ -319,7 +319,7 @@ def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, 
         row = [DTYPE_CODES[inp.dtype], inp.shape[1], w.shape[2], chunks_code(chunks),
                grads and inp.requires_grad, grads and w.requires_grad, w.shape[0],
                *map(sum, send), *map(sum, recv), *map(_digest, send), *map(_digest, recv)]
-    metas = gather_checked(op, group, problem, row, 7 + 4 * world)  # one per call: counts change
+    metas = ctx.gather_meta(op, 7 + 4 * world, row, problem)  # one per call: counts change
     check_same(op, ("dtype", "K", "N", "chunks", "input needs grad", "w needs grad"),
                [m[:6] for m in metas])
     # per rank: 7 fields, then W send totals, W recv totals, W send digests, W recv digests
