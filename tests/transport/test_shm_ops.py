@@ -64,3 +64,31 @@ def test_every_fused_operator_on_shared_memory_equals_gloo(both):
                 if (key[0], name) in REPLICATED:
                     assert torch.equal(got, both["shm"][0][0][key][0][name][0]), (key, name)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("plait-shm-")]
+
+
+def _gemv_layouts(mixed: bool):
+    """A GEMV at ``chunks="auto"`` on shared memory (the product made in the slot, transposed
+    where w is column-major): the result, or the refusal when one rank's w is row-major."""
+    import torch.distributed as dist
+    from plait import ops
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    X, W = torch.randn(3, 4 * world, generator=gen, dtype=torch.float64), \
+        torch.randn(4 * world, 10, generator=gen, dtype=torch.float64)
+    x, w = X[:, 4 * rank:4 * rank + 4], W[4 * rank:4 * rank + 4]
+    column_major = w.t().contiguous().t()
+    try:
+        y = ops.matmul_all_reduce(x, w.contiguous() if mixed and rank == 1 else column_major)
+    except ValueError as err:
+        return str(err)
+    return float((y - X @ W).abs().max()), y.is_contiguous(), ops.explain("matmul_all_reduce")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gemv_on_shared_memory_is_made_transposed_and_one_layout_is_agreed(world):
+    env = {"PLAIT_TRANSPORT": "shm"}
+    for err, contiguous, why in run_ranks(_gemv_layouts, world, False, env=env):
+        assert err <= 1e-12 and contiguous and "fallback" in why
+    refused = run_ranks(_gemv_layouts, world, True, env=env)
+    assert all(isinstance(r, str) and "w column-major" in r for r in refused), refused

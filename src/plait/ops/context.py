@@ -183,7 +183,10 @@ class OpsContext:
 
     def start_meta(self, op: str, width: int, row, problem: Exception | None = None):
         """``gather_meta``, started: calling the result waits and gives what it gives."""
-        if getattr(self.transport, "name", None) == "shm":  # the check rides in a slot header
+        from ..transport.calls import HEADER_WORDS
+
+        if getattr(self.transport, "name", None) == "shm" and width <= HEADER_WORDS:
+            # the check rides in a slot header (a wider row, MoE's on many ranks: gloo)
             rows = self.transport.shm.gather_meta(op, row, width, problem)
             return lambda: rows
         group = self.group if self.checks_group is None else self.checks_group

@@ -44,7 +44,7 @@ from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
-from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
+from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered, untransposed
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
            "GEMV_ROWS"]
@@ -109,6 +109,12 @@ def _same_rows(op: str, metas) -> None:
     check_same(op, ("dtype", "M", "N", "chunks"), [meta[:4] for meta in metas])
 
 
+def _same_layout(op: str, metas) -> None:
+    """``_same_rows``, and one layout of w on every rank (a GEMV on shared memory)."""
+    check_same(op, ("dtype", "M", "N", "chunks", "w column-major"),
+               [(*meta[:4], meta[5]) for meta in metas])
+
+
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
                    transposed: bool, meanwhile=None, in_flight: list | None = None,
                    check: tuple | None = None) -> torch.Tensor:
@@ -122,15 +128,25 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
     """
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
+        # a GEMV with a column-major w is made transposed ([N, M], BLAS's fast orientation
+        # here, see _gemv_pieces), reduced so, and returned as a contiguous [M, N]
+        flip = transposed and m <= GEMV_ROWS
         mover = transport_of(group)
         if hasattr(mover, "matmul_all_reduce") and meanwhile is None:  # done when it returns
             # shared memory: the product is made in the slot its peers read (the compute
             # region around the product alone: waiting for a peer is not this rank's compute)
-            return mover.matmul_all_reduce(x2, w, region=piece, check=check)
+            out = mover.matmul_all_reduce(x2, w, region=piece, check=check, transposed=flip)
+            return untransposed(out.t()) if flip else out
+        if flip and in_flight is None:
+            buf = x2.new_empty(n, m)
+            with piece():
+                torch.mm(x2, w, out=buf.t())
+            _waited(buf, [mover.all_reduce(buf, async_op=meanwhile is not None)], meanwhile)
+            return untransposed(buf)
         with piece():
             out = x2 @ w
         asynchronous = meanwhile is not None or in_flight is not None
-        works = [transport_of(group).all_reduce(out, async_op=asynchronous)]
+        works = [mover.all_reduce(out, async_op=asynchronous)]
         return _waited(out, works, meanwhile, in_flight)
     if m <= GEMV_ROWS:
         return _gemv_pieces(x2, w, group, decision.chunks, transposed, meanwhile)
@@ -183,7 +199,7 @@ def _gemv_pieces(x2: torch.Tensor, w: torch.Tensor, group, chunks: int,
     _waited(buf, works, meanwhile)
     # a contiguous [M, N] either way, as the row path returns: the transposed buffer's
     # copy is M ≤ 8 rows, as the flat buffer's
-    return buf.t().contiguous() if transposed else torch.cat(blocks, dim=1)
+    return untransposed(buf) if transposed else torch.cat(blocks, dim=1)
 
 
 class InFlight:
@@ -255,9 +271,14 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         if problem is not None:
             ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
+        # a GEMV's product is made transposed where w is column-major (BLAS's fast
+        # orientation here): every rank's slot must hold one layout, so there the layout is
+        # one more field every rank must agree on
+        transposed = x2.shape[0] <= GEMV_ROWS and bool(row[5])
+        agreed = _same_layout if x2.shape[0] <= GEMV_ROWS else _same_rows
         works: list = []
-        out = _MatmulAllReduce.apply(x2, w, group, decision, False, wgrad_into, works,
-                                     (OP, _ROW_NAMES, row, lambda rows: _same_rows(OP, rows)))
+        out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works,
+                                     (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows)))
         return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
     works = []

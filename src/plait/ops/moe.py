@@ -297,10 +297,11 @@ def _check_local(op, inp, w, send_counts, recv_counts, world, chunks, combine):
 
 
 def _digest(counts: Sequence[int]) -> int:
-    """A 61-bit fingerprint of one count row (its length included) for the cross-rank check."""
+    """A 31-bit fingerprint of one count row (its length included) for the cross-rank check
+    (31 bits: a shared-memory header holds 32-bit words; the row's total is checked too)."""
     h = len(counts)
     for c in counts:
-        h = (h * 1_000_003 + c + 1) % ((1 << 61) - 1)
+        h = (h * 1_000_003 + c + 1) % ((1 << 31) - 1)
     return h
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .shm import BUFFERS, LINE, WORDS, ShmSegments, reached
 
-__all__ = ["Call", "Header", "HDR", "DONE", "PIECE", "MAX_PIECES"]
+__all__ = ["Call", "Header", "HDR", "DONE", "PIECE", "MAX_PIECES", "HEADER_WORDS"]
 
 HDR, DONE, REDUCED = 0, 1, 2
 PIECE = 8                     # flag lines PIECE .. PIECE + MAX_PIECES − 1
@@ -35,7 +35,7 @@ MAX_PIECES = 112
 # a header and a note per data buffer: call n writes those of buffer n % BUFFERS, which no
 # rank reads any more once every rank has finished call n − BUFFERS (step 1 above)
 _HEADER_LINE = 128            # headers (packed integers) from this line on, 8 lines each
-_HEADER_WORDS = 48            # at most this many integers a header
+HEADER_WORDS = _HEADER_WORDS = 48  # at most this many integers a header
 _NOTE_LINE = 128 + 8 * BUFFERS  # rejected inputs' messages (UTF-8) from this line on
 _NOTE_BYTES = (WORDS - 1 - _NOTE_LINE) // BUFFERS * LINE * 4
 assert PIECE + MAX_PIECES <= _HEADER_LINE and _HEADER_WORDS + 1 <= 8 * LINE
