@@ -114,3 +114,32 @@ def test_auto_follows_rank_0s_profile_on_every_rank(tmp_path):
     (src0, d0, y0), (src1, d1, y1) = run_ranks(_auto_with_a_profile_on_rank_0_only, 2, str(path))
     assert src0 == src1 == DEFAULT_PROFILE.source  # rank 1 took rank 0's, measured nothing
     assert d0 == d1 and y0 == y1 == 2 * 256
+
+
+def _auto_on_loopback_gloo(path):
+    import os
+
+    import torch
+
+    from plait.ops import get_context, matmul_all_reduce
+
+    os.environ["PLAIT_PROFILE"] = path
+    x, w = torch.ones(1024, 512), torch.ones(512, 1024)
+    y = matmul_all_reduce(x, w, chunks="auto")
+    ctx = get_context()
+    return ctx.mover().one_host, ctx.decisions["matmul_all_reduce"], float(y[0, 0])
+
+
+def test_auto_on_gloo_between_ranks_of_one_host_takes_the_plain_path(tmp_path):
+    # measured here (no saved profile): loopback TCP is copied by the cores that compute,
+    # so auto falls back before any model is read; a saved profile is followed as it stands
+    measured = run_ranks(_auto_on_loopback_gloo, 2, str(tmp_path / "none.json"),
+                         env={"PLAIT_TRANSPORT": "gloo"})
+    for one_host, decision, y in measured:
+        assert one_host and y == 2 * 512
+        assert (decision.path, decision.chunks) == ("fallback", 1)
+        assert "loopback" in decision.reason
+    path = tmp_path / "profile.json"
+    DEFAULT_PROFILE.save(path)
+    saved = run_ranks(_auto_on_loopback_gloo, 2, str(path), env={"PLAIT_TRANSPORT": "gloo"})
+    assert all("loopback" not in decision.reason for _, decision, _ in saved)

@@ -71,6 +71,7 @@ class OpsContext:
     # ≈ 0.4 ms of Python to recompute, on every call
     _auto_made: dict[tuple, Decision] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
+    _measured_here: bool = False  # the calibration was measured on this group
 
     @contextlib.contextmanager
     def using(self, transport):
@@ -108,7 +109,15 @@ class OpsContext:
                 root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
                 dist.broadcast_object_list(box, src=root, group=self.group)
             self.calibrated = box[0] if box[0] is not None else measure(self.group)
+            self._measured_here = box[0] is None
         return self.calibrated
+
+    def _loopback_measured(self) -> bool:
+        """Whether the calibration was measured on this group (no saved profile): a profile
+        saved by ``plait simulate --calibrate`` (or a test's) prices the transfers as it
+        found them, and is followed as it stands."""
+        self.calibration()
+        return self._measured_here
 
     # --- decisions ---------------------------------------------------------
     def decide(self, op: str, chunks, *, work: Work, rows: int) -> Decision:
@@ -135,6 +144,13 @@ class OpsContext:
             return self._record(Decision(op, "fallback", 1, "auto: shared memory moves the "
                                          "bytes on the rank's own core; pieces would not "
                                          "overlap them"))
+        if getattr(self.transport, "one_host", False) and self._loopback_measured():
+            # gloo between ranks of one host: loopback TCP, whose copies the cores that
+            # compute make; measured on 2 ranks of this machine, pieces lost up to 1.5x
+            # (bench ops --transport gloo). A saved profile is taken at its word instead.
+            return self._record(Decision(op, "fallback", 1, "auto: gloo between ranks of one "
+                                         "host is loopback TCP, copied by the cores that "
+                                         "compute; pieces would not overlap them"))
         key = (op, work, min(self.max_chunks, most))
         if key not in self._auto_made:
             self._auto_made[key] = self._auto(*key)
@@ -248,4 +264,5 @@ def explain(op: str | None = None, group=None) -> str:
 
 
 def with_calibration(ctx: OpsContext, calibrated: Calibration) -> OpsContext:
-    return replace(ctx, calibrated=calibrated, decisions={}, _auto_made={}, _logged=set())
+    return replace(ctx, calibrated=calibrated, decisions={}, _auto_made={}, _logged=set(),
+                   _measured_here=False)

@@ -32,11 +32,14 @@ class Done:
 
 
 class DistTransport:
-    """``torch.distributed`` on ``group`` (gloo on CPU, NCCL on CUDA)."""
+    """``torch.distributed`` on ``group`` (gloo on CPU, NCCL on CUDA). ``one_host``: every
+    rank of the group runs on one host (gloo then moves bytes over loopback TCP: copies
+    made by the same cores that compute)."""
 
-    def __init__(self, group, choice: Choice):
+    def __init__(self, group, choice: Choice, *, one_host: bool = False):
         self.group, self.choice = group, choice
         self.name = choice.name
+        self.one_host = one_host
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)

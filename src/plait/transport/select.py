@@ -129,7 +129,8 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
         raise ValueError(f"--transport shm: {blocked}")
     if wanted_name == "gloo" or blocked is not None:
         reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
-        return DistTransport(group, Choice(backend, reason))
+        return DistTransport(group, Choice(backend, reason),
+                             one_host=world > 1 and len(set(hosts)) == 1)
     if len(set(hosts)) > 1:
         from .hier import HierTransport
 
