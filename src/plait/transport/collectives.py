@@ -15,7 +15,8 @@ all_to_all         each rank writes its send rows; the header carries its splits
                    a receiver finds its rows in the sender's buffer.
 =================  ==============================================================
 
-A message larger than a buffer goes in turns of at most a buffer each (one call a turn).
+A message larger than a buffer goes in turns of at most a buffer each (one call a turn); an
+all_reduce larger than ``TURN_BYTES`` in turns of that size (its stages stay in cache).
 """
 
 from __future__ import annotations
@@ -29,9 +30,15 @@ import torch.distributed as dist
 from .calls import Call, Header
 from .shm import ShmSegments
 
-__all__ = ["ShmGroup", "ONE_SHOT_BYTES", "DTYPES"]
+__all__ = ["ShmGroup", "ONE_SHOT_BYTES", "TURN_BYTES", "DTYPES"]
 
 ONE_SHOT_BYTES = 256 * 1024
+# A larger all-reduce goes in turns of this many bytes, one call each: a turn's staged
+# chunks, sums and copies stay in the cores' caches (1 MiB of L2 a core here) while the
+# peer reads them, where one call over the whole message streams every stage through
+# memory. 16 MiB on 2 ranks of this machine: 3.26 ms in one call, 1.6-1.8 ms in turns of
+# 0.75-2 MiB (busbw 39 % of one core's copy, against 74-81 %).
+TURN_BYTES = 1 << 20
 _AR_NAMES = ("dtype", "numel")
 DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float64: 3, torch.float16: 4,
           torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.int8: 8, torch.bool: 9}
@@ -72,13 +79,15 @@ class ShmGroup:
 
     # --- all_reduce ------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group, in place (contiguous)."""
+        """Sum ``tensor`` over the group, in place (contiguous); above ``TURN_BYTES`` in
+        turns of at most that many bytes, one call each (see ``TURN_BYTES``)."""
         flat = tensor.view(-1)
         size = flat.numel() * flat.element_size()
-        if size <= self.capacity:
+        if size <= min(self.capacity, TURN_BYTES):
             self._all_reduce(flat, size)
             return tensor
-        per_turn = self.capacity // tensor.element_size() // self.world * self.world
+        turn = min(self.capacity, TURN_BYTES)
+        per_turn = max(self.world, turn // tensor.element_size() // self.world * self.world)
         for lo in range(0, flat.numel(), per_turn):
             part = flat[lo:lo + per_turn]
             self._all_reduce(part, part.numel() * part.element_size())
