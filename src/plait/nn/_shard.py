@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import ShardPlan
+from ..runtime import current as _current
 
 __all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "pieces", "shard_of", "unshard", "mark_partial_grad",
            "replace_data", "resolve_plan", "check_full"]
@@ -43,9 +44,7 @@ def _idle(timer) -> bool:
     decoding step enters a few hundred; each costs a few microseconds of Python)."""
     if timer is not None:
         return False
-    from ..runtime import current
-
-    ctx = current.get()
+    ctx = _current.get()
     straggler = None if ctx is None else ctx.straggler
     return straggler is None or (not straggler.specs and straggler.throttle is None)
 
@@ -142,11 +141,13 @@ def pieces(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.Ten
     """``compute(x)``, a fused operator, with the layer's compute region around each of its
     local pieces, forward and backward, and not around its waits for other ranks: a fast
     rank waiting on a slow one is not measured (or emulated) slow. ``work`` counted once."""
-    from ..ops.compute import compute_region
+    from ..ops.compute import compute_region, current_region
 
     if timer is not None:
         timer.count(work)
     region = None if _idle(timer) else _PieceRegion(x.device, timer)
+    if region is None and current_region() is None:  # nothing to enter (a decoding step)
+        return compute(x)
     with compute_region(region):
         return compute(x)
 

@@ -53,7 +53,7 @@ from ..ops.agree import attempt, refused
 from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
 from ..ops.shared_input import SharedInput
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
-from ._shard import compute_scope, mark_partial_grad, shard_of
+from ._shard import _idle, compute_scope, mark_partial_grad, shard_of
 from .linear_base import _hooked, _ParallelLinear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "Started", "share_input"]
@@ -77,6 +77,11 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._gather(local, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and self._kept is None and not self.sequence_parallel:
+            # no backward (a decoding step): a column-parallel forward moves no bytes, so
+            # it is the local GEMM alone, with no cross-rank check to make
+            with compute_scope(x.device, self.compute_timer, self._work()):
+                return F.linear(x, self.weight, self.bias)
         rows = self._rows()  # the output features computed: None (all) unless resized
         weight, bias = self.weight, self.bias
         if rows is not None:
@@ -168,6 +173,12 @@ class RowParallelLinear(_ParallelLinear):
         return local.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and self.overlap and self._kept is None and \
+                not self.sequence_parallel and self.info.world > 1 and _idle(self.compute_timer):
+            # no backward, nothing timed or slowed (a decoding step): the operator alone
+            bias = self.bias
+            y = matmul_all_reduce_start(x, self.weight.t(), self.group, chunks=self.chunks).wait()
+            return y if bias is None else y + bias
         return self.start(x).finish()
 
     def start(self, x: torch.Tensor, chunks=None) -> "Started":

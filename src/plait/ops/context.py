@@ -126,6 +126,8 @@ class OpsContext:
         ``work``: the busiest rank's compute and wire bytes, as :mod:`plait.perf.pieces`
         prices them; ``rows``: the most pieces allowed.
         """
+        if chunks == "auto" and getattr(self.transport, "name", None) == "shm":
+            return self._record(self._on_shm(op))  # first: a decoding step's every call
         world = dist.get_world_size(self.group)
         if world == 1:
             return self._record(Decision(op, "fallback", 1, "one rank: nothing to communicate"))
@@ -138,12 +140,6 @@ class OpsContext:
                 why = "chunks=1 asked for" if chunks == 1 else f"only {rows} rows to split"
                 return self._record(Decision(op, "fallback", 1, why))
             return self._record(Decision(op, "fused", n, f"chunks={chunks} asked for"))
-        if getattr(self.transport, "name", None) == "shm":
-            # on a CPU the rank's own core moves the bytes through shared memory: a piece's
-            # transfer cannot run beside the next piece's compute, so pieces only add calls
-            return self._record(Decision(op, "fallback", 1, "auto: shared memory moves the "
-                                         "bytes on the rank's own core; pieces would not "
-                                         "overlap them"))
         if getattr(self.transport, "one_host", False) and self._loopback_measured():
             # gloo between ranks of one host: loopback TCP, whose copies the cores that
             # compute make; measured on 2 ranks of this machine, pieces lost up to 1.5x
@@ -155,6 +151,17 @@ class OpsContext:
         if key not in self._auto_made:
             self._auto_made[key] = self._auto(*key)
         return self._record(self._auto_made[key])
+
+    def _on_shm(self, op: str) -> Decision:
+        """``chunks="auto"`` on shared memory: the plain path. On a CPU the rank's own core
+        moves the bytes, so a piece's transfer cannot run beside the next piece's compute,
+        and pieces only add calls (made once per operator: a decoding step asks often)."""
+        made = self._auto_made.get((op, "shm"))
+        if made is None:
+            made = self._auto_made[op, "shm"] = Decision(
+                op, "fallback", 1, "auto: shared memory moves the bytes on the rank's own "
+                "core; pieces would not overlap them")
+        return made
 
     def _auto(self, op, work: Work, most) -> Decision:
         cal = self.calibration()

@@ -56,7 +56,7 @@ class Header:
 class Call:
     """One call's session on ``shm`` (see the module doc); ``epoch`` is its number."""
 
-    __slots__ = ("shm", "epoch", "header", "problem", "buffer", "rows", "_start")
+    __slots__ = ("shm", "epoch", "header", "problem", "buffer", "rows", "alike", "_start")
 
     def __init__(self, shm: ShmSegments, epoch: int, header: Header,
                  problem: Exception | None = None):
@@ -70,6 +70,7 @@ class Call:
         self._start = (_HEADER_LINE + 8 * self.buffer) * LINE
         self._write_header(problem)
         self.rows: list[tuple[int, ...]] | None = None
+        self.alike = False  # every rank's header is this one's, word for word
 
     # --- the check, carried in the slot ----------------------------------------
     def _write_header(self, problem: Exception | None) -> None:
@@ -92,15 +93,16 @@ class Call:
         shm.set(HDR, self.epoch)
         start, width = self._start, len(self.header.values) + 1
         mine = shm.flags_i32[start:start + width]
+        a, b = 4 * start, 4 * (start + width)  # the header's bytes, compared as bytes
+        ours = shm.peers[shm.rank].raw[a:b]
         alike = True
         for peer in shm.peers:
             if not reached(peer.flags[HDR * LINE], self.epoch):
                 shm.wait(peer.rank, HDR, self.epoch, self.header.op)
-            alike = alike and (peer.rank == shm.rank or
-                               bool((peer.flags_i32[start:start + width] == mine).all()))
+            alike = alike and (peer.rank == shm.rank or peer.raw[a:b] == ours)
         if alike and not mine[0]:  # the common case: every header is this one
             rows = [tuple(self.header.values)] * shm.world
-            self.rows = rows
+            self.rows, self.alike = rows, True
             return rows
         rows, failed = [], []
         note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES

@@ -126,7 +126,7 @@ class ShmGroup:
         else:
             slot.copy_(flat)
         rows = call.exchange()  # every rank's tensor is in its slot
-        if check is not None:
+        if check is not None and not call.alike:  # one header everywhere: nothing differs
             try:
                 check[3]([row[:-1] for row in rows])  # the same rows, the same verdict, everywhere
             except (ValueError, TypeError):

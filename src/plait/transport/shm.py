@@ -133,9 +133,11 @@ class _Peer:
     flags: np.ndarray     # uint32 [WORDS * LINE]: its control block
     data: torch.Tensor    # uint8 [BUFFERS * capacity]
     flags_i32: np.ndarray = None  # the same words as int32 (headers hold signed integers)
+    raw: memoryview = None        # the same bytes (a header compared as bytes: no numpy call)
 
     def __post_init__(self):
         self.flags_i32 = self.flags.view(np.int32)
+        self.raw = memoryview(self.flags.view(np.uint8))
 
 
 class ShmSegments:
