@@ -32,6 +32,7 @@ from .agree import attempt, check_same, dtype_code
 from .context import get_context, transport_of
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
+from ..transport.calls import HEADER_WORDS
 
 __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
            "gather_for_matmul", "reduce_scatter_region"]
@@ -53,10 +54,14 @@ def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int, length: int) -> to
     return rows.view(shape).movedim(0, dim)
 
 
-def _all_gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group,
+                check=None) -> torch.Tensor:
     rows = _rows(x, dim)
     out = rows.new_empty(sum(sizes), rows.shape[1])
-    start_gather(out, rows, list(sizes), group).wait()
+    if check is not None:  # shared memory, the check in the data call's header
+        transport_of(group).all_gather(out, rows, list(sizes), check=check)
+    else:
+        start_gather(out, rows, list(sizes), group).wait()
     return _unrows(out, x, dim, sum(sizes))
 
 
@@ -94,6 +99,13 @@ def _agreed(op: str, x, group, dim: int | None, sizes, *, split: bool,
     and ``sizes`` (default even) cut its ``dim``; else x is this rank's share and
     ``sizes`` (default: as found) are every rank's shares.
     """
+    row, problem, shares = _row(op, x, group, dim, sizes, split=split, needs_grad=needs_grad)
+    metas = get_context(group).gather_meta(op, 4 + _world(group), row, problem)
+    return _verify(op, metas, dim, split, shares)
+
+
+def _row(op: str, x, group, dim: int | None, sizes, *, split: bool, needs_grad: bool = False):
+    """This rank's part of ``_agreed``'s check: (row, problem, its shares or None)."""
     world, rank = _world(group), dist.get_rank(group)
     got = {}
 
@@ -119,12 +131,32 @@ def _agreed(op: str, x, group, dim: int | None, sizes, *, split: bool,
         return (dtype_code(x.dtype), others, int(needs_grad), length,
                 *(shares if shares is not None else [-1] * world))
     row, problem = attempt(local)
-    metas = get_context(group).gather_meta(op, 4 + world, row, problem)
+    return row, problem, got.get("shares")
+
+
+def _verify(op: str, metas, dim: int | None, split: bool, shares) -> list[int]:
+    """``_agreed``'s verdict on every rank's row (the same on every rank): raises where
+    they differ; every rank's length along ``dim``."""
     check_same(op, ("dtype", "elements" if dim is None else "other dims", "needs grad",
                     "sizes"), [(*m[:3], tuple(m[4:])) for m in metas])
     if split:
         check_same(op, ("length",), [m[3:4] for m in metas])
-    return got["shares"] if got.get("shares") is not None else [m[3] for m in metas]
+    return shares if shares is not None else [m[3] for m in metas]
+
+
+def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
+    """On shared memory, ``_agreed``'s check as the ``check`` a data call carries in its
+    header (no call of its own); None elsewhere, or where the call cannot carry it. A rank
+    whose own input is bad raises here, and so do its peers, in their data call."""
+    mover = transport_of(group)
+    # a header holds the check's 4 + W fields and an all_gather's own 3 + W
+    if getattr(mover, "name", None) != "shm" or 7 + 2 * _world(group) > HEADER_WORDS:
+        return None
+    row, problem, shares = _row(op, x, group, dim, sizes, split=split)
+    if problem is not None:
+        get_context(group).gather_meta(op, 4 + _world(group), None, problem)  # raises
+    names = tuple(f"f{i}" for i in range(len(row)))
+    return (op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
 
 
 class _Copy(torch.autograd.Function):
@@ -140,16 +172,23 @@ class _Copy(torch.autograd.Function):
         return dy, None
 
 
+def _reduced(x: torch.Tensor, group, check=None) -> torch.Tensor:
+    out = x.contiguous().clone()
+    if check is not None:  # shared memory, the check in the data call's header
+        transport_of(group).all_reduce(out, check=check)
+    else:
+        transport_of(group).all_reduce(out)
+    return out
+
+
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        transport_of(group).all_reduce(out)
-        return out
+    def forward(ctx, x, group, check=None):
+        return _reduced(x, group, check)
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None
+        return dy, None, None
 
 
 class _Scatter(torch.autograd.Function):
@@ -165,15 +204,15 @@ class _Scatter(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, sizes, reduce_grad):
+    def forward(ctx, x, group, dim, sizes, reduce_grad, check=None):
         ctx.group, ctx.dim, ctx.sizes, ctx.reduce_grad = group, dim, sizes, reduce_grad
-        return _all_gather(x, dim, sizes, group)
+        return _all_gather(x, dim, sizes, group, check)
 
     @staticmethod
     def backward(ctx, dy):
         if ctx.reduce_grad:
-            return _reduce_scatter(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
-        return _own(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+            return _reduce_scatter(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None, None, None
+        return _own(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -200,8 +239,12 @@ def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum); the backward is the identity (exit of a tensor-parallel region)."""
     if _world(group) == 1:
         return x
-    _agreed("reduce_from_region", x, group, None, None, split=False)
-    return _Reduce.apply(x, group)
+    check = _carried("reduce_from_region", x, group, None, None, split=False)
+    if check is None:
+        _agreed("reduce_from_region", x, group, None, None, split=False)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: the forward alone
+        return _reduced(x, group, check)
+    return _Reduce.apply(x, group, check)
 
 
 def scatter_to_region(x: torch.Tensor, group=None, dim: int = 0,
@@ -224,8 +267,15 @@ def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
     the gathered tensor is replicated: every rank computed the same loss from it)."""
     if _world(group) == 1:
         return x
-    sizes = _agreed("gather_from_region", x, group, dim, sizes, split=False)
-    return _Gather.apply(x, group, dim % x.dim(), sizes, False)
+    check = None if sizes is None else \
+        _carried("gather_from_region", x, group, dim, sizes, split=False)
+    if check is None:  # sizes found by the check: it comes first
+        sizes = _agreed("gather_from_region", x, group, dim, sizes, split=False)
+    else:
+        sizes = [int(s) for s in sizes]
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: the forward alone
+        return _all_gather(x, dim % x.dim(), sizes, group, check)
+    return _Gather.apply(x, group, dim % x.dim(), sizes, False, check)
 
 
 def gather_for_matmul(x: torch.Tensor, group=None, dim: int = 0,

@@ -118,12 +118,16 @@ class Call:
             kind = TypeError if failed[0][1].startswith("TypeError:") else ValueError
             raise kind(f"{self.header.op}: input rejected on " + "; ".join(
                 f"rank {r}: {text.partition(':')[2]}" for r, text in failed))
-        self._check(rows)
+        self.check_fields(rows)
         self.rows = rows
         return rows
 
-    def _check(self, rows: list[tuple[int, ...]]) -> None:
-        names, local = self.header.names, self.header.local
+    def check_fields(self, rows: list[tuple[int, ...]], names: Sequence[str] | None = None,
+                     local: Sequence[str] | None = None) -> None:
+        """Raise (every rank alike, the call closed) where a field not in ``local`` differs
+        between ``rows`` (default: the header's own names and local fields)."""
+        names = self.header.names if names is None else names
+        local = self.header.local if local is None else local
         differ = [i for i, name in enumerate(names) if name not in local
                   and any(row[i] != rows[0][i] for row in rows)]
         if not differ:

@@ -78,14 +78,18 @@ class ShmGroup:
         call.close()
 
     # --- all_reduce ------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, check: tuple | None = None) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous); above ``TURN_BYTES`` in
-        turns of at most that many bytes, one call each (see ``TURN_BYTES``)."""
+        turns of at most that many bytes, one call each (see ``TURN_BYTES``). ``check``:
+        (op, names, values, verify): an operator's fields, carried in the first call's
+        header (``reduce_computed``)."""
         flat = tensor.view(-1)
         size = flat.numel() * flat.element_size()
         if size <= min(self.capacity, TURN_BYTES):
-            self._all_reduce(flat, size)
+            self._all_reduce(flat, size, check=check)
             return tensor
+        if check is not None:  # in turns: the check goes first, in a call of its own
+            check[3](self.gather_meta(check[0], check[2], len(check[2])))
         turn = min(self.capacity, TURN_BYTES)
         per_turn = max(self.world, turn // tensor.element_size() // self.world * self.world)
         for lo in range(0, flat.numel(), per_turn):
@@ -158,17 +162,33 @@ class ShmGroup:
         call.close()
 
     # --- all_gather, reduce_scatter, all_to_all ---------------------------------------
-    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``."""
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
+                   check: tuple | None = None) -> torch.Tensor:
+        """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``.
+        ``check``: (op, names, values, verify): an operator's fields, carried in the call's
+        header and judged by ``verify`` before the gather's own fields are."""
         width = math.prod(piece.shape[1:])  # an empty share has a width too
         names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
+        values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
         nbytes = piece.numel() * piece.element_size()
-        call = self.call("all_gather", names, (DTYPES[piece.dtype], width, *rows,
-                                               piece.shape[0]), local=("piece",),
+        op, local, ahead = "all_gather", ("piece",), 0
+        if check is not None:  # every field local: the operator's verdict comes first
+            op, ahead = check[0], len(check[1])
+            names, values = (*check[1], *names), (*check[2], *values)
+            local = names
+        call = self.call(op, names, values, local=local,
                          problem=self._too_big("all_gather", nbytes))
         if call.problem is None:
             call.slot(self.rank, piece.dtype, piece.numel()).copy_(piece.reshape(-1))
-        held = [row[-1] for row in call.exchange()]
+        headers = call.exchange()
+        if ahead and not call.alike:
+            try:
+                check[3]([row[:ahead] for row in headers])
+            except (ValueError, TypeError):
+                call.close()
+                raise
+            call.check_fields([row[ahead:] for row in headers], names[ahead:], ("piece",))
+        held = [row[-1] for row in headers]
         if held != [int(r) for r in rows]:  # the same verdict on every rank: rows agree
             call.close()
             raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold {held}")

@@ -54,11 +54,13 @@ class ShmTransport:
         self.group, self.choice = group, choice
         self.shm = ShmGroup(group, timeout_s=timeout_s)
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
+        """``check``: (op, field names, this rank's values, verify(rows)): an operator's
+        cross-rank check, carried in the header of the call that moves the data."""
         if tensor.is_contiguous():
-            self.shm.all_reduce(tensor)
+            self.shm.all_reduce(tensor, check=check)
         else:
-            tensor.copy_(self.shm.all_reduce(tensor.contiguous()))
+            tensor.copy_(self.shm.all_reduce(tensor.contiguous(), check=check))
         return Done() if async_op else None
 
     def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None,
@@ -88,8 +90,8 @@ class ShmTransport:
             self.shm.reduce_computed(into, held, check=check)
         return held.t() if transposed else held
 
-    def all_gather(self, out, piece, rows, async_op: bool = False):
-        self.shm.all_gather(out, piece.contiguous(), rows)
+    def all_gather(self, out, piece, rows, async_op: bool = False, check=None):
+        self.shm.all_gather(out, piece.contiguous(), rows, check=check)
         return Done() if async_op else None
 
     def all_to_all(self, out, send, out_rows, in_rows, async_op: bool = False):
