@@ -20,6 +20,7 @@ every segment. A call:
 
 from __future__ import annotations
 
+import struct
 from typing import Sequence
 
 import numpy as np
@@ -65,7 +66,7 @@ class Call:
         if epoch >= BUFFERS:
             done = epoch - BUFFERS
             for peer in shm.peers:  # almost always long done: a flag read, not a wait
-                if not reached(peer.flags[DONE * LINE], done):
+                if not reached(peer.words[DONE * LINE], done):
                     shm.wait(peer.rank, DONE, done, header.op)
         self._start = (_HEADER_LINE + 8 * self.buffer) * LINE
         self._write_header(problem)
@@ -75,9 +76,8 @@ class Call:
     # --- the check, carried in the slot ----------------------------------------
     def _write_header(self, problem: Exception | None) -> None:
         start, values = self._start, self.header.values
-        words = self.shm.flags_i32
-        words[start] = 1 if problem is not None else 0
-        words[start + 1:start + 1 + len(values)] = values
+        _packer(len(values) + 1).pack_into(self.shm.raw, 4 * start,
+                                           1 if problem is not None else 0, *values)
         if problem is not None:
             note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES
             text = f"{type(problem).__name__}:{problem}".encode()[:_NOTE_BYTES - 1]
@@ -97,7 +97,7 @@ class Call:
         ours = shm.peers[shm.rank].raw[a:b]
         alike = True
         for peer in shm.peers:
-            if not reached(peer.flags[HDR * LINE], self.epoch):
+            if not reached(peer.words[HDR * LINE], self.epoch):
                 shm.wait(peer.rank, HDR, self.epoch, self.header.op)
             alike = alike and (peer.rank == shm.rank or peer.raw[a:b] == ours)
         if alike and not mine[0]:  # the common case: every header is this one
@@ -161,6 +161,17 @@ class Call:
     def close(self) -> None:
         """This rank reads nothing more of this call's buffers."""
         self.shm.set(DONE, self.epoch)
+
+
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _packer(words: int) -> struct.Struct:
+    """``words`` signed 32-bit integers in the host's order (a header's: one call, no numpy)."""
+    packer = _PACKERS.get(words)
+    if packer is None:
+        packer = _PACKERS[words] = struct.Struct(f"={words}i")
+    return packer
 
 
 def _note(flags: np.ndarray, at: int) -> str:

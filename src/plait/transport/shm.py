@@ -130,7 +130,7 @@ def remove_stale() -> list[str]:
 
 def reached(value: int, epoch: int) -> bool:
     """Whether flag ``value`` is at ``epoch`` or later (modulo 2**32)."""
-    return ((int(value) - epoch) & 0xFFFFFFFF) < 0x80000000
+    return ((value - epoch) & 0xFFFFFFFF) < 0x80000000
 
 
 @dataclass
@@ -141,10 +141,13 @@ class _Peer:
     data: torch.Tensor    # uint8 [BUFFERS * capacity]
     flags_i32: np.ndarray = None  # the same words as int32 (headers hold signed integers)
     raw: memoryview = None        # the same bytes (a header compared as bytes: no numpy call)
+    words: memoryview = None      # the same words, read and written as Python ints (a flag
+                                  # read is a hot path: no numpy scalar made)
 
     def __post_init__(self):
         self.flags_i32 = self.flags.view(np.int32)
         self.raw = memoryview(self.flags.view(np.uint8))
+        self.words = memoryview(self.flags)
 
 
 class ShmSegments:
@@ -184,6 +187,8 @@ class ShmSegments:
             except FileNotFoundError:
                 pass
         self.flags = self.peers[self.rank].flags
+        self.words = self.peers[self.rank].words
+        self.raw = self.peers[self.rank].raw
         self.flags_i32 = self.peers[self.rank].flags_i32
         self.data = self.peers[self.rank].data
         self._others = [p for p in self.peers if p.rank != self.rank]
@@ -220,9 +225,9 @@ class ShmSegments:
     def set(self, word: int, epoch: int) -> None:
         """Publish ``epoch`` in this rank's flag ``word``, after the data it stands for,
         and wake any peer asleep on it."""
-        self.flags[word * LINE] = epoch & 0xFFFFFFFF
+        self.words[word * LINE] = epoch & 0xFFFFFFFF
         for peer in self._others:
-            if peer.flags[self._sleeping_word * LINE]:
+            if peer.words[self._sleeping_word * LINE]:
                 self._futex(self.flags, word, _FUTEX_WAKE, 2**31 - 1)
                 return
 
@@ -230,29 +235,29 @@ class ShmSegments:
         """Until ``rank``'s flag ``word`` reaches ``epoch``: a spin that yields the core (a
         peer sharing it runs), then futex sleeps; the timeout, the watchdog board and the
         peer's death are minded."""
-        flags = self.peers[rank].flags
+        flags, words = self.peers[rank].flags, self.peers[rank].words
         index = word * LINE
-        if reached(flags[index], epoch):
+        if reached(words[index], epoch):
             return
         start = time.perf_counter()
         while True:
             if self._crowded:  # more ranks than cores here: a peer may need this one
                 os.sched_yield()
-            if reached(flags[index], epoch):
+            if reached(words[index], epoch):
                 return
             if time.perf_counter() - start > SPIN_S:
                 break
         if not self._crowded:  # a rank a core: spin on, handing the core to anything else
             while time.perf_counter() - start < YIELD_S:  # runnable on it (a yield is cheap)
                 os.sched_yield()
-                if reached(flags[index], epoch):
+                if reached(words[index], epoch):
                     return
         mark(op)
         deadline = start + self.timeout_s
         checked = start
         mine = self.flags
         while True:
-            value = int(flags[index])
+            value = words[index]
             if reached(value, epoch):
                 return
             now = time.perf_counter()
@@ -265,7 +270,7 @@ class ShmSegments:
                     raise PeerDied(f"{op}: rank {rank} (pid {self.peers[rank].pid}) died; "
                                    f"rank {self.rank} was waiting for it (shared memory)")
             mine[self._sleeping_word * LINE] = 1
-            if not reached(flags[index], epoch):
+            if not reached(words[index], epoch):
                 self._futex(flags, word, _FUTEX_WAIT, value, SLEEP_S)
             mine[self._sleeping_word * LINE] = 0
 
