@@ -135,7 +135,8 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
         if hasattr(mover, "matmul_all_reduce") and meanwhile is None:  # done when it returns
             # shared memory: the product is made in the slot its peers read (the compute
             # region around the product alone: waiting for a peer is not this rank's compute)
-            out = mover.matmul_all_reduce(x2, w, region=piece, check=check, transposed=flip)
+            region = piece if current_region() is not None else None  # None: nothing to enter
+            out = mover.matmul_all_reduce(x2, w, region=region, check=check, transposed=flip)
             return untransposed(out.t()) if flip else out
         if flip and in_flight is None:
             buf = x2.new_empty(n, m)

@@ -56,6 +56,11 @@ def check_sizes(op: str, what: str, sizes: Sequence[int], world: int, local: int
 
 
 def check_float(op: str, *tensors: torch.Tensor) -> torch.dtype:
+    first = tensors[0]
+    dtype, device = first.dtype, first.device
+    if dtype in DTYPE_CODES and all(t.dtype == dtype and t.device == device
+                                    for t in tensors[1:]):
+        return dtype  # the common case, every call: one pass, no sets
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"{op}: tensors must share one dtype, got {sorted(map(str, dtypes))}")
