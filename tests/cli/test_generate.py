@@ -38,6 +38,18 @@ def test_the_same_tokens_on_2_and_3_ranks_as_on_one(tmp_path):
     assert [len(t) for t in one] == [6]
 
 
+def test_requests_in_turn_with_the_split_by_speed_decode_one_process_tokens(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3 4 5\n7 8 9\n10 11\n")
+    flags = ("--prompt-file", str(prompts), "--requests", "each")
+    one, _ = _tokens(tmp_path, 1, *flags)
+    got, data = _tokens(tmp_path, 2, *flags, "--split", "adaptive", "--tolerance", "0")
+    assert got == one and len(data["requests"]) == 3
+    # tolerance 0: every request but the last decides on its measured speeds
+    assert [r["speeds"] is not None for r in data["requests"]] == [True, True, False]
+    assert all(set(r["split"]) == {"self_attn", "mlp"} for r in data["requests"])
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--prompt-file", "/nonexistent/prompts"], "--prompt-file /nonexistent/prompts: no such file"),
     (["--model", "gpt-9"], "--model gpt-9: neither a model plait builds"),
@@ -45,6 +57,10 @@ def test_the_same_tokens_on_2_and_3_ranks_as_on_one(tmp_path):
     (["--prompt", "1 x 3"], "'x' is not a token id"),
     (["--prompt", "1 2000"], "token ids [2000] are outside the vocabulary"),
     (["--prompt", "1", "--prompt-file", "p"], "give --prompt or --prompt-file, not both"),
+    (["--requests", "some"], "--requests must be batch or each"),
+    (["--split", "fast"], "--split must be one of even, speed, adaptive"),
+    (["--tolerance", "1.5"], "--tolerance must be in [0, 1)"),
+    (["--slow", "5:2"], "rank 5"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_rank(flags, says, capsys, monkeypatch):
     import plait.cli.generate as cli

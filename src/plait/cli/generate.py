@@ -31,6 +31,10 @@ def register(subparsers) -> None:
                              "of lists: decoded together as a batch")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="write the tokens and timings as JSON")
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@REQUEST]",
+                        help="make a rank FACTOR × slower at compute in the split layers "
+                             "(straggler emulation), from request REQUEST on (its step is "
+                             "the request's index; repeatable)")
     parser.set_defaults(func=run_generate)
 
 
@@ -43,12 +47,24 @@ def run_generate(args: argparse.Namespace) -> int:
     args.plot = None
     check_outputs(args, "json")
     result, where = run_placed(_one, cfg, ranks=ranks, hosts=hosts, link=link,
-                               timeout_s=args.timeout)
+                               timeout_s=args.timeout, slow=list(getattr(args, "slow_specs", ())))
     console.print(f"[dim]{where}; transport {result['transport']}; "
                   f"{(result['parallel'] or ['one rank'])[0]}[/dim]")
     for i, tokens in enumerate(result["tokens"]):
         console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False)
         console.print(f"  → {' '.join(map(str, tokens))}", markup=False)
+    if cfg.requests == "each" or cfg.split != "even":
+        print_table(f"requests in turn, split {cfg.split}",
+                    ["request", "ms / token", "TTFT (ms)", "split", "speeds after",
+                     "predicted gain", "moved"],
+                    [[str(i), f"{r['ms_per_token']:.2f}", f"{r['ttft_ms']:.1f}",
+                      " ".join(f"{d} {s}" for d, s in r["split"].items()),
+                      " ".join(f"{v:.2f}" for v in r["speeds"]) if r["speeds"] else "–",
+                      "–" if r["gain"] is None else f"{r['gain']:.0%}",
+                      "yes" if r["moved"] else "–"] for i, r in enumerate(result["requests"])],
+                    caption="split: each split dim's shares (KV-head groups, MLP columns) the "
+                            "request ran on; speeds after: what its first steps measured; "
+                            "moved: the split was sized again before the next request")
     print_table(f"{cfg.max_new_tokens} tokens × {len(prompts)} prompts on {ranks} ranks",
                 ["TTFT (ms)", "ms / token", "p99 (ms)", "tokens/s"],
                 [[f"{result['ttft_ms']:.1f}", f"{result['ms_per_token']:.2f}",

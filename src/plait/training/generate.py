@@ -43,6 +43,16 @@ class GenerateConfig:
     top_k: int | None = field(default=None, metadata=_h(
         "sample among the k most likely tokens (default: all)"))
     seed: int = field(default=0, metadata=_h("the weights' seed, and sampling's"))
+    requests: str = field(default="batch", metadata=_h(
+        "batch: every prompt in one batch; each: every prompt a request of its own, decoded "
+        "in turn (serving)"))
+    split: str = field(default="even", metadata=_h(
+        "even: heads and MLP columns as parallelize makes them; speed: sized by each rank's "
+        "speed measured before the first request; adaptive: speed, and sized again between "
+        "requests where the speeds measured predict a gain of --tolerance or more"))
+    tolerance: float = field(default=0.05, metadata=_h(
+        "the least predicted gain (a share of the split layers' time) that moves the split "
+        "between requests (--split adaptive)"))
     prompts: tuple[tuple[int, ...], ...] = field(default=((1, 2, 3, 4),), metadata={"help": None})
     extra: dict = field(default_factory=dict, metadata={"help": None})
 
@@ -61,6 +71,14 @@ class GenerateConfig:
             raise ValueError(f"--top-k must be at least 1, got {self.top_k}")
         if not self.prompts or any(len(p) == 0 for p in self.prompts):
             raise ValueError("every prompt needs at least one token id")
+        from .serve import SPLITS
+
+        if self.requests not in ("batch", "each"):
+            raise ValueError(f"--requests must be batch or each, got {self.requests!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"--tolerance must be in [0, 1), got {self.tolerance}")
 
     def limits(self) -> tuple[int, int]:
         """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
@@ -176,17 +194,42 @@ def generate_rank(cfg: GenerateConfig) -> dict:
         from ..checkpoint import from_pretrained
 
         model = from_pretrained(cfg.model, "auto")
-    ids, mask = _padded(cfg.prompts)
     if dist.get_world_size() > 1:  # chunks="auto"'s one-time measurement, before the clock
         get_context().calibration()  # starts: not the first token's (2.5 s of it on gloo)
-    out = decode(model, ids, cfg.max_new_tokens, sample=cfg.sample, temperature=cfg.temperature,
-                 top_k=cfg.top_k, seed=cfg.seed, attention_mask=mask)
-    times = agreed_max([out.ttft_s, *out.step_s])
-    steps = sorted(times[1:]) or [times[0]]
-    start = ids.shape[1]
-    return {"tokens": [out.tokens[i, start:].tolist() for i in range(len(cfg.prompts))],
-            "ttft_ms": times[0] * 1e3, "ms_per_token": statistics.median(steps) * 1e3,
+    sampling = dict(sample=cfg.sample, temperature=cfg.temperature, top_k=cfg.top_k,
+                    seed=cfg.seed)
+    if cfg.requests == "each":
+        batches = [(torch.tensor([p]), None) for p in cfg.prompts]
+    else:
+        batches = [_padded(cfg.prompts)]
+    if cfg.split == "even" and cfg.requests == "batch":
+        ids, mask = batches[0]
+        served = [decode(model, ids, cfg.max_new_tokens, attention_mask=mask, **sampling)]
+    else:
+        from .serve import serve
+
+        masks = {mask is None for _, mask in batches}
+        kw = {} if masks == {True} else {"attention_mask": batches[0][1]}
+        served = serve(model, [ids for ids, _ in batches], cfg.max_new_tokens,
+                       split=cfg.split, tolerance=cfg.tolerance, **kw, **sampling)
+    requests, tokens = [], []
+    for (ids, _), out in zip(batches, served):
+        times = agreed_max([out.ttft_s, *out.step_s])
+        steps = sorted(times[1:]) or [times[0]]
+        tokens += [out.tokens[i, ids.shape[1]:].tolist() for i in range(ids.shape[0])]
+        requests.append({
+            "prompts": ids.shape[0], "ttft_ms": times[0] * 1e3,
+            "ms_per_token": statistics.median(steps) * 1e3,
             "p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3,
-            "tokens_per_s": len(cfg.prompts) / statistics.median(steps),
+            "tokens_per_s": ids.shape[0] / statistics.median(steps),
+            "split": {d.rsplit(".", 1)[-1]: list(s) for d, s in getattr(out, "sizes", {}).items()},
+            "speeds": list(getattr(out, "speeds", None) or []) or None,
+            "gain": getattr(out, "gain", None), "moved": getattr(out, "moved", False)})
+    first = requests[0]
+    return {"tokens": tokens, "requests": requests,
+            "ttft_ms": first["ttft_ms"], "ms_per_token": statistics.median(
+                r["ms_per_token"] for r in requests),
+            "p99_ms": max(r["p99_ms"] for r in requests),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in requests),
             "world_size": dist.get_world_size(), "parallel": applied(model)[:1],
             "transport": transport_of(None).choice.name, "paths": explain()}
