@@ -758,8 +758,9 @@ def shm_ops_table(res: Results) -> str:
                      str(len(shm))])
     caption = ("2 ranks on this host, every shape on both transports in turns. Worst auto / "
                "unfused: the largest `chunks=\"auto\"` time over the unfused path's, over "
-               "shapes; efficiency: the one-host limit (max of the compute's fastest round "
-               "and one core's copy of the bytes) over the fused time, median over shapes; "
+               "shapes; efficiency: the one-host limit (the compute's fastest round plus "
+               "one core's copy of the bytes: the core that computes moves them) over the "
+               "fused time, median over shapes; "
                "above limit: shapes timed faster than it; gloo unfused / shm fused: median "
                "over shapes.")
     head = ["run", "shm: worst auto / unfused", "gloo: worst auto / unfused",
