@@ -43,6 +43,18 @@ def test_three_ranks_uneven_heads_decode_the_same_tokens_as_one_process(tmp_path
     assert data["meta"]["summary"]["all_same_tokens"] is True
 
 
+def test_checks_as_gathers_decode_the_same_tokens_and_the_saving_is_reported(tmp_path):
+    out = tmp_path / "checks.json"
+    assert main(["bench", "decode", "--ranks", "2", *TINY, "--transport", "shm", "--systems",
+                 "plait,plait-gather-checks,one-process", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    timed = [r for r in data["records"] if "batch" in r]
+    assert {r["system"] for r in timed} == {"plait", "plait-gather-checks", "one-process"}
+    assert all(r["same_tokens"] is True for r in timed)
+    summary = data["meta"]["summary"]
+    assert {"plait_b1_check_saving_ms", "plait_b3_check_saving_ms"} <= set(summary), summary
+
+
 def test_kernel_budgets_divide_the_slowed_hosts_budget():
     assert kernel_budgets(3, 3, [SlowSpec(2, 2.0)]) == [1.0, 1.0, 0.5]
     assert kernel_budgets(2, 2, []) == [1.0, 1.0]

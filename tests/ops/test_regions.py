@@ -1,7 +1,7 @@
 """The region edges a decoding step crosses (a vocab-parallel embedding's all-reduce, a
 gathered lm_head): ``reduce_from_region`` and ``gather_from_region`` on 2 and 3 ranks with
 uneven shares, on gloo and on shared memory (where the cross-rank check rides in the data
-call's header), with and without a backward, against a single-process float64 reference;
+call's header, or, with ``PLAIT_CHECKS=gather``, is a gloo gather of its own), with and without a backward, against a single-process float64 reference;
 a rank with another shape is refused on every rank, and the group goes on."""
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ def _body():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
-def test_region_edges_on_every_transport(world, transport):
-    for seen, name in run_ranks(_body, world, env={"PLAIT_TRANSPORT": transport}):
+@pytest.mark.parametrize("transport, checks", [("gloo", "carried"), ("shm", "carried"),
+                                               ("shm", "gather")])
+def test_region_edges_on_every_transport(world, transport, checks):
+    env = {"PLAIT_TRANSPORT": transport, "PLAIT_CHECKS": checks}
+    for seen, name in run_ranks(_body, world, env=env):
         assert name == transport
         for key, err in seen.items():
             if key.endswith("refused"):

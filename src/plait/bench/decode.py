@@ -10,7 +10,10 @@ plan, each a *system*:
 - ``plait-plain``: the same with ``overlap=False``;
 - ``pytorch-tp``: ``parallelize_module`` with the same plan in PyTorch's styles
   (DTensor: the KV heads must divide over the ranks);
-- ``one-process``: the whole model on rank 0, the other ranks waiting.
+- ``one-process``: the whole model on rank 0, the other ranks waiting;
+- ``plait-gather-checks`` (asked for with ``--systems``): ``plait`` with every cross-rank
+  check a gloo all_gather of its own before its data call (``PLAIT_CHECKS=gather``), as
+  before the shared-memory transport carried them in its headers: what that saves a step.
 
 For each batch size, each system decodes ``--new-tokens`` tokens greedily after a
 ``--prompt-len`` prompt (``plait.training.decode``: one forward a token, KV cache), every
@@ -40,7 +43,8 @@ from ..training.decode import decode
 __all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "kernel_budgets", "run_decode_bench",
            "summarize"]
 
-SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process", "plait-speed")
+SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process", "plait-speed",
+           "plait-gather-checks")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 
 
@@ -129,6 +133,10 @@ def _systems(cfg: DecodeBenchConfig, ref) -> dict:
     return out, why
 
 
+def _checks(system: str) -> str:
+    return "gather" if system == "plait-gather-checks" else "carried"
+
+
 def _speed_split(cfg: DecodeBenchConfig, model) -> dict:
     """plait-speed: every split dim sized by the speeds measured on a batch-1 prompt."""
     from ..training.split import measure_speeds, split_by_speed
@@ -140,13 +148,24 @@ def _speed_split(cfg: DecodeBenchConfig, model) -> dict:
                                                 split_by_speed(model, speeds).items()}}
 
 
-def _timed(model, prompt, cfg: DecodeBenchConfig, alone: bool):
+def _timed(model, prompt, cfg: DecodeBenchConfig, alone: bool, checks: str = "carried"):
     """One decode on every rank (``alone``: rank 0 only, the others wait): tokens, the
-    prefill's and every step's seconds (this rank's)."""
+    prefill's and every step's seconds (this rank's). ``checks``: how the operators check
+    across ranks meanwhile (``OpsContext.checks``)."""
+    from ..ops import get_context
+
     if alone and dist.get_rank() != 0:
         dist.barrier()
         return None, 0.0, [0.0] * (cfg.new_tokens - 1)
-    out = decode(model, prompt, cfg.new_tokens)
+    ctx = None if alone else get_context()
+    saved = None if ctx is None else ctx.checks
+    if ctx is not None:
+        ctx.checks = checks
+    try:
+        out = decode(model, prompt, cfg.new_tokens)
+    finally:
+        if ctx is not None:
+            ctx.checks = saved
     if alone:
         dist.barrier()
     return out.tokens, out.ttft_s, out.step_s
@@ -171,12 +190,13 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
         for name in names:  # warm-up: first calls allocate, the operators decide
             _timed(models[name], prompt[:, :4], DecodeBenchConfig(**{**_fields(cfg),
                                                                      "new_tokens": 2}),
-                   name == "one-process")
+                   name == "one-process", _checks(name))
         seen = {name: {"steps": [], "ttft": [], "tokens": None} for name in names}
         capacity = _capacity(cfg, models, prompt) if "plait" in models else None
         for i in range(cfg.rounds):
             for name in balanced_round(names, i):
-                tokens, ttft, steps = _timed(models[name], prompt, cfg, name == "one-process")
+                tokens, ttft, steps = _timed(models[name], prompt, cfg, name == "one-process",
+                                             _checks(name))
                 agreed = agreed_max([ttft, *steps])
                 seen[name]["ttft"].append(agreed[0])
                 seen[name]["steps"] += agreed[1:]
@@ -206,7 +226,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
                 records[-1]["split"] = split
             elif name.startswith("plait"):
                 records[-1]["split"] = {"sizes": _sizes(models[name])}
-            if name.startswith("plait") and capacity is not None and name != "plait-plain":
+            if name in ("plait", "plait-speed") and capacity is not None:
                 even = statistics.median(sorted(seen["plait"]["steps"]))
                 records[-1].update(_ideal(capacity, even, ms / 1e3))
     for name, reason in why.items():
@@ -261,6 +281,8 @@ def summarize(records: list[dict]) -> dict:
         even = by.get(("plait", batch))
         if system == "plait-speed" and even is not None:
             out[f"plait-speed_b{batch}_vs_plait"] = r["ms_per_token"] / even["ms_per_token"]
+        if system == "plait-gather-checks" and even is not None:  # what carrying saves
+            out[f"plait_b{batch}_check_saving_ms"] = r["ms_per_token"] - even["ms_per_token"]
         if "ratio_to_ideal" in r:
             out[f"{system}_b{batch}_ratio_to_ideal"] = r["ratio_to_ideal"]
     out["all_same_tokens"] = all(r["same_tokens"] in (True, None) for r in by.values())

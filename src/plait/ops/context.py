@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -30,7 +31,8 @@ from .agree import start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
 
-__all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of"]
+__all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of", "CHECKS",
+           "carries_checks"]
 
 log = logging.getLogger("plait.ops")
 
@@ -61,6 +63,11 @@ class OpsContext:
     # emulated 1 Gbit/s link); "never": trust the caller where an operator needs no
     # global facts (MoE with a fixed chunk count).
     validate: str = "always"
+    # "carried": on shared memory each check rides in its data call's header; "gather": every
+    # check a call of its own (a gloo all_gather on the check group), as before the
+    # shared-memory transport (PLAIT_CHECKS=gather; bench decode's plait-gather-checks
+    # measures what carrying them saves)
+    checks: str = field(default_factory=lambda: _checks_from_env())
     # the group the checks run on: the same ranks, its own queue (None: ``group`` itself)
     checks_group: object = None
     decisions: dict[str, Decision] = field(default_factory=dict)
@@ -208,13 +215,30 @@ class OpsContext:
         """``gather_meta``, started: calling the result waits and gives what it gives."""
         from ..transport.calls import HEADER_WORDS
 
-        if getattr(self.transport, "name", None) == "shm" and width <= HEADER_WORDS:
+        if getattr(self.transport, "name", None) == "shm" and width <= HEADER_WORDS \
+                and self.checks == "carried":
             # the check rides in a slot header (a wider row, MoE's on many ranks: gloo)
             rows = self.transport.shm.gather_meta(op, row, width, problem)
             return lambda: rows
         group = self.group if self.checks_group is None else self.checks_group
         done = start_gather_checked(op, group, problem, row, width)
         return lambda: [tuple(r) for r in done()]
+
+
+CHECKS = ("carried", "gather")
+
+
+def _checks_from_env() -> str:
+    value = os.environ.get("PLAIT_CHECKS", "carried") or "carried"
+    if value not in CHECKS:
+        raise ValueError(f"PLAIT_CHECKS={value!r}: choose one of {', '.join(CHECKS)}")
+    return value
+
+
+def carries_checks(ctx: "OpsContext") -> bool:
+    """Whether ``ctx``'s checks ride in their data calls' headers (shared memory, and not
+    ``checks="gather"``)."""
+    return ctx.checks == "carried" and getattr(ctx.mover(), "name", None) == "shm"
 
 
 _CONTEXTS: dict[object, OpsContext] = {}

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .agree import attempt, check_chunks, check_same, chunks_code
 from .compute import compute_region, current_region, piece
-from .context import Decision, OpsContext, get_context, transport_of
+from .context import Decision, OpsContext, carries_checks, get_context, transport_of
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered, untransposed
@@ -265,7 +265,7 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     behind these pieces); the backward is the same as ``matmul_all_reduce``'s."""
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
-    if chunks == "auto" and getattr(ctx.mover(), "name", None) == "shm":
+    if chunks == "auto" and carries_checks(ctx):
         # shared memory takes the plain path at "auto" (OpsContext.decide): the check rides
         # in the header of the call that carries the product, not in a call of its own
         row, problem = attempt(lambda: _local_row(OP, x2, w, chunks))
@@ -288,7 +288,10 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
     works = []
-    out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works)
+    if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
+        out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works)
+    else:  # no backward to prepare: the forward alone
+        out = _fused_forward(x2, w, group, decision, transposed, in_flight=works)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .agree import attempt, check_same, dtype_code
-from .context import get_context, transport_of
+from .context import carries_checks, get_context, transport_of
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
 from ..transport.calls import HEADER_WORDS
@@ -148,9 +148,8 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
     """On shared memory, ``_agreed``'s check as the ``check`` a data call carries in its
     header (no call of its own); None elsewhere, or where the call cannot carry it. A rank
     whose own input is bad raises here, and so do its peers, in their data call."""
-    mover = transport_of(group)
     # a header holds the check's 4 + W fields and an all_gather's own 3 + W
-    if getattr(mover, "name", None) != "shm" or 7 + 2 * _world(group) > HEADER_WORDS:
+    if not carries_checks(get_context(group)) or 7 + 2 * _world(group) > HEADER_WORDS:
         return None
     row, problem, shares = _row(op, x, group, dim, sizes, split=split)
     if problem is not None:
