@@ -66,6 +66,8 @@ COMMANDS=(
   # at batch 1 and 16, 3 ranks (uneven heads), and a host at half its CPU budget (issue 40)
   "bench-decode|bench decode --ranks 2 --batch-sizes 1,16 --no-progress --json {json}"
   "bench-decode-3|bench decode --ranks 3 --batch-sizes 1 --no-progress --json {json}"
+  # what the cross-rank checks cost a decoding step when each is a gloo gather of its own
+  "check-cost|bench decode --ranks 2 --batch-sizes 1 --systems plait,plait-gather-checks,one-process --no-progress --json {json}"
   # serving: 8 requests in turn, rank 1 turning 2 x slow from the fourth; the split kept
   # even, then moved between requests by the speeds measured
   "serve-even|generate --ranks 2 --requests each --split even --slow 1:2@3 --prompt-file examples/prompts.txt --max-new-tokens 48 --json {json}"
