@@ -174,3 +174,15 @@ def pytest_make_collect_report(collector):
             report.outcome = "failed"
             report.longrepr = refusal
     return report
+
+
+@pytest.fixture(autouse=True)
+def _plait_environment_restored():
+    """A test that runs the command line in this process (``main([... "--transport",
+    "shm"])``) sets what the ranks inherit (``PLAIT_TRANSPORT``); the next test starts from
+    the suite's settings again, not from what the last one left."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PLAIT_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("PLAIT_") and k not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)

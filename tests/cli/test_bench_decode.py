@@ -43,9 +43,13 @@ def test_three_ranks_uneven_heads_decode_the_same_tokens_as_one_process(tmp_path
     assert data["meta"]["summary"]["all_same_tokens"] is True
 
 
-def test_checks_as_gathers_decode_the_same_tokens_and_the_saving_is_reported(tmp_path):
+def test_checks_as_gathers_decode_the_same_tokens_and_the_saving_is_reported(tmp_path,
+                                                                            monkeypatch):
+    # the environment the ranks inherit (what --transport shm sets), restored afterwards:
+    # the suite's other tests run on gloo (tests/conftest.py)
+    monkeypatch.setenv("PLAIT_TRANSPORT", "shm")
     out = tmp_path / "checks.json"
-    assert main(["bench", "decode", "--ranks", "2", *TINY, "--transport", "shm", "--systems",
+    assert main(["bench", "decode", "--ranks", "2", *TINY, "--systems",
                  "plait,plait-gather-checks,one-process", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     timed = [r for r in data["records"] if "batch" in r]
