@@ -61,12 +61,32 @@ def test_requests_in_turn_with_the_split_by_speed_decode_one_process_tokens(tmp_
     (["--split", "fast"], "--split must be one of even, speed, adaptive"),
     (["--tolerance", "1.5"], "--tolerance must be in [0, 1)"),
     (["--slow", "5:2"], "rank 5"),
+    (["--slow", "1:2@3"], "this run makes 1 request"),
+    (["--requests", "each", "--prompt", "1 2", "--slow", "1:2@1"], "this run makes 1 request"),
+    (["--slow", "1:2", "--slow", "1:3"], "names rank 1 more than once"),
+    (["--n-kv-head", "3"], "must be a multiple of --n-kv-head 3"),
+    (["--transport", "shm", "--hosts", "2"], "each of the 2 ranks is on a host of its own"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_rank(flags, says, capsys, monkeypatch):
     import plait.cli.generate as cli
 
     monkeypatch.setattr(cli, "run_placed", lambda *a, **k: pytest.fail("ranks started"))
     assert main(["generate", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("PLAIT_CHECKS", "bogus", "PLAIT_CHECKS='bogus': choose one of carried, gather"),
+    ("PLAIT_TRANSPORT", "bogus", "PLAIT_TRANSPORT='bogus': choose one of auto, shm, gloo"),
+])
+def test_a_bad_setting_in_the_environment_is_refused_before_any_rank(name, value, says, capsys,
+                                                                      monkeypatch):
+    import plait.cli.generate as cli
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "run_placed", lambda *a, **k: pytest.fail("ranks started"))
+    assert main(["generate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
 

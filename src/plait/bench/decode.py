@@ -60,7 +60,8 @@ class DecodeBenchConfig:
     batch_sizes: tuple[int, ...] = field(default=(1, 4, 16, 64), metadata=_h(
         "batch sizes (prompts decoded at once)"))
     systems: tuple[str, ...] = field(default=DEFAULT_SYSTEMS, metadata=_h(
-        "systems: " + ", ".join(SYSTEMS)))
+        "systems: " + ", ".join(SYSTEMS) + " (plait-gather-checks: plait with every "
+        "cross-rank check a gloo gather of its own, PLAIT_CHECKS=gather)"))
     split: str = field(default="even", metadata=_h(
         "even, or speed: also run plait with every split dim sized by each rank's measured "
         "speed (plait-speed), beside the even split"))
@@ -75,6 +76,9 @@ class DecodeBenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+        if not self.systems or any(not s for s in self.systems):
+            raise ValueError(f"--systems needs one or more of {', '.join(SYSTEMS)}, "
+                             f"got {','.join(self.systems)!r}")
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown:
             raise ValueError(f"--systems {','.join(unknown)}: choose from {', '.join(SYSTEMS)}")

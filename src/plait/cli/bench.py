@@ -19,7 +19,7 @@ from ..runtime import parse_rate
 from . import bench_checkpoint, bench_decode, bench_load
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
-                     resolve_placement, transports)
+                     check_shm, resolve_placement, transports)
 
 __all__ = ["register"]
 
@@ -130,9 +130,11 @@ def _placement_of_many(args: argparse.Namespace):
     the benchmark makes each itself)."""
     given, args.transport = args.transport, None
     try:
-        return resolve_placement(args)
+        ranks, hosts, link = resolve_placement(args)
     finally:
         args.transport = given
+    check_shm(args, ranks, hosts)
+    return ranks, hosts, link
 
 
 def _share(share: float | None) -> str:

@@ -13,7 +13,7 @@ from ..runtime.placement import HOST_CPU_ENV
 from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
 from ..runtime.cgroup import parse_budgets, parse_host_cpu
 
-__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "transports", "finite_float",
+__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "transports", "check_shm", "finite_float",
            "positive_int", "non_negative_int", "positive_float", "non_negative_float",
            "port_number", "check_writable", "check_outputs", "check_readable", "max_ranks",
            "remove_empty_folders"]
@@ -108,7 +108,10 @@ def transports(args: argparse.Namespace, many: bool = False) -> tuple[str, ...]:
 
     given = getattr(args, "transport", None)
     if given is None:
-        return (os.environ.get(ENV) or "auto",)
+        value = os.environ.get(ENV) or "auto"
+        if value not in TRANSPORTS:  # refused here, not on every rank once they start
+            raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(TRANSPORTS)}")
+        return (value,)
     names = tuple(t.strip() for t in given.split(",") if t.strip())
     bad = [t for t in names if t not in TRANSPORTS]
     if bad or not names:
@@ -142,11 +145,31 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
     transports(args)
     if hosts and ranks % hosts:
         raise ValueError(f"--ranks {ranks} does not divide over --hosts {hosts}")
+    check_shm(args, ranks, hosts)
+    _check_checks()
     if getattr(args, "slow", None):
         args.slow_specs = [parse_slow(s) for s in args.slow]
         validate_slow(args.slow_specs, ranks)
     args.host_cpu_budgets = _host_cpu(getattr(args, "host_cpu", None), hosts)
     return ranks, hosts, link
+
+
+def check_shm(args: argparse.Namespace, ranks: int, hosts: int) -> None:
+    """``--transport shm`` (alone or in a list) where every rank has a host of its own: the
+    ranks would each refuse it once started; refused here instead."""
+    given = getattr(args, "transport", None) or os.environ.get("PLAIT_TRANSPORT") or ""
+    if "shm" in [t.strip() for t in given.split(",")] and hosts and ranks <= hosts:
+        raise ValueError(f"--transport shm: each of the {ranks} ranks is on a host of its own "
+                         f"(--hosts {hosts}); shared memory needs two or more on a host")
+
+
+def _check_checks() -> None:
+    """PLAIT_CHECKS, refused here (before any rank starts) where the ranks would refuse it."""
+    from ..ops.context import CHECKS
+
+    value = os.environ.get("PLAIT_CHECKS") or "carried"
+    if value not in CHECKS:
+        raise ValueError(f"PLAIT_CHECKS={value!r}: choose one of {', '.join(CHECKS)}")
 
 
 def _host_cpu(text: str | None, hosts: int) -> list[float] | None:

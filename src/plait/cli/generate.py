@@ -28,13 +28,15 @@ def register(subparsers) -> None:
                         help='one prompt, token ids separated by spaces (default "1 2 3 4")')
     parser.add_argument("--prompt-file", default=None, metavar="PATH",
                         help="prompts, one a line (ids separated by spaces), or a JSON list "
-                             "of lists: decoded together as a batch")
+                             "of lists: decoded together as a batch (--requests each: in turn)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="write the tokens and timings as JSON")
-    parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@REQUEST]",
+    parser.add_argument("--slow", action="append", default=[],
+                        metavar="RANK:FACTOR[@FROM[-UNTIL]]",
                         help="make a rank FACTOR × slower at compute in the split layers "
-                             "(straggler emulation), from request REQUEST on (its step is "
-                             "the request's index; repeatable)")
+                             "(straggler emulation) for requests FROM to UNTIL - 1 (default "
+                             "all; a request's index is the straggler's step; repeatable, one "
+                             "a rank)")
     parser.set_defaults(func=run_generate)
 
 
@@ -44,6 +46,7 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = GenerateConfig(**{**cfg.__dict__, "prompts": prompts})
     cfg.check()  # before any rank starts
     ranks, hosts, link = resolve_placement(args)
+    cfg.check_slow(getattr(args, "slow_specs", ()))
     args.plot = None
     check_outputs(args, "json")
     result, where = run_placed(_one, cfg, ranks=ranks, hosts=hosts, link=link,
@@ -60,11 +63,14 @@ def run_generate(args: argparse.Namespace) -> int:
                     [[str(i), f"{r['ms_per_token']:.2f}", f"{r['ttft_ms']:.1f}",
                       " ".join(f"{d} {s}" for d, s in r["split"].items()),
                       " ".join(f"{v:.2f}" for v in r["speeds"]) if r["speeds"] else "–",
-                      "–" if r["gain"] is None else f"{r['gain']:.0%}",
-                      "yes" if r["moved"] else "–"] for i, r in enumerate(result["requests"])],
+                      "–" if r["gain"] is None else f"{r['gain']:.1%}",
+                      "yes" if r["moved"] else "–" if r["gain"] is None else "no"]
+                     for i, r in enumerate(result["requests"])],
                     caption="split: each split dim's shares (KV-head groups, MLP columns) the "
                             "request ran on; speeds after: what its first steps measured; "
-                            "moved: the split was sized again before the next request")
+                            f"moved: the split was sized again before the next request (where "
+                            f"the predicted gain is --tolerance {cfg.tolerance:.0%} or more); "
+                            "–: nothing decided (the last request, or --split even/speed)")
     print_table(f"{cfg.max_new_tokens} tokens × {len(prompts)} prompts on {ranks} ranks",
                 ["TTFT (ms)", "ms / token", "p99 (ms)", "tokens/s"],
                 [[f"{result['ttft_ms']:.1f}", f"{result['ms_per_token']:.2f}",
@@ -73,8 +79,9 @@ def run_generate(args: argparse.Namespace) -> int:
                         "first token")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in cfg.__dict__.items() if k != "extra"},
-                       **result}, f, indent=1)
+            where_ran = {"ranks": ranks, "hosts": hosts, "link": link, "slow": list(args.slow)}
+            json.dump({"config": {**{k: v for k, v in cfg.__dict__.items() if k != "extra"},
+                                  **where_ran}, **result}, f, indent=1)
         console.print(f"wrote {args.json}")
     return 0
 

@@ -79,6 +79,24 @@ class GenerateConfig:
             raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {self.split!r}")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"--tolerance must be in [0, 1), got {self.tolerance}")
+        if self.model in MODELS and (self.n_head % self.n_kv_head or self.n_embd % self.n_head):
+            raise ValueError(f"--n-head {self.n_head} must be a multiple of --n-kv-head "
+                             f"{self.n_kv_head} and divide --n-embd {self.n_embd}")
+
+    def check_slow(self, specs) -> None:
+        """``--slow``'s request windows, against the requests this run makes: a slowdown
+        that could never begin is refused, not ignored."""
+        requests = len(self.prompts) if self.requests == "each" else 1
+        for spec in specs:
+            start = getattr(spec, "from_step", 0)
+            if start >= requests:
+                raise ValueError(
+                    f"--slow {spec.rank}:{spec.factor:g}@{start}: this run makes {requests} "
+                    f"request{'s' if requests != 1 else ''} (0 to {requests - 1}; "
+                    "--requests each makes one a prompt)")
+        ranks = [spec.rank for spec in specs]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"--slow names rank {max(ranks, key=ranks.count)} more than once")
 
     def limits(self) -> tuple[int, int]:
         """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
@@ -232,4 +250,6 @@ def generate_rank(cfg: GenerateConfig) -> dict:
             "p99_ms": max(r["p99_ms"] for r in requests),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in requests),
             "world_size": dist.get_world_size(), "parallel": applied(model)[:1],
-            "transport": transport_of(None).choice.name, "paths": explain()}
+            "transport": transport_of(None).choice.name,
+            "transport_reason": transport_of(None).choice.reason, "paths": explain(),
+            "checks": get_context().checks if dist.get_world_size() > 1 else None}
