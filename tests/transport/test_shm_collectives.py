@@ -92,6 +92,50 @@ def test_every_collective_on_shared_memory_equals_gloo(world):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("plait-shm-")]
 
 
+def _turned():
+    """all_gather and reduce_scatter whose messages are several times a 64 KiB buffer (so
+    they go in turns, each rank's rows cut into element ranges), uneven rows with an empty
+    share, against gloo; then a rank holding other rows than it says, refused everywhere."""
+    from plait.transport.base import Choice, DistTransport
+    from plait.transport.collectives import ShmGroup
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shm = ShmGroup(capacity=1 << 16, timeout_s=20)
+    gloo = DistTransport(None, Choice("gloo", "the reference"))
+    rows = [700, 0, 1100][:world] if world == 3 else [900, 301]
+    out = {}
+    for dtype in DTYPES:
+        piece = _data(40 + rank, (rows[rank], 33), dtype)
+        whole = _data(50 + rank, (sum(rows), 29), dtype)
+        for name, transport in (("gloo", gloo), ("shm", shm)):
+            gathered = torch.empty(sum(rows), 33, dtype=dtype)
+            transport.all_gather(gathered, piece, rows)
+            out[f"all_gather/{dtype}/{name}"] = gathered
+            mine = torch.empty(rows[rank], 29, dtype=dtype)
+            transport.reduce_scatter(mine, whole, rows)
+            out[f"reduce_scatter/{dtype}/{name}"] = mine
+    wrong = _data(1, (rows[rank] + (rank == 0), 33), torch.float32)
+    try:
+        shm.all_gather(torch.empty(sum(rows) + 1, 33), wrong, rows)
+        out["refused"] = None
+    except ValueError as err:
+        out["refused"] = str(err)
+    again = torch.empty(sum(rows), 33, dtype=torch.float32)
+    shm.all_gather(again, _data(40 + rank, (rows[rank], 33), torch.float32), rows)
+    out["again"] = again
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathers_and_scatters_larger_than_a_buffer_go_in_turns_and_equal_gloo(world):
+    for rank in run_ranks(_turned, world, timeout_s=60):
+        for key in [k for k in rank if k.endswith("/shm")]:
+            assert torch.equal(rank[key], rank[key.replace("/shm", "/gloo")]), key
+        assert rank["refused"] is not None and "expect rows" in rank["refused"], rank
+        assert torch.equal(rank["again"], rank["all_gather/torch.float32/gloo"])
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("plait-shm-")]
+
+
 def _checked(bad_rank: int):
     """A good call, a call where ``bad_rank``'s shape differs, one where it rejects its
     input, then a good call again: each rank's outcome."""

@@ -166,54 +166,86 @@ class ShmGroup:
                    check: tuple | None = None) -> torch.Tensor:
         """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``.
         ``check``: (op, names, values, verify): an operator's fields, carried in the call's
-        header and judged by ``verify`` before the gather's own fields are."""
+        header and judged by ``verify`` before the gather's own fields are. Where the
+        largest piece is over ``TURN_BYTES`` (or a buffer), in turns: each rank's piece cut
+        into as many element ranges, one call a range (every rank knows every piece's
+        size: ``rows``)."""
         width = math.prod(piece.shape[1:])  # an empty share has a width too
-        names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
-        values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
-        nbytes = piece.numel() * piece.element_size()
-        op, local, ahead = "all_gather", ("piece",), 0
-        if check is not None:  # every field local: the operator's verdict comes first
-            op, ahead = check[0], len(check[1])
-            names, values = (*check[1], *names), (*check[2], *values)
-            local = names
-        call = self.call(op, names, values, local=local,
-                         problem=self._too_big("all_gather", nbytes))
-        if call.problem is None:
-            call.slot(self.rank, piece.dtype, piece.numel()).copy_(piece.reshape(-1))
-        headers = call.exchange()
-        if ahead and not call.alike:
-            try:
-                check[3]([row[:ahead] for row in headers])
-            except (ValueError, TypeError):
+        counts = [int(r) * width for r in rows]
+        turns = self._turns(max(counts, default=0) * piece.element_size())
+        if turns > 1 and check is not None:  # in turns: the check first, a call of its own
+            check[3](self.gather_meta(check[0], check[2], len(check[2])))
+            check = None
+        # a rank whose piece is not the rows it is said to hold writes nothing; every rank
+        # reads that in its header and refuses alike
+        held_wrong = piece.shape[0] != int(rows[self.rank])
+        mine, flat, starts = piece.reshape(-1), out.view(-1), _offsets(counts)
+        for turn in range(turns):
+            parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
+            names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
+            values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
+            op, local, ahead = "all_gather", ("piece",), 0
+            if check is not None:  # every field local: the operator's verdict comes first
+                op, ahead = check[0], len(check[1])
+                names, values = (*check[1], *names), (*check[2], *values)
+                local = names
+            call = self.call(op, names, values, local=local)
+            a, b = parts[self.rank]
+            if not held_wrong:
+                call.slot(self.rank, piece.dtype, b - a).copy_(mine[a:b])
+            headers = call.exchange()
+            if ahead and not call.alike:
+                try:
+                    check[3]([row[:ahead] for row in headers])
+                except (ValueError, TypeError):
+                    call.close()
+                    raise
+                call.check_fields([row[ahead:] for row in headers], names[ahead:],
+                                  ("piece",))
+            held = [row[-1] for row in headers]
+            if held != [int(r) for r in rows]:  # the same verdict on every rank: rows agree
                 call.close()
-                raise
-            call.check_fields([row[ahead:] for row in headers], names[ahead:], ("piece",))
-        held = [row[-1] for row in headers]
-        if held != [int(r) for r in rows]:  # the same verdict on every rank: rows agree
+                raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold "
+                                 f"{held}")
+            for rank, (a, b) in enumerate(parts):
+                at = starts[rank]
+                flat[at + a:at + b].copy_(call.slot(rank, piece.dtype, b - a))
             call.close()
-            raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold {held}")
-        flat, start = out.view(-1), 0
-        for rank, count in enumerate(rows):
-            flat[start:start + count * width].copy_(call.slot(rank, piece.dtype, count * width))
-            start += count * width
-        call.close()
         return out
 
     def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor,
                        rows: Sequence[int]) -> torch.Tensor:
-        """Rows ``rows[r]`` of the sum of every rank's ``tensor`` land on rank r's ``out``."""
+        """Rows ``rows[r]`` of the sum of every rank's ``tensor`` land on rank r's ``out``.
+        Where the tensor is over ``TURN_BYTES`` (or a buffer), in turns: every rank's rows cut
+        into as many element ranges, one call a range, each writing that range of every
+        rank's rows."""
         width = math.prod(tensor.shape[1:])
-        n = tensor.numel()
-        call = self.call("reduce_scatter", ("dtype", "width", "total"),
-                         (DTYPES[tensor.dtype], width, tensor.shape[0]),
-                         problem=self._too_big("reduce_scatter", n * tensor.element_size()))
-        if call.problem is None:
-            call.slot(self.rank, tensor.dtype, n).copy_(tensor.reshape(-1))
-        call.exchange()
-        lo = sum(rows[:self.rank]) * width
-        hi = lo + rows[self.rank] * width
-        _sum_into(out.view(-1), [call.slot(r, tensor.dtype, n)[lo:hi] for r in range(self.world)])
-        call.close()
+        counts = [int(r) * width for r in rows]
+        segments = _offsets(counts)  # where each rank's rows start in the flat tensor
+        flat, mine = tensor.reshape(-1), out.view(-1)
+        turns = self._turns(tensor.numel() * tensor.element_size())
+        names = ("dtype", "width", "total", *(f"rows{r}" for r in range(self.world)))
+        values = (DTYPES[tensor.dtype], width, tensor.shape[0], *rows)
+        fits = tensor.shape[0] == sum(int(r) for r in rows)
+        for turn in range(turns):
+            parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
+            sizes = [b - a for a, b in parts]
+            at = _offsets(sizes)  # each rank's range, in turn, in a slot
+            problem = None if fits else ValueError(
+                f"reduce_scatter: rows {list(rows)} sum to {sum(int(r) for r in rows)}, the "
+                f"tensor has {tensor.shape[0]}")
+            call = self.call("reduce_scatter", names, values, problem=problem)
+            if call.problem is None:
+                slot = call.slot(self.rank, tensor.dtype, at[-1])
+                for rank, (a, b) in enumerate(parts):
+                    slot[at[rank]:at[rank + 1]].copy_(flat[segments[rank] + a:
+                                                           segments[rank] + b])
+            call.exchange()
+            a, b = parts[self.rank]
+            _sum_into(mine[a:b], [call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
+                                                                      at[self.rank + 1]]
+                                  for r in range(self.world)])
+            call.close()
         return out
 
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
@@ -247,12 +279,26 @@ class ShmGroup:
         call.close()
         return out
 
+    def _turns(self, nbytes: int) -> int:
+        """Calls a message of ``nbytes`` (the largest one rank writes) takes: one up to
+        ``TURN_BYTES`` (and a buffer), then one a turn (every rank counts alike)."""
+        turn = min(self.capacity, TURN_BYTES)
+        return max(1, -(-int(nbytes) // turn))
+
     def _too_big(self, op: str, nbytes: int) -> ValueError | None:
         """This rank's data does not fit a buffer: a problem every rank raises in the call."""
         if nbytes <= self.capacity:
             return None
         return ValueError(f"{op}: {nbytes} bytes a rank is more than one shared-memory buffer "
                           f"holds ({self.capacity})")
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each size starts when they are laid end to end, and the end."""
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out
 
 
 def _bounds(n: int, world: int) -> list[int]:
