@@ -93,9 +93,10 @@ def test_every_collective_on_shared_memory_equals_gloo(world):
 
 
 def _turned():
-    """all_gather and reduce_scatter whose messages are several times a 64 KiB buffer (so
-    they go in turns, each rank's rows cut into element ranges), uneven rows with an empty
-    share, against gloo; then a rank holding other rows than it says, refused everywhere."""
+    """all_gather, reduce_scatter and all_to_all whose messages are several times a 64 KiB
+    buffer (so they go in turns, each rank's rows or each block cut into element ranges),
+    uneven rows with empty shares, against gloo; then a rank holding other rows than it
+    says, refused everywhere."""
     from plait.transport.base import Choice, DistTransport
     from plait.transport.collectives import ShmGroup
 
@@ -114,6 +115,15 @@ def _turned():
             mine = torch.empty(rows[rank], 29, dtype=dtype)
             transport.reduce_scatter(mine, whole, rows)
             out[f"reduce_scatter/{dtype}/{name}"] = mine
+            # rank 0 sends 600 rows to every rank (over a turn); the others a few, or none
+            send_rows = [[600] * world, [3, 0, 5][:world], [0] * world][rank]
+            every: list = [None] * world
+            dist.all_gather_object(every, send_rows)
+            recv_rows = [every[s][rank] for s in range(world)]
+            send = _data(60 + rank, (sum(send_rows), 31), dtype)
+            recv = torch.empty(sum(recv_rows), 31, dtype=dtype)
+            transport.all_to_all(recv, send, recv_rows, send_rows)
+            out[f"all_to_all/{dtype}/{name}"] = recv
     wrong = _data(1, (rows[rank] + (rank == 0), 33), torch.float32)
     try:
         shm.all_gather(torch.empty(sum(rows) + 1, 33), wrong, rows)
@@ -127,7 +137,7 @@ def _turned():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gathers_and_scatters_larger_than_a_buffer_go_in_turns_and_equal_gloo(world):
+def test_messages_larger_than_a_buffer_go_in_turns_and_equal_gloo(world):
     for rank in run_ranks(_turned, world, timeout_s=60):
         for key in [k for k in rank if k.endswith("/shm")]:
             assert torch.equal(rank[key], rank[key.replace("/shm", "/gloo")]), key

@@ -15,8 +15,11 @@ all_to_all         each rank writes its send rows; the header carries its splits
                    a receiver finds its rows in the sender's buffer.
 =================  ==============================================================
 
-A message larger than a buffer goes in turns of at most a buffer each (one call a turn); an
-all_reduce larger than ``TURN_BYTES`` in turns of that size (its stages stay in cache).
+A message larger than ``TURN_BYTES`` (or a buffer) goes in turns of at most that many bytes,
+one call a turn: its stages stay in the cores' caches, and no message is too big for a
+buffer. all_reduce cuts the tensor; all_gather each rank's rows; reduce_scatter every rank's
+rows of the tensor; all_to_all every block (sender, receiver), once a first call's headers
+have given every rank every split.
 """
 
 from __future__ import annotations
@@ -250,19 +253,25 @@ class ShmGroup:
 
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
                    in_rows: Sequence[int]) -> torch.Tensor:
-        """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order."""
+        """Rows ``in_rows[d]`` of ``send`` go to rank d; rows from rank s land in order.
+
+        One call where every rank's send fits a turn (``TURN_BYTES``, and a buffer): the
+        header carries each sender's splits, so a receiver finds its rows. Where some rank's
+        does not, that call's headers give every rank every split, and the rows then go in
+        turns: each block (sender, receiver) cut into as many element ranges, one call a
+        range."""
         width = math.prod(send.shape[1:])  # a rank that sends and gets no rows too
-        world = self.world
+        world, itemsize = self.world, send.element_size()
         names = ("dtype", "width", *(f"to{d}" for d in range(world)),
-                 *(f"from{s}" for s in range(world)))
-        call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows),
-                         local=names[2:], problem=self._too_big(
-                             "all_to_all", send.numel() * send.element_size()))
-        if call.problem is None:
+                 *(f"from{s}" for s in range(world)), "whole")
+        whole = send.numel() * itemsize <= min(self.capacity, TURN_BYTES)
+        call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
+                                               int(whole)), local=names[2:])
+        if whole:
             call.slot(self.rank, send.dtype, send.numel()).copy_(send.reshape(-1))
         rows = call.exchange()
         sent = [row[2:2 + world] for row in rows]        # [sender][receiver]
-        expected = [row[2 + world:] for row in rows]     # [receiver][sender]
+        expected = [row[2 + world:2 + 2 * world] for row in rows]  # [receiver][sender]
         wrong = [(s, r) for s in range(world) for r in range(world)
                  if sent[s][r] != expected[r][s]]
         if wrong:  # every rank sees every header: the same verdict everywhere
@@ -270,13 +279,36 @@ class ShmGroup:
             call.close()
             raise ValueError(f"all_to_all: rank {s} sends rank {r} {sent[s][r]} rows, rank {r} "
                              f"expects {expected[r][s]}")
-        flat, start = out.view(-1), 0
-        for rank in range(world):
-            count = sent[rank][self.rank] * width
-            offset = sum(sent[rank][:self.rank]) * width * send.element_size()
-            flat[start:start + count].copy_(call.slot(rank, send.dtype, count, offset))
-            start += count
+        flat, mine = out.view(-1), send.reshape(-1)
+        if all(row[-1] for row in rows):  # every send in this call
+            start = 0
+            for rank in range(world):
+                count = sent[rank][self.rank] * width
+                offset = sum(sent[rank][:self.rank]) * width * itemsize
+                flat[start:start + count].copy_(call.slot(rank, send.dtype, count, offset))
+                start += count
+            call.close()
+            return out
         call.close()
+        counts = [[n * width for n in row] for row in sent]  # [sender][receiver] elements
+        turns = self._turns(max(sum(row) for row in counts) * itemsize)
+        sends = _offsets(counts[self.rank])  # where each receiver's block starts in send
+        lands = _offsets([counts[s][self.rank] for s in range(world)])  # each sender's in out
+        for turn in range(turns):
+            parts = [[_bounds(n, turns)[turn:turn + 2] for n in row] for row in counts]
+            call = self.call("all_to_all", ("dtype", "width", "turn"),
+                             (DTYPES[send.dtype], width, turn))
+            at = _offsets([b - a for a, b in parts[self.rank]])
+            slot = call.slot(self.rank, send.dtype, at[-1])
+            for d, (a, b) in enumerate(parts[self.rank]):
+                slot[at[d]:at[d + 1]].copy_(mine[sends[d] + a:sends[d] + b])
+            call.exchange()
+            for s in range(world):
+                (a, b), before = parts[s][self.rank], parts[s][:self.rank]
+                offset = sum(y - x for x, y in before) * itemsize
+                flat[lands[s] + a:lands[s] + b].copy_(
+                    call.slot(s, send.dtype, b - a, offset))
+            call.close()
         return out
 
     def _turns(self, nbytes: int) -> int:
@@ -284,13 +316,6 @@ class ShmGroup:
         ``TURN_BYTES`` (and a buffer), then one a turn (every rank counts alike)."""
         turn = min(self.capacity, TURN_BYTES)
         return max(1, -(-int(nbytes) // turn))
-
-    def _too_big(self, op: str, nbytes: int) -> ValueError | None:
-        """This rank's data does not fit a buffer: a problem every rank raises in the call."""
-        if nbytes <= self.capacity:
-            return None
-        return ValueError(f"{op}: {nbytes} bytes a rank is more than one shared-memory buffer "
-                          f"holds ({self.capacity})")
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
