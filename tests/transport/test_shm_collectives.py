@@ -29,6 +29,16 @@ def _data(seed: int, shape, dtype) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def _gather_and_scatter(out: dict, key: str, transport, piece, whole, rows) -> None:
+    """``transport``'s all_gather of ``piece`` and reduce_scatter of ``whole`` into ``out``."""
+    gathered = piece.new_empty(sum(rows), *piece.shape[1:])
+    transport.all_gather(gathered, piece, rows)
+    out[f"all_gather/{key}"] = gathered
+    mine = whole.new_empty(rows[dist.get_rank()], *whole.shape[1:])
+    transport.reduce_scatter(mine, whole, rows)
+    out[f"reduce_scatter/{key}"] = mine
+
+
 def _both(capacity: int):
     """The collectives on gloo and on shared memory, each rank's results by name."""
     from plait.transport.collectives import ONE_SHOT_BYTES, ShmGroup
@@ -55,12 +65,7 @@ def _both(capacity: int):
         recv_rows = [every[s][rank] for s in range(world)]
         send = _data(30 + rank, (sum(send_rows), 5), dtype)
         for name, transport in (("gloo", gloo), ("shm", shm)):
-            gathered = torch.empty(sum(rows), 6, dtype=dtype)
-            transport.all_gather(gathered, piece, rows)
-            out[f"all_gather/{dtype}/{name}"] = gathered
-            mine = torch.empty(rows[rank], 3, dtype=dtype)
-            transport.reduce_scatter(mine, whole, rows)
-            out[f"reduce_scatter/{dtype}/{name}"] = mine
+            _gather_and_scatter(out, f"{dtype}/{name}", transport, piece, whole, rows)
             recv = torch.empty(sum(recv_rows), 5, dtype=dtype)
             transport.all_to_all(recv, send, recv_rows, send_rows)
             out[f"all_to_all/{dtype}/{name}"] = recv
@@ -109,12 +114,7 @@ def _turned():
         piece = _data(40 + rank, (rows[rank], 33), dtype)
         whole = _data(50 + rank, (sum(rows), 29), dtype)
         for name, transport in (("gloo", gloo), ("shm", shm)):
-            gathered = torch.empty(sum(rows), 33, dtype=dtype)
-            transport.all_gather(gathered, piece, rows)
-            out[f"all_gather/{dtype}/{name}"] = gathered
-            mine = torch.empty(rows[rank], 29, dtype=dtype)
-            transport.reduce_scatter(mine, whole, rows)
-            out[f"reduce_scatter/{dtype}/{name}"] = mine
+            _gather_and_scatter(out, f"{dtype}/{name}", transport, piece, whole, rows)
             # rank 0 sends 600 rows to every rank (over a turn); the others a few, or none
             send_rows = [[600] * world, [3, 0, 5][:world], [0] * world][rank]
             every: list = [None] * world
