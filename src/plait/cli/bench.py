@@ -79,7 +79,7 @@ def run_collectives(args: argparse.Namespace) -> int:
     check_outputs(args, "json", "plot")
     from ..bench.collectives import sweep_sizes
 
-    total = len(cfg.collectives) * len(sweep_sizes(cfg))
+    total = len(cfg.collectives) * len(sweep_sizes(cfg)) * len(many)  # a point a transport
     with progress_bar("bench collectives", total, enabled=not args.no_progress) as advance:
         records, where = bench_collectives(
             cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
