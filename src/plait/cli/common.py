@@ -104,14 +104,11 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def transports(args: argparse.Namespace, many: bool = False) -> tuple[str, ...]:
     """``--transport`` as a tuple (a comma list only where ``many``), checked; one value is
     also set as PLAIT_TRANSPORT, which the launcher hands every rank."""
-    from ..transport.select import ENV, TRANSPORTS
+    from ..transport.select import ENV, TRANSPORTS, wanted
 
     given = getattr(args, "transport", None)
     if given is None:
-        value = os.environ.get(ENV) or "auto"
-        if value not in TRANSPORTS:  # refused here, not on every rank once they start
-            raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(TRANSPORTS)}")
-        return (value,)
+        return (wanted(),)  # PLAIT_TRANSPORT, refused here, not on every rank once they start
     names = tuple(t.strip() for t in given.split(",") if t.strip())
     bad = [t for t in names if t not in TRANSPORTS]
     if bad or not names:
@@ -165,11 +162,9 @@ def check_shm(args: argparse.Namespace, ranks: int, hosts: int) -> None:
 
 def _check_checks() -> None:
     """PLAIT_CHECKS, refused here (before any rank starts) where the ranks would refuse it."""
-    from ..ops.context import CHECKS
+    from ..ops.context import checks_from_env
 
-    value = os.environ.get("PLAIT_CHECKS") or "carried"
-    if value not in CHECKS:
-        raise ValueError(f"PLAIT_CHECKS={value!r}: choose one of {', '.join(CHECKS)}")
+    checks_from_env()
 
 
 def _host_cpu(text: str | None, hosts: int) -> list[float] | None:

@@ -30,9 +30,10 @@ from ..runtime.priority import prioritize_group
 from .agree import start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
+from ..transport.calls import HEADER_WORDS
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of", "CHECKS",
-           "carries_checks"]
+           "carries_checks", "checks_from_env"]
 
 log = logging.getLogger("plait.ops")
 
@@ -67,7 +68,7 @@ class OpsContext:
     # check a call of its own (a gloo all_gather on the check group), as before the
     # shared-memory transport (PLAIT_CHECKS=gather; bench decode's plait-gather-checks
     # measures what carrying them saves)
-    checks: str = field(default_factory=lambda: _checks_from_env())
+    checks: str = field(default_factory=lambda: checks_from_env())
     # the group the checks run on: the same ranks, its own queue (None: ``group`` itself)
     checks_group: object = None
     decisions: dict[str, Decision] = field(default_factory=dict)
@@ -213,10 +214,7 @@ class OpsContext:
 
     def start_meta(self, op: str, width: int, row, problem: Exception | None = None):
         """``gather_meta``, started: calling the result waits and gives what it gives."""
-        from ..transport.calls import HEADER_WORDS
-
-        if getattr(self.transport, "name", None) == "shm" and width <= HEADER_WORDS \
-                and self.checks == "carried":
+        if width <= HEADER_WORDS and carries_checks(self):
             # the check rides in a slot header (a wider row, MoE's on many ranks: gloo)
             rows = self.transport.shm.gather_meta(op, row, width, problem)
             return lambda: rows
@@ -228,7 +226,8 @@ class OpsContext:
 CHECKS = ("carried", "gather")
 
 
-def _checks_from_env() -> str:
+def checks_from_env() -> str:
+    """``PLAIT_CHECKS`` (``carried`` when unset), refused where it is neither."""
     value = os.environ.get("PLAIT_CHECKS", "carried") or "carried"
     if value not in CHECKS:
         raise ValueError(f"PLAIT_CHECKS={value!r}: choose one of {', '.join(CHECKS)}")

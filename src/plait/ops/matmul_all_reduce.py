@@ -277,21 +277,21 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         # one more field every rank must agree on
         transposed = x2.shape[0] <= GEMV_ROWS and bool(row[5])
         agreed = _same_layout if x2.shape[0] <= GEMV_ROWS else _same_rows
-        works: list = []
         check = (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
-        if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
-            out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works,
-                                         check)
-        else:  # no backward to prepare (a decoding step): the forward alone
-            out = _fused_forward(x2, w, group, decision, transposed, in_flight=works,
-                                 check=check)
-        return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
+        return _started(x, x2, w, group, decision, transposed, wgrad_into, check)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
-    works = []
+    return _started(x, x2, w, group, decision, transposed, wgrad_into, None)
+
+
+def _started(x, x2, w, group, decision, transposed, wgrad_into, check) -> InFlight:
+    """The forward, through autograd where a backward follows, else alone (a decoding
+    step: nothing to save); in x's leading shape."""
+    works: list = []
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
-        out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works)
-    else:  # no backward to prepare: the forward alone
-        out = _fused_forward(x2, w, group, decision, transposed, in_flight=works)
+        out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works,
+                                     check)
+    else:
+        out = _fused_forward(x2, w, group, decision, transposed, in_flight=works, check=check)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
 
 

@@ -203,7 +203,7 @@ def generate_rank(cfg: GenerateConfig) -> dict:
     from ..ops.context import get_context, transport_of
     from ..parallel import applied, parallelize
     from ..runtime.timing import agreed_max
-    from .decode import decode
+    from .serve import serve
 
     torch.set_num_threads(1)
     if cfg.model in MODELS:
@@ -220,16 +220,10 @@ def generate_rank(cfg: GenerateConfig) -> dict:
         batches = [(torch.tensor([p]), None) for p in cfg.prompts]
     else:
         batches = [_padded(cfg.prompts)]
-    if cfg.split == "even" and cfg.requests == "batch":
-        ids, mask = batches[0]
-        served = [decode(model, ids, cfg.max_new_tokens, attention_mask=mask, **sampling)]
-    else:
-        from .serve import serve
-
-        masks = {mask is None for _, mask in batches}
-        kw = {} if masks == {True} else {"attention_mask": batches[0][1]}
-        served = serve(model, [ids for ids, _ in batches], cfg.max_new_tokens,
-                       split=cfg.split, tolerance=cfg.tolerance, **kw, **sampling)
+    # one batch (its mask, where its prompts differ in length), or a request a prompt
+    mask = batches[0][1] if len(batches) == 1 else None
+    served = serve(model, [ids for ids, _ in batches], cfg.max_new_tokens, split=cfg.split,
+                   tolerance=cfg.tolerance, attention_mask=mask, **sampling)
     requests, tokens = [], []
     for (ids, _), out in zip(batches, served):
         times = agreed_max([out.ttft_s, *out.step_s])
@@ -240,9 +234,9 @@ def generate_rank(cfg: GenerateConfig) -> dict:
             "ms_per_token": statistics.median(steps) * 1e3,
             "p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3,
             "tokens_per_s": ids.shape[0] / statistics.median(steps),
-            "split": {d.rsplit(".", 1)[-1]: list(s) for d, s in getattr(out, "sizes", {}).items()},
-            "speeds": list(getattr(out, "speeds", None) or []) or None,
-            "gain": getattr(out, "gain", None), "moved": getattr(out, "moved", False)})
+            "split": {d.rsplit(".", 1)[-1]: list(s) for d, s in out.sizes.items()},
+            "speeds": list(out.speeds) if out.speeds is not None else None,
+            "gain": out.gain, "moved": out.moved})
     first = requests[0]
     return {"tokens": tokens, "requests": requests,
             "ttft_ms": first["ttft_ms"], "ms_per_token": statistics.median(

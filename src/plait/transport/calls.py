@@ -36,10 +36,10 @@ MAX_PIECES = 112
 # a header and a note per data buffer: call n writes those of buffer n % BUFFERS, which no
 # rank reads any more once every rank has finished call n − BUFFERS (step 1 above)
 _HEADER_LINE = 128            # headers (packed integers) from this line on, 8 lines each
-HEADER_WORDS = _HEADER_WORDS = 48  # at most this many integers a header
+HEADER_WORDS = 48             # at most this many integers a header
 _NOTE_LINE = 128 + 8 * BUFFERS  # rejected inputs' messages (UTF-8) from this line on
 _NOTE_BYTES = (WORDS - 1 - _NOTE_LINE) // BUFFERS * LINE * 4
-assert PIECE + MAX_PIECES <= _HEADER_LINE and _HEADER_WORDS + 1 <= 8 * LINE
+assert PIECE + MAX_PIECES <= _HEADER_LINE and HEADER_WORDS + 1 <= 8 * LINE
 
 
 class Header:
@@ -50,7 +50,7 @@ class Header:
 
     def __init__(self, op: str, names: Sequence[str], values: Sequence[int],
                  local: Sequence[str] = ()):
-        assert len(names) == len(values) <= _HEADER_WORDS, (names, values)
+        assert len(names) == len(values) <= HEADER_WORDS, (names, values)
         self.op, self.names, self.values, self.local = op, names, values, local
 
 

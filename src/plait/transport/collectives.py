@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..perf.pieces import offsets
 from .calls import Call, Header
 from .shm import ShmSegments
 
@@ -182,7 +183,7 @@ class ShmGroup:
         # a rank whose piece is not the rows it is said to hold writes nothing; every rank
         # reads that in its header and refuses alike
         held_wrong = piece.shape[0] != int(rows[self.rank])
-        mine, flat, starts = piece.reshape(-1), out.view(-1), _offsets(counts)
+        mine, flat, starts = piece.reshape(-1), out.view(-1), offsets(counts)
         for turn in range(turns):
             parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
             names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
@@ -224,7 +225,7 @@ class ShmGroup:
         rank's rows."""
         width = math.prod(tensor.shape[1:])
         counts = [int(r) * width for r in rows]
-        segments = _offsets(counts)  # where each rank's rows start in the flat tensor
+        segments = offsets(counts)  # where each rank's rows start in the flat tensor
         flat, mine = tensor.reshape(-1), out.view(-1)
         turns = self._turns(tensor.numel() * tensor.element_size())
         names = ("dtype", "width", "total", *(f"rows{r}" for r in range(self.world)))
@@ -233,7 +234,7 @@ class ShmGroup:
         for turn in range(turns):
             parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
             sizes = [b - a for a, b in parts]
-            at = _offsets(sizes)  # each rank's range, in turn, in a slot
+            at = offsets(sizes)  # each rank's range, in turn, in a slot
             problem = None if fits else ValueError(
                 f"reduce_scatter: rows {list(rows)} sum to {sum(int(r) for r in rows)}, the "
                 f"tensor has {tensor.shape[0]}")
@@ -292,13 +293,13 @@ class ShmGroup:
         call.close()
         counts = [[n * width for n in row] for row in sent]  # [sender][receiver] elements
         turns = self._turns(max(sum(row) for row in counts) * itemsize)
-        sends = _offsets(counts[self.rank])  # where each receiver's block starts in send
-        lands = _offsets([counts[s][self.rank] for s in range(world)])  # each sender's in out
+        sends = offsets(counts[self.rank])  # where each receiver's block starts in send
+        lands = offsets([counts[s][self.rank] for s in range(world)])  # each sender's in out
         for turn in range(turns):
             parts = [[_bounds(n, turns)[turn:turn + 2] for n in row] for row in counts]
             call = self.call("all_to_all", ("dtype", "width", "turn"),
                              (DTYPES[send.dtype], width, turn))
-            at = _offsets([b - a for a, b in parts[self.rank]])
+            at = offsets([b - a for a, b in parts[self.rank]])
             slot = call.slot(self.rank, send.dtype, at[-1])
             for d, (a, b) in enumerate(parts[self.rank]):
                 slot[at[d]:at[d + 1]].copy_(mine[sends[d] + a:sends[d] + b])
@@ -316,14 +317,6 @@ class ShmGroup:
         ``TURN_BYTES`` (and a buffer), then one a turn (every rank counts alike)."""
         turn = min(self.capacity, TURN_BYTES)
         return max(1, -(-int(nbytes) // turn))
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each size starts when they are laid end to end, and the end."""
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
 
 
 def _bounds(n: int, world: int) -> list[int]:
