@@ -92,3 +92,60 @@ def test_a_gemv_on_shared_memory_is_made_transposed_and_one_layout_is_agreed(wor
         assert err <= 1e-12 and contiguous and "fallback" in why
     refused = run_ranks(_gemv_layouts, world, True, env=env)
     assert all(isinstance(r, str) and "w column-major" in r for r in refused), refused
+
+
+def _decoding_calls():
+    """A decoding step's row-parallel call, made again and again with one signature on
+    shared memory (its check planned once, then carried in every call's header); then one
+    rank with another N, one inside ``refused``, one with another M: every rank refused,
+    and the good call after each still exact."""
+    import torch.distributed as dist
+    from plait import ops
+    from plait.ops.agree import refused
+    from plait.ops.context import get_context
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(3)
+    X, W = torch.randn(2, 1, 4 * world, generator=gen, dtype=torch.float64), \
+        torch.randn(4 * world, 6, generator=gen, dtype=torch.float64)
+    x, w = X[..., 4 * rank:4 * rank + 4], W[4 * rank:4 * rank + 4].t().contiguous().t()
+    seen = {}
+
+    def good(name):
+        with torch.no_grad():
+            seen[name] = float((ops.matmul_all_reduce(x[:1], w) - X[:1] @ W).abs().max())
+
+    def bad(name, call):
+        try:
+            with torch.no_grad():
+                call()
+            seen[name] = None
+        except ValueError as err:
+            seen[name] = str(err)
+    for i in range(4):
+        good(f"call {i}")
+    plans = [key for key in get_context()._plans if key[0] == "matmul_all_reduce"]
+    seen["plans"] = len(plans)
+    wide = torch.cat([w, w[:, :1]], dim=1) if rank == world - 1 else w
+    bad("other N", lambda: ops.matmul_all_reduce(x[:1], wide))
+    good("after N")
+    problem = ValueError("this rank's layer refused its input") if rank == 0 else None
+
+    def inside():
+        with refused(problem):
+            ops.matmul_all_reduce(x[:1], w)
+    bad("refused", inside)
+    good("after refused")
+    bad("other M", lambda: ops.matmul_all_reduce(x if rank == 1 else x[:1], w))
+    good("after M")
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_decoding_steps_check_is_planned_once_and_still_refuses_every_rank(world):
+    for seen in run_ranks(_decoding_calls, world, env={"PLAIT_TRANSPORT": "shm"}):
+        assert seen["plans"] == 1, seen
+        assert all(seen[k] <= 1e-12 for k in seen if k.startswith(("call", "after"))), seen
+        assert "N" in seen["other N"], seen
+        assert "this rank's layer refused its input" in seen["refused"], seen
+        assert "M" in seen["other M"], seen

@@ -79,7 +79,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() and self._kept is None and not self.sequence_parallel:
             # no backward (a decoding step): a column-parallel forward moves no bytes, so
-            # it is the local GEMM alone, with no cross-rank check to make
+            # it is the local GEMM alone, with no cross-rank check to make (and, with
+            # nothing timed or slowed, no region around it: a step makes a few dozen)
+            if _idle(self.compute_timer):
+                return F.linear(x, self.weight, self.bias)
             with compute_scope(x.device, self.compute_timer, self._work()):
                 return F.linear(x, self.weight, self.bias)
         rows = self._rows()  # the output features computed: None (all) unless resized

@@ -104,6 +104,13 @@ def refused(problem: Exception | None) -> Iterator[None]:
         _REFUSED.reset(token)
 
 
+def refusal_pending() -> bool:
+    """Whether the next operator's check must refuse (inside :func:`refused`): a plan
+    cached from an earlier call (:meth:`plait.ops.context.OpsContext.carried_plan`) must
+    not stand in for that check."""
+    return _REFUSED.get() is not None
+
+
 def attempt(check):
     """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``; or
     ``(None, the problem)`` inside ``refused(problem)`` (then ``check`` is not called)."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..perf.calibrate import MachineProfile, default_profile_path
 from ..runtime.dist import _timeout_s
 from ..runtime.priority import prioritize_group
-from .agree import start_gather_checked
+from .agree import attempt, refusal_pending, start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
 from ..transport.calls import HEADER_WORDS
@@ -79,6 +79,9 @@ class OpsContext:
     # ≈ 0.4 ms of Python to recompute, on every call
     _auto_made: dict[tuple, Decision] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
+    # (op, the call's shapes, strides and dtypes) → what its carried check needs (see
+    # carried_plan): made once per signature, not on every call of a decoding step
+    _plans: dict[tuple, object] = field(default_factory=dict)
     _measured_here: bool = False  # the calibration was measured on this group
 
     @contextlib.contextmanager
@@ -86,11 +89,11 @@ class OpsContext:
         """Run this group's collectives on ``transport`` inside the block (a benchmark
         timing two transports in turn in one run); the decisions follow it."""
         saved, self.transport = self.transport, transport
-        self._auto_made = {}
+        self._auto_made, self._plans = {}, {}
         try:
             yield transport
         finally:
-            self.transport, self._auto_made = saved, {}
+            self.transport, self._auto_made, self._plans = saved, {}, {}
 
     def mover(self):
         """This group's transport (``plait.transport``): shared memory inside a host, else
@@ -159,6 +162,23 @@ class OpsContext:
         if key not in self._auto_made:
             self._auto_made[key] = self._auto(*key)
         return self._record(self._auto_made[key])
+
+    def carried_plan(self, key: tuple, make):
+        """``(make(), None)``, made once per ``key`` (an operator and every shape, stride,
+        dtype and device its check reads) while checks ride in headers: a decoding step
+        calls each layer's operator with one signature every token, and validating it
+        again each time cost microseconds of Python per call. ``make`` validates this
+        rank's arguments: where it raises, ``(None, the problem)`` (the caller refuses the
+        call on every rank), never cached; inside :func:`plait.ops.agree.refused` the
+        cache is not read. What every rank must agree on is still compared on every call,
+        in the data call's header."""
+        plan = None if key is None or refusal_pending() else self._plans.get(key)
+        if plan is not None:
+            return plan, None
+        plan, problem = attempt(make)
+        if problem is None and key is not None:
+            self._plans[key] = plan
+        return plan, problem
 
     def _on_shm(self, op: str) -> Decision:
         """``chunks="auto"`` on shared memory: the plain path. On a CPU the rank's own core
@@ -232,6 +252,14 @@ def checks_from_env() -> str:
     if value not in CHECKS:
         raise ValueError(f"PLAIT_CHECKS={value!r}: choose one of {', '.join(CHECKS)}")
     return value
+
+
+def signature(op: str, *tensors) -> tuple | None:
+    """What an operator's check reads of its tensors (shape, strides, dtype, device): the
+    key of :meth:`OpsContext.carried_plan`; None where one is not a tensor (never cached)."""
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return (op, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
 
 
 def carries_checks(ctx: "OpsContext") -> bool:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .agree import attempt, check_chunks, check_same, chunks_code
 from .compute import compute_region, current_region, piece
-from .context import Decision, OpsContext, carries_checks, get_context, transport_of
+from .context import Decision, OpsContext, carries_checks, get_context, signature, transport_of
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered, untransposed
@@ -129,8 +129,9 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
         # a GEMV with a column-major w is made transposed ([N, M], BLAS's fast orientation
-        # here, see _gemv_pieces), reduced so, and returned as a contiguous [M, N]
-        flip = transposed and m <= GEMV_ROWS
+        # here, see _gemv_pieces), reduced so, and returned as a contiguous [M, N]; one row
+        # is the same bytes either way (a decoding step's: five tensor views saved a call)
+        flip = transposed and 1 < m <= GEMV_ROWS
         mover = transport_of(group)
         if hasattr(mover, "matmul_all_reduce") and meanwhile is None:  # done when it returns
             # shared memory: the product is made in the slot its peers read (the compute
@@ -268,22 +269,28 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     if chunks == "auto" and carries_checks(ctx):
         # shared memory takes the plain path at "auto" (OpsContext.decide): the check rides
         # in the header of the call that carries the product, not in a call of its own
-        row, problem = attempt(lambda: _local_row(OP, x2, w, chunks))
+        plan, problem = ctx.carried_plan(signature(OP, x2, w), lambda: _carried(x2, w, chunks))
         if problem is not None:
             ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
-        # a GEMV's product is made transposed where w is column-major (BLAS's fast
-        # orientation here): every rank's slot must hold one layout, so there the layout is
-        # one more field every rank must agree on
-        transposed = x2.shape[0] <= GEMV_ROWS and bool(row[5])
-        agreed = _same_layout if x2.shape[0] <= GEMV_ROWS else _same_rows
-        check = (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
-        return _started(x, x2, w, group, decision, transposed, wgrad_into, check)
+        return _started(x, x2, w, group, decision, *plan, wgrad_into)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
-    return _started(x, x2, w, group, decision, transposed, wgrad_into, None)
+    return _started(x, x2, w, group, decision, transposed, None, wgrad_into)
 
 
-def _started(x, x2, w, group, decision, transposed, wgrad_into, check) -> InFlight:
+def _carried(x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[bool, tuple]:
+    """Whether the product is held transposed, and the check the data call carries.
+
+    A GEMV's product is made transposed where w is column-major (BLAS's fast orientation
+    here): every rank's slot must hold one layout, so there the layout is one more field
+    every rank must agree on."""
+    row = _local_row(OP, x2, w, chunks)
+    gemv = x2.shape[0] <= GEMV_ROWS
+    agreed = _same_layout if gemv else _same_rows
+    return gemv and bool(row[5]), (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
+
+
+def _started(x, x2, w, group, decision, transposed, check, wgrad_into) -> InFlight:
     """The forward, through autograd where a backward follows, else alone (a decoding
     step: nothing to save); in x's leading shape."""
     works: list = []

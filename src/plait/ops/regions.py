@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .agree import attempt, check_same, dtype_code
-from .context import carries_checks, get_context, transport_of
+from .context import carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
 from ..transport.calls import HEADER_WORDS
@@ -147,15 +147,26 @@ def _verify(op: str, metas, dim: int | None, split: bool, shares) -> list[int]:
 def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
     """On shared memory, ``_agreed``'s check as the ``check`` a data call carries in its
     header (no call of its own); None elsewhere, or where the call cannot carry it. A rank
-    whose own input is bad raises here, and so do its peers, in their data call."""
+    whose own input is bad raises here, and so do its peers, in their data call. Made
+    once per signature (:meth:`plait.ops.context.OpsContext.carried_plan`)."""
+    ctx = get_context(group)
     # a header holds the check's 4 + W fields and an all_gather's own 3 + W
-    if not carries_checks(get_context(group)) or 7 + 2 * _world(group) > HEADER_WORDS:
+    if not carries_checks(ctx) or 7 + 2 * _world(group) > HEADER_WORDS:
         return None
-    row, problem, shares = _row(op, x, group, dim, sizes, split=split)
+    key = signature(op, x)
+    if key is not None:
+        key = (*key, dim, None if sizes is None else tuple(int(s) for s in sizes), split)
+
+    def make():
+        row, problem, shares = _row(op, x, group, dim, sizes, split=split)
+        if problem is not None:
+            raise problem
+        names = tuple(f"f{i}" for i in range(len(row)))
+        return (op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
+    check, problem = ctx.carried_plan(key, make)
     if problem is not None:
-        get_context(group).gather_meta(op, 4 + _world(group), None, problem)  # raises
-    names = tuple(f"f{i}" for i in range(len(row)))
-    return (op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
+        ctx.gather_meta(op, 4 + _world(group), None, problem)  # raises
+    return check
 
 
 class _Copy(torch.autograd.Function):
