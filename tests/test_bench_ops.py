@@ -34,7 +34,8 @@ KEYS = {"op", "shape", "t_compute_s", "t_comm_s", "t_unfused_s", "t_fused_s", "t
         "t_beside_s", "chunks", "path", "correct", "correct_by_variant", "path_by_variant",
         "max_abs_diff_by_variant", "t_fixed_s", "peak_bytes_fused", "t_rounds_s",
         "t_measured_rounds_s", "t_compute_fastest_s", "t_comm_fastest_s",
-        "auto_over_best_fixed", "auto_choice_over_best_fixed", "auto_over_own_count"}
+        "auto_over_best_fixed", "auto_choice_over_best_fixed", "auto_over_own_count",
+        "auto_over_unfused"}
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +107,23 @@ def test_the_figures_are_what_the_timings_imply(records):
         assert r["auto_over_best_fixed"] == exact(paired("auto", best))
         assert r["auto_choice_over_best_fixed"] == exact(paired(own, best))
         assert r["auto_over_own_count"] == exact(paired("auto", own))
+        # auto against the unfused baseline (the one with the smaller median), round by round
+        measured = r["t_measured_rounds_s"]
+        base = min(("unfused", "unfused_pieces"), key=lambda k: median(measured[k]))
+        assert r["t_unfused_s"] == median(measured[base])
+        assert r["auto_over_unfused"] == exact(
+            median([a / b for a, b in zip(rounds["auto"], measured[base])]))
 
 
 def test_the_summary_reads_the_records(records):
     summary = summarize(records)
     assert summary["all_correct"] is True
     assert summary["balanced_shapes"] == sum(0.5 <= r["comm_ratio"] <= 2 for r in records)
-    assert summary["worst_auto_over_unfused"] == max(r["t_fused_s"] / r["t_unfused_s"]
-                                                     for r in records)
+    assert summary["worst_auto_over_unfused"] == max(r["auto_over_unfused"] for r in records)
+    assert summary["worst_auto_over_unfused_medians"] == max(r["t_fused_s"] / r["t_unfused_s"]
+                                                             for r in records)
+    assert summary["auto_slower_than_unfused_by_5pct"] == [
+        f"{r['op']} {r['shape']}" for r in records if r["auto_over_unfused"] > 1.05]
     assert summary["worst_auto_choice_over_best_fixed"] == max(
         r["auto_choice_over_best_fixed"] for r in records)
 
@@ -196,5 +206,7 @@ def test_two_transports_summarize_each_and_together(records):
     out = summarize_transports(gloo + shm)
     assert out["all_correct"] is True and set(out["shm"]) == set(out["gloo"])
     assert out["gloo_unfused_over_shm_fused"] == [2.0] * len(records)
+    assert out["gloo_unfused_over_shm_limit_median"] == pytest.approx(median(
+        [r["t_unfused_s"] / r["t_limit_s"] for r in records]))
     shm[-1] = {**shm[-1], "correct": False}
     assert summarize_transports(gloo + shm)["all_correct"] is False
