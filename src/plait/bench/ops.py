@@ -217,7 +217,7 @@ class OpsBenchConfig:
 
     ops: tuple[str, ...] = field(default=tuple(QUICK_SHAPES), metadata={
         "help": "operators to run: " + ", ".join(CASES)})
-    iters: int = field(default=7, metadata={"help": "timed iterations per variant (median reported)"})
+    iters: int = field(default=11, metadata={"help": "timed iterations per variant (median reported)"})
     warmup: int = field(default=1, metadata={"help": "untimed iterations per variant"})
     fixed_chunks: tuple[int, ...] = field(default=(1, 2, 4, 8), metadata={
         "help": "fixed piece counts timed beside auto"})
