@@ -141,13 +141,15 @@ def _checks(system: str) -> str:
     return "gather" if system == "plait-gather-checks" else "carried"
 
 
-def _speed_split(cfg: DecodeBenchConfig, model) -> dict:
-    """plait-speed: every split dim sized by the speeds measured on a batch-1 prompt."""
+def _speed_split(cfg: DecodeBenchConfig, model, prompt, speeds=None) -> dict:
+    """plait-speed: every split dim sized by the speeds measured on this batch's ``prompt``
+    (``speeds``: measured already, on the even split; else measured here). A rank's speed
+    depends on the batch: at batch 1 a layer's call costs about the same however few
+    columns it holds, so speeds measured there understate a slow host's slowness at 64."""
     from ..training.split import measure_speeds, split_by_speed
 
-    prompt = torch.randint(0, cfg.vocab_size, (1, cfg.prompt_len),
-                           generator=torch.Generator().manual_seed(cfg.seed))
-    speeds, _, _ = measure_speeds(model, prompt, cfg.speed_steps)
+    if speeds is None:
+        speeds, _, _ = measure_speeds(model, prompt, cfg.speed_steps)
     return {"speeds": list(speeds), "sizes": {d: list(s) for d, s in
                                                 split_by_speed(model, speeds).items()}}
 
@@ -184,19 +186,21 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
     world = dist.get_world_size()
     ref = _llama(cfg)
     models, why = _systems(cfg, ref)
-    split = _speed_split(cfg, models["plait-speed"]) if "plait-speed" in models else None
     transport = transport_of(None).choice
     names = list(models)
     records = []
     for batch in cfg.batch_sizes:
         prompt = torch.randint(0, cfg.vocab_size, (batch, cfg.prompt_len),
                                generator=torch.Generator().manual_seed(cfg.seed + batch))
+        # the even split's speeds on this batch; the split by them, before the warm-up
+        capacity = _capacity(cfg, models, prompt) if "plait" in models else None
+        split = None if "plait-speed" not in models else _speed_split(
+            cfg, models["plait-speed"], prompt, None if capacity is None else capacity["speeds"])
         for name in names:  # warm-up: first calls allocate, the operators decide
             _timed(models[name], prompt[:, :4], DecodeBenchConfig(**{**_fields(cfg),
                                                                      "new_tokens": 2}),
                    name == "one-process", _checks(name))
         seen = {name: {"steps": [], "ttft": [], "tokens": None} for name in names}
-        capacity = _capacity(cfg, models, prompt) if "plait" in models else None
         for i in range(cfg.rounds):
             for name in balanced_round(names, i):
                 tokens, ttft, steps = _timed(models[name], prompt, cfg, name == "one-process",
