@@ -93,7 +93,10 @@ def _gemv(p):  # M ≤ 8: pieces cut N; a column-major w as row-parallel layers 
     x, w = X[:, ks].to(p["dtype"]), W[ks].t().contiguous().t()
     x = _strided(x) if p["strided"] else x
     y = ops.matmul_all_reduce(x, w, chunks=p["chunks"])
-    return [y, torch.tensor(float(not y.is_contiguous()))], [X @ W, torch.tensor(0.0)]
+    # dense either way: held transposed where every rank's w is column-major (an empty
+    # share's is not), returned as that buffer's view, else contiguous
+    dense = y.is_contiguous() or y.t().is_contiguous()
+    return [y, torch.tensor(float(not dense))], [X @ W, torch.tensor(0.0)]
 
 
 def _cpm(p):

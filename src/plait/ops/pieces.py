@@ -9,7 +9,7 @@ import torch
 
 from ..perf.pieces import offsets, split, tapered  # pure: the cost model cuts pieces the same way
 
-__all__ = ["split", "row_parts", "as_rows", "untransposed", "tapered", "offsets", "even_sizes", "check_sizes",
+__all__ = ["split", "row_parts", "as_rows", "tapered", "offsets", "even_sizes", "check_sizes",
            "check_float", "DTYPE_CODES"]
 
 DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -25,17 +25,6 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] (a view where it can be): ``reshape(-1, K)`` refuses a tensor
     with no elements (an empty share: no rows, or K_r = 0), this does not."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-def untransposed(buf: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``[M, N]`` copy of ``buf.t()`` (``buf``: a contiguous ``[N, M]``, a GEMV's
-    output held transposed). Copied as a 4-d permute: a CPU copies ``[N, 8] → [8, N]`` so
-    in about half the time of ``buf.t().contiguous()`` (0.19 against 0.40 ms for
-    N = 65536), the same bytes."""
-    n, m = buf.shape
-    if m == 1:  # one row (a decoding step): the same memory, already [1, N] in order
-        return buf.view(1, n)
-    return buf.view(1, n, m, 1).permute(0, 2, 1, 3).contiguous().view(m, n)
 
 
 def even_sizes(total: int, world: int) -> list[int]:
