@@ -59,6 +59,11 @@ def _body():
     seen["gather refused"] = _attempt(lambda: gather_from_region(odd, None, -1, sizes))
     long = _full(2, 2, sizes[rank] + 1) if rank == 0 else whole[:, lo:lo + sizes[rank]]
     seen["sizes refused"] = _attempt(lambda: gather_from_region(long, None, -1, sizes))
+    # sizes that are not integers on one rank, after the good signature was planned: refused
+    # on every rank (worked out on that rank alone, its peers would wait in the data call)
+    junk = [None, *sizes[1:]] if rank == world - 1 else sizes
+    seen["junk sizes refused"] = _attempt(
+        lambda: gather_from_region(whole[:, lo:lo + sizes[rank]], None, -1, junk))
     seen["after"] = float((reduce_from_region(terms[rank]) - sum(terms)).abs().max())
     return seen, get_context().mover().name
 
@@ -79,3 +84,5 @@ def test_region_edges_on_every_transport(world, transport, checks):
         assert "gather_from_region" in seen["gather refused"] and \
             "other dims" in seen["gather refused"], seen["gather refused"]
         assert "do not fit" in seen["sizes refused"], seen["sizes refused"]  # rank 0's own
+        assert seen["junk sizes refused"] is not None and \
+            "gather_from_region" in seen["junk sizes refused"], seen["junk sizes refused"]

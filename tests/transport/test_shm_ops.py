@@ -150,3 +150,31 @@ def test_a_decoding_steps_check_is_planned_once_and_still_refuses_every_rank(wor
         assert "N" in seen["other N"], seen
         assert "this rank's layer refused its input" in seen["refused"], seen
         assert "M" in seen["other M"], seen
+
+
+def _gemv_grad(chunks):
+    """A GEMV (3 rows) made transposed, under autograd: its output is changed in place (a
+    view of the operator's own buffer could not be), and the gradients are exact."""
+    import torch.distributed as dist
+    from plait import ops
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(5)
+    X, W = torch.randn(3, 4 * world, generator=gen, dtype=torch.float64), \
+        torch.randn(4 * world, 10, generator=gen, dtype=torch.float64)
+    x = X[:, 4 * rank:4 * rank + 4].clone().requires_grad_(True)
+    w = W[4 * rank:4 * rank + 4].t().contiguous().t().requires_grad_(True)
+    y = ops.matmul_all_reduce(x, w, chunks=chunks)
+    y += 1.0
+    y.sum().backward()
+    ones = torch.ones(3, 10, dtype=torch.float64)
+    return (float((y.detach() - (X @ W + 1)).abs().max()),
+            float((x.grad - ones @ W[4 * rank:4 * rank + 4].t()).abs().max()),
+            float((w.grad - X[:, 4 * rank:4 * rank + 4].t() @ ones).abs().max()))
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_transposed_gemv_output_takes_an_in_place_change_under_autograd(transport):
+    for chunks in ("auto", 2):
+        for errors in run_ranks(_gemv_grad, 2, chunks, env={"PLAIT_TRANSPORT": transport}):
+            assert max(errors) <= 1e-12, (chunks, errors)

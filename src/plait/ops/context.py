@@ -79,8 +79,9 @@ class OpsContext:
     # ≈ 0.4 ms of Python to recompute, on every call
     _auto_made: dict[tuple, Decision] = field(default_factory=dict)
     _logged: set[tuple] = field(default_factory=set)
-    # (op, the call's shapes, strides and dtypes) → what its carried check needs (see
-    # carried_plan): made once per signature, not on every call of a decoding step
+    # (op, each tensor's shape, strides, dtype and device, and the call's own arguments) →
+    # what its carried check needs (carried_plan): made once per signature, not on every
+    # call of a decoding step
     _plans: dict[tuple, object] = field(default_factory=dict)
     _measured_here: bool = False  # the calibration was measured on this group
 
@@ -177,6 +178,8 @@ class OpsContext:
             return plan, None
         plan, problem = attempt(make)
         if problem is None and key is not None:
+            if len(self._plans) > 1024:  # a signature a prompt length, say: keep it bounded
+                self._plans.clear()
             self._plans[key] = plan
         return plan, problem
 

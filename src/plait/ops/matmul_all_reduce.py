@@ -86,12 +86,16 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext,
     rank's w is column-major, since all ranks must reduce buffers of the same layout."""
     def local():
         row = _local_row(op, x2, w, chunks)
-        if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
-            raise ValueError(f"{op}: wgrad_into {tuple(wgrad_into.shape)} is not the "
-                             f"transposed shape of w {tuple(w.shape)}")
+        _check_wgrad_into(op, w, wgrad_into)
         return row
     row, problem = attempt(local)
     return _decide(op, ctx.gather_meta(op, 6, row, problem), x2.element_size(), chunks, ctx)
+
+
+def _check_wgrad_into(op: str, w: torch.Tensor, wgrad_into: torch.Tensor | None) -> None:
+    if wgrad_into is not None and tuple(wgrad_into.shape) != (w.shape[1], w.shape[0]):
+        raise ValueError(f"{op}: wgrad_into {tuple(wgrad_into.shape)} is not the "
+                         f"transposed shape of w {tuple(w.shape)}")
 
 
 def _decide(op: str, metas, itemsize: int, chunks, ctx: OpsContext) -> tuple[Decision, bool]:
@@ -124,8 +128,8 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
     ``meanwhile``: called once every piece is on the wire, before waiting for them (a
     backward computes its weight gradient there, under the last pieces' all_reduce).
     ``in_flight``: a list the pieces' pending collectives are put in instead of being
-    waited for (the output is not ready until they are); a GEMV, whose result is laid
-    out only once every block has arrived, still waits.
+    waited for (the output is not ready until they are); a GEMV still waits for every
+    block.
     """
     m, n = x2.shape[0], w.shape[1]
     if decision.path == "fallback":
@@ -135,8 +139,9 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
         flip = transposed and 1 < m <= GEMV_ROWS
         mover = transport_of(group)
         if hasattr(mover, "matmul_all_reduce") and meanwhile is None:  # done when it returns
-            # shared memory: the product is made in the slot its peers read (the compute
-            # region around the product alone: waiting for a peer is not this rank's compute)
+            # shared memory: the product is made in the slot its peers read, up to a turn
+            # (the compute region around the product alone: waiting for a peer is not this
+            # rank's compute)
             region = piece if current_region() is not None else None  # None: nothing to enter
             out = mover.matmul_all_reduce(x2, w, region=region, check=check, transposed=flip)
             return out
@@ -221,8 +226,12 @@ class _MatmulAllReduce(torch.autograd.Function):
     def forward(ctx, x2, w, group, decision, transposed, wgrad_into, in_flight, check=None):
         ctx.save_for_backward(x2, w)
         ctx.region, ctx.wgrad_into = current_region(), wgrad_into
-        return _fused_forward(x2, w, group, decision, transposed, in_flight=in_flight,
-                              check=check)
+        out = _fused_forward(x2, w, group, decision, transposed, in_flight=in_flight,
+                             check=check)
+        # a view (a GEMV's transposed buffer) returned from here could not be modified in
+        # place by the caller (autograd forbids it for a custom Function's views): a copy,
+        # only where a backward follows (a decoding step keeps the view)
+        return out.clone() if out._base is not None else out
 
     @staticmethod
     def backward(ctx, dy):
@@ -268,7 +277,10 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     if chunks == "auto" and carries_checks(ctx):
         # shared memory takes the plain path at "auto" (OpsContext.decide): the check rides
         # in the header of the call that carries the product, not in a call of its own
-        plan, problem = ctx.carried_plan(signature(OP, x2, w), lambda: _carried(x2, w, chunks))
+        key = signature(OP, x2, w)
+        if key is not None and wgrad_into is not None:
+            key = (*key, tuple(wgrad_into.shape))
+        plan, problem = ctx.carried_plan(key, lambda: _carried(x2, w, chunks, wgrad_into))
         if problem is not None:
             ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
@@ -277,16 +289,18 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     return _started(x, x2, w, group, decision, transposed, None, wgrad_into)
 
 
-def _carried(x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[bool, tuple]:
+def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
+             wgrad_into: torch.Tensor | None = None) -> tuple[bool, tuple]:
     """Whether the product is held transposed, and the check the data call carries.
 
-    A GEMV's product is made transposed where w is column-major (BLAS's fast orientation
-    here): every rank's slot must hold one layout, so there the layout is one more field
-    every rank must agree on."""
+    A GEMV's product (2 to GEMV_ROWS rows) is made transposed where w is column-major
+    (BLAS's fast orientation here): every rank's slot must hold one layout, so there the
+    layout is one more field every rank must agree on."""
     row = _local_row(OP, x2, w, chunks)
-    gemv = x2.shape[0] <= GEMV_ROWS
-    agreed = _same_layout if gemv else _same_rows
-    return gemv and bool(row[5]), (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
+    _check_wgrad_into(OP, w, wgrad_into)
+    flipped = 1 < x2.shape[0] <= GEMV_ROWS  # one row: the same bytes either way
+    agreed = _same_layout if flipped else _same_rows
+    return flipped and bool(row[5]), (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
 
 
 def _started(x, x2, w, group, decision, transposed, check, wgrad_into) -> InFlight:

@@ -118,8 +118,12 @@ def _row(op: str, x, group, dim: int | None, sizes, *, split: bool, needs_grad: 
             raise ValueError(f"{op}: dim {dim} is not a dim of x {tuple(x.shape)}")
         d = dim % x.dim()
         length, others = x.shape[d], math.prod(x.shape[:d]) * math.prod(x.shape[d + 1:])
-        shares = [int(s) for s in sizes] if sizes is not None else \
-            even_sizes(length, world) if split else None
+        try:
+            shares = [int(s) for s in sizes] if sizes is not None else \
+                even_sizes(length, world) if split else None
+        except (TypeError, ValueError):
+            raise TypeError(f"{op}: sizes must be integers, one per rank, got {sizes!r}") \
+                from None
         if shares is not None:
             if len(shares) != world or min(shares) < 0:
                 raise ValueError(f"{op}: sizes {shares} must give each of {world} ranks a "
@@ -153,9 +157,7 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
     # a header holds the check's 4 + W fields and an all_gather's own 3 + W
     if not carries_checks(ctx) or 7 + 2 * _world(group) > HEADER_WORDS:
         return None
-    key = signature(op, x)
-    if key is not None:
-        key = (*key, dim, None if sizes is None else tuple(int(s) for s in sizes), split)
+    key = _signature(op, x, dim, sizes, split)
 
     def make():
         row, problem, shares = _row(op, x, group, dim, sizes, split=split)
@@ -167,6 +169,21 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
     if problem is not None:
         ctx.gather_meta(op, 4 + _world(group), None, problem)  # raises
     return check
+
+
+def _signature(op: str, x, dim, sizes, split: bool) -> tuple | None:
+    """``_carried``'s cache key; None (never cached: ``_row`` then refuses a bad ``dim`` or
+    ``sizes`` on every rank) where ``sizes`` is not a sequence of integers or ``dim`` not
+    hashable: raised here, on this rank alone, it would leave its peers in the data call."""
+    key = signature(op, x)
+    if key is None or not isinstance(sizes, (list, tuple, type(None))):
+        return None
+    try:
+        key = (*key, dim, None if sizes is None else tuple(int(s) for s in sizes), split)
+        hash(key)
+    except (TypeError, ValueError):
+        return None
+    return key
 
 
 class _Copy(torch.autograd.Function):
