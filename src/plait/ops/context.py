@@ -260,9 +260,12 @@ def checks_from_env() -> str:
 def signature(op: str, *tensors) -> tuple | None:
     """What an operator's check reads of its tensors (shape, strides, dtype, device): the
     key of :meth:`OpsContext.carried_plan`; None where one is not a tensor (never cached)."""
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    return (op, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+    key = [op]
+    for t in tensors:  # a loop, not a generator: this runs on every call of a decoding step
+        if not isinstance(t, torch.Tensor):
+            return None
+        key += (t.shape, t.stride(), t.dtype, t.device)
+    return tuple(key)
 
 
 def carries_checks(ctx: "OpsContext") -> bool:
