@@ -87,11 +87,17 @@ def test_kernel_budgets_refuse_what_they_cannot_make(ranks, hosts, slow, says):
     (["--slow-by", "kernel", "--slow", "1:2"], "needs one rank per host"),
     (["--split", "fast"], "--split must be even or speed"),
     (["--systems", "vllm"], "--systems vllm: choose from"),
+    (["--slow", "1:2@3"], "for the whole run"),
+    (["--slow", "1:2", "--slow", "1:3"], "names rank 1 more than once"),
+    (["--batch-sizes", "1,x"], "--batch-sizes: 'x' is not a whole number"),
 ])
 def test_bad_input_is_refused_in_one_line(flags, says, capsys):
-    assert main(["bench", "decode", "--ranks", "2", *TINY, *flags]) == 2
-    err = capsys.readouterr().err
+    # with the progress bar on: a refusal comes before it is drawn, and before any rank
+    shown = [a for a in TINY if a != "--no-progress"]
+    assert main(["bench", "decode", "--ranks", "2", *shown, *flags]) == 2
+    out, err = capsys.readouterr()
     assert err.count("\n") == 1 and says in err, err
+    assert "bench decode" not in out, out
 
 
 def test_the_config_refuses_a_head_count_that_does_not_divide():

@@ -40,8 +40,8 @@ from ..runtime.straggler import SLOW_BY
 from ..runtime.timing import agreed_max, balanced_round
 from ..training.decode import decode
 
-__all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "kernel_budgets", "run_decode_bench",
-           "summarize"]
+__all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "check_slow", "kernel_budgets",
+           "run_decode_bench", "summarize"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process", "plait-speed",
            "plait-gather-checks")
@@ -63,8 +63,8 @@ class DecodeBenchConfig:
         "systems: " + ", ".join(SYSTEMS) + " (plait-gather-checks: plait with every "
         "cross-rank check a gloo gather of its own, PLAIT_CHECKS=gather)"))
     split: str = field(default="even", metadata=_h(
-        "even, or speed: also run plait with every split dim sized by each rank's measured "
-        "speed (plait-speed), beside the even split"))
+        "even, or speed: also run plait with every split dim sized by each rank's speed "
+        "measured at each batch size (plait-speed), beside the even split"))
     speed_steps: int = field(default=8, metadata=_h("decoding steps timed to measure speeds"))
     slow_by: str = field(default="sleep", metadata=_h(
         "how --slow RANK:F makes a rank F × slower: sleep (F − 1 × each split layer's compute "
@@ -98,6 +98,19 @@ class DecodeBenchConfig:
         if self.n_head % self.n_kv_head or self.n_embd % self.n_head:
             raise ValueError(f"--n-head {self.n_head} must be a multiple of --n-kv-head "
                              f"{self.n_kv_head} and divide --n-embd {self.n_embd}")
+
+
+def check_slow(specs) -> None:
+    """``--slow`` for bench decode: a slowdown lasts the whole run (a decode has no steps
+    or requests to count a window in), each rank named once; refused, not ignored."""
+    for spec in specs:
+        if spec.from_step or spec.until_step is not None:
+            raise ValueError(f"--slow {spec.rank}:{spec.factor:g}@…: bench decode slows a "
+                             "rank for the whole run (no @FROM-UNTIL; generate --requests "
+                             "each takes request windows)")
+    ranks = [spec.rank for spec in specs]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"--slow names rank {max(ranks, key=ranks.count)} more than once")
 
 
 def _llama(cfg: DecodeBenchConfig):

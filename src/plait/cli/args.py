@@ -52,5 +52,10 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, defaults: dict | No
             continue
         if typing.get_origin(hints[f.name]) is tuple and isinstance(value, str):
             value = tuple(v.strip() for v in value.split(",") if v.strip())
+            if typing.get_args(hints[f.name])[:1] == (int,):  # named here, not by int()
+                bad = [v for v in value if not v.lstrip("+-").isdigit()]
+                if bad:
+                    raise ValueError(f"{_flag(f.name)}: {bad[0]!r} is not a whole number")
+                value = tuple(int(v) for v in value)
         values[f.name] = value
     return cls(**{**(defaults or {}), **values})

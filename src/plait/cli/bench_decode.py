@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.decode import DecodeBenchConfig, bench_decode, summarize
+from ..bench.decode import DecodeBenchConfig, bench_decode, check_slow, kernel_budgets, summarize
 from ..bench.report import console, print_summary, print_table, progress_bar, write_json
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
@@ -29,8 +29,10 @@ def register(which) -> None:
     add_output_args(parser)
     add_dataclass_args(parser, DecodeBenchConfig)
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR",
-                        help="make a rank FACTOR × slower at compute in the split layers "
-                             "(straggler emulation; repeatable)")
+                        help="make a rank FACTOR × slower for the whole run (repeatable, a "
+                             "rank once): with --slow-by sleep its compute in the split layers "
+                             "of the plait systems (pytorch-tp and one-process run unslowed); "
+                             "with --slow-by kernel its host's CPU budget, every system")
     parser.set_defaults(func=run_decode)
 
 
@@ -41,11 +43,15 @@ def run_decode(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(DecodeBenchConfig, args, defaults=QUICK_DECODE if args.quick else None)
     check_outputs(args, "json", "plot")
+    slow = list(getattr(args, "slow_specs", ()))
+    check_slow(slow)  # refused here, before any rank starts or a bar is drawn
+    if cfg.slow_by == "kernel":
+        kernel_budgets(ranks, hosts, slow)
     total = len(cfg.batch_sizes) * cfg.rounds
     with progress_bar("bench decode", total, enabled=not args.no_progress) as advance:
         records, where = bench_decode(cfg, ranks=ranks, hosts=hosts, link=link,
                                       timeout_s=args.timeout,
-                                      slow=list(getattr(args, "slow_specs", ())),
+                                      slow=slow,
                                       on_progress=lambda rank, p: rank == 0 and advance(
                                           note=f"batch {p['batch']} round {p['round']}"))
     console.print(f"[dim]{where}[/dim]")
