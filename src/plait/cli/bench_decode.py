@@ -82,11 +82,12 @@ def run_decode(args: argparse.Namespace) -> int:
         if "skipped" in r:
             console.print(f"[dim]  {r['system']}: not run: {r['skipped']}[/dim]")
     summary = summarize(records)
+    saving = any(key.endswith("_check_saving_ms") for key in summary)
     console.print("[dim]ratios of ms per token (below 1: faster): SYSTEM_bBATCH_vs_OTHER is "
                   "SYSTEM's over OTHER's at that batch; ratio_to_ideal: over the capacity "
-                  "ideal; plait_bBATCH_check_saving_ms (not a ratio): the ms a token "
-                  "plait-gather-checks takes over plait, what carrying the checks in the data "
-                  "calls saves[/dim]")
+                  "ideal" + ("; plait_bBATCH_check_saving_ms (not a ratio): the ms a token "
+                             "plait-gather-checks takes over plait, what carrying the checks "
+                             "in the data calls saves" if saving else "") + "[/dim]")
     print_summary(summary, ".3f")
     if args.json:
         write_json(args.json, records, {"command": "bench decode", "where": where,

@@ -71,7 +71,9 @@ def run_generate(args: argparse.Namespace) -> int:
                             f"moved: the split was sized again before the next request (where "
                             f"the predicted gain is --tolerance {cfg.tolerance:.0%} or more); "
                             "–: nothing decided (the last request, or --split even/speed)")
-    print_table(f"{cfg.max_new_tokens} tokens × {len(prompts)} prompts on {ranks} ranks",
+    count = len(prompts)
+    print_table(f"{cfg.max_new_tokens} tokens × {count} prompt{'s' if count != 1 else ''} on "
+                f"{ranks} rank{'s' if ranks != 1 else ''}",
                 ["TTFT (ms)", "ms / token", "p99 (ms)", "tokens/s"],
                 [[f"{result['ttft_ms']:.1f}", f"{result['ms_per_token']:.2f}",
                   f"{result['p99_ms']:.2f}", f"{result['tokens_per_s']:,.0f}"]],
