@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from ..runtime.fields import help_meta as _h
 from ..runtime import rank_context
-from ..runtime.straggler import SLOW_BY
+from ..runtime.straggler import SLOW_BY, once_per_rank
 from ..runtime.timing import agreed_max, balanced_round
-from ..training.decode import decode
+from ..training.decode import decode, step_figures
+from ..training.split import split_sizes
 
 __all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "check_slow", "kernel_budgets",
            "run_decode_bench", "summarize"]
@@ -108,9 +109,7 @@ def check_slow(specs) -> None:
             raise ValueError(f"--slow {spec.rank}:{spec.factor:g}@…: bench decode slows a "
                              "rank for the whole run (no @FROM-UNTIL; generate --requests "
                              "each takes request windows)")
-    ranks = [spec.rank for spec in specs]
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"--slow names rank {max(ranks, key=ranks.count)} more than once")
+    once_per_rank(specs)
 
 
 def _llama(cfg: DecodeBenchConfig):
@@ -225,16 +224,13 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
             rank_context().report({"batch": batch, "round": i + 1, "of": cfg.rounds})
         reference = seen.get("one-process", {}).get("tokens")
         for name in names:
-            steps = sorted(seen[name]["steps"])
-            ms = statistics.median(steps) * 1e3
+            figures = step_figures(seen[name]["steps"], batch)
+            ms, steps = figures["ms_per_token"], seen[name]["steps"]
             tokens = seen[name]["tokens"]
             records.append({
                 "system": name, "batch": batch, "world_size": world,
-                "ranks_used": 1 if name == "one-process" else world,
-                "ms_per_token": ms, "p99_ms": steps[min(len(steps) - 1,
-                                                        int(0.99 * len(steps)))] * 1e3,
+                "ranks_used": 1 if name == "one-process" else world, **figures,
                 "ttft_ms": statistics.median(seen[name]["ttft"]) * 1e3,
-                "tokens_per_s": batch / (ms / 1e3),
                 "same_tokens": None if reference is None or tokens is None
                 else bool(torch.equal(tokens, reference)),
                 "transport": {"one-process": "–", "pytorch-tp": dist.get_backend()}.get(
@@ -246,7 +242,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
             if name == "plait-speed" and split is not None:
                 records[-1]["split"] = split
             elif name.startswith("plait"):
-                records[-1]["split"] = {"sizes": _sizes(models[name])}
+                records[-1]["split"] = {"sizes": {d: list(v) for d, v in
+                                                  split_sizes(models[name]).items()}}
             if name in ("plait", "plait-speed") and capacity is not None:
                 even = statistics.median(sorted(seen["plait"]["steps"]))
                 records[-1].update(_ideal(capacity, even, ms / 1e3))
@@ -255,14 +252,6 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
     if records:
         records[0]["paths"] = explain()
     return records
-
-
-def _sizes(model) -> dict[str, list[int]]:
-    """Each split dim's shares (``model._plait_dims``: an attention's KV-head groups, an
-    MLP's columns), as its first module's plan holds them."""
-    modules = dict(model.named_modules())
-    return {dim: list(modules[names[0]].plan.sizes)
-            for dim, names in (getattr(model, "_plait_dims", None) or {}).items()}
 
 
 def _capacity(cfg: DecodeBenchConfig, models: dict, prompt) -> dict:

@@ -143,8 +143,7 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
             # (the compute region around the product alone: waiting for a peer is not this
             # rank's compute)
             region = piece if current_region() is not None else None  # None: nothing to enter
-            out = mover.matmul_all_reduce(x2, w, region=region, check=check, transposed=flip)
-            return out
+            return mover.matmul_all_reduce(x2, w, region=region, check=check, transposed=flip)
         if flip and in_flight is None:
             buf = x2.new_empty(n, m)
             with piece():

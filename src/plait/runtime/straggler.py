@@ -35,7 +35,7 @@ import torch
 from . import current
 
 __all__ = ["SlowSpec", "SlowCurve", "JITTERS", "SLOW_BY", "parse_slow", "validate_slow",
-           "Straggler", "compute_clock", "host_throttle"]
+           "once_per_rank", "Straggler", "compute_clock", "host_throttle"]
 
 SLOW_BY = ("sleep", "kernel")  # how a factor is made: a sleep after each piece, or a CPU quota
 
@@ -178,6 +178,14 @@ def validate_slow(specs: Sequence[SlowSpec | SlowCurve], world_size: int) -> Non
                 f"--slow names rank {spec.rank}, but there are only {world_size} ranks "
                 f"(0..{world_size - 1})"
             )
+
+
+def once_per_rank(specs: Sequence[SlowSpec | SlowCurve]) -> None:
+    """Refuse a ``--slow`` naming a rank twice, where a command takes one slowdown a rank
+    (decoding and serving; training takes several windows a rank)."""
+    ranks = [spec.rank for spec in specs]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"--slow names rank {max(ranks, key=ranks.count)} more than once")
 
 
 class Straggler:

@@ -22,12 +22,13 @@ each step's slowest rank once decoding is done.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["decode", "Decoded"]
+__all__ = ["decode", "Decoded", "step_figures"]
 
 
 @dataclass
@@ -35,6 +36,17 @@ class Decoded:
     tokens: torch.Tensor        # [B, S + new]: the prompt, then the new tokens
     ttft_s: float               # the prefill, to the first new token
     step_s: list[float]         # every next token's step
+
+
+def step_figures(step_s, batch: int) -> dict:
+    """What a run of decoding steps (seconds each, a step the slowest rank's) reports:
+    ``ms_per_token`` (the median step), ``p99_ms`` and ``tokens_per_s`` (``batch`` tokens a
+    step)."""
+    steps = sorted(step_s)
+    median = statistics.median(steps)
+    return {"ms_per_token": median * 1e3,
+            "p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3,
+            "tokens_per_s": batch / median}
 
 
 def _sync(device: torch.device) -> None:

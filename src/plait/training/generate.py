@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.fields import help_meta as _h
+from ..runtime.straggler import once_per_rank
 
 __all__ = ["GenerateConfig", "MODELS", "build_model", "generate_rank", "read_prompts"]
 
@@ -94,9 +95,7 @@ class GenerateConfig:
                     f"--slow {spec.rank}:{spec.factor:g}@{start}: this run makes {requests} "
                     f"request{'s' if requests != 1 else ''} (0 to {requests - 1}; "
                     "--requests each makes one a prompt)")
-        ranks = [spec.rank for spec in specs]
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"--slow names rank {max(ranks, key=ranks.count)} more than once")
+        once_per_rank(specs)
 
     def limits(self) -> tuple[int, int]:
         """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
@@ -203,6 +202,7 @@ def generate_rank(cfg: GenerateConfig) -> dict:
     from ..ops.context import get_context, transport_of
     from ..parallel import applied, parallelize
     from ..runtime.timing import agreed_max
+    from .decode import step_figures
     from .serve import serve
 
     torch.set_num_threads(1)
@@ -227,13 +227,10 @@ def generate_rank(cfg: GenerateConfig) -> dict:
     requests, tokens = [], []
     for (ids, _), out in zip(batches, served):
         times = agreed_max([out.ttft_s, *out.step_s])
-        steps = sorted(times[1:]) or [times[0]]
         tokens += [out.tokens[i, ids.shape[1]:].tolist() for i in range(ids.shape[0])]
         requests.append({
             "prompts": ids.shape[0], "ttft_ms": times[0] * 1e3,
-            "ms_per_token": statistics.median(steps) * 1e3,
-            "p99_ms": steps[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3,
-            "tokens_per_s": ids.shape[0] / statistics.median(steps),
+            **step_figures(times[1:] or times[:1], ids.shape[0]),
             "split": {d.rsplit(".", 1)[-1]: list(s) for d, s in out.sizes.items()},
             "speeds": list(out.speeds) if out.speeds is not None else None,
             "gain": out.gain, "moved": out.moved})

@@ -80,12 +80,6 @@ def _gain(sizes: dict[str, tuple[int, ...]], speeds) -> float:
                 for s in sizes.values()), default=0.0)
 
 
-def _sizes(model) -> dict[str, tuple[int, ...]]:
-    modules = dict(model.named_modules())
-    return {dim: tuple(modules[names[0]].plan.sizes)
-            for dim, names in (getattr(model, "_plait_dims", None) or {}).items()}
-
-
 class _Sampler:
     """The split layers timed during a request's first ``steps`` steps (the prefill's time
     forgotten), then left untimed; one exchange after the request gives every rank's speed."""
@@ -141,7 +135,7 @@ def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str
     after each request (every rank). ``decode_kw``: :func:`~plait.training.decode.decode`'s."""
     from ..runtime import rank_context
     from .decode import decode
-    from .split import measure_speeds, split_by_speed
+    from .split import measure_speeds, split_by_speed, split_sizes
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
@@ -163,7 +157,7 @@ def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str
             sampler.start()
         out = decode(model, prompt, new_tokens,
                      on_step=None if sampler is None else sampler.on_step, **decode_kw)
-        done = Served(out.tokens, out.ttft_s, out.step_s, _sizes(model))
+        done = Served(out.tokens, out.ttft_s, out.step_s, split_sizes(model))
         if sampler is not None and i + 1 < len(prompts):
             measured = sampler.speeds()
             speeds = measured if speeds_of is None or measured is None else \

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["measure_speeds", "split_by_speed", "decode_ideal"]
+__all__ = ["measure_speeds", "split_by_speed", "split_sizes", "decode_ideal"]
 
 
 def measure_speeds(model, prompt: torch.Tensor, steps: int = 8):
@@ -70,6 +70,14 @@ def split_by_speed(model, speeds) -> dict[str, tuple[int, ...]]:
         migrate(model, None, {name: plan for name in names})
         moved[dim] = plan.sizes
     return moved
+
+
+def split_sizes(model) -> dict[str, tuple[int, ...]]:
+    """Each split dim's shares (``model._plait_dims``: an attention's KV-head groups, an
+    MLP's columns), as its first module's plan holds them."""
+    modules = dict(model.named_modules())
+    return {dim: tuple(modules[names[0]].plan.sizes)
+            for dim, names in (getattr(model, "_plait_dims", None) or {}).items()}
 
 
 def decode_ideal(step_s: float, compute_s: list[float], work: list[float]) -> float:

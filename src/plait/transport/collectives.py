@@ -57,6 +57,7 @@ class ShmGroup:
         self.segments = ShmSegments(group, capacity=capacity, timeout_s=timeout_s)
         self.rank, self.world = self.segments.rank, self.segments.world
         self.capacity = capacity
+        self.turn_bytes = min(capacity, TURN_BYTES)  # the most one call moves a rank
         self.epoch = 0
 
     def call(self, op: str, names: Sequence[str], values: Sequence[int], *,
@@ -89,13 +90,12 @@ class ShmGroup:
         header (``reduce_computed``)."""
         flat = tensor.view(-1)
         size = flat.numel() * flat.element_size()
-        if size <= min(self.capacity, TURN_BYTES):
+        if size <= self.turn_bytes:
             self._all_reduce(flat, size, check=check)
             return tensor
-        if check is not None:  # in turns: the check goes first, in a call of its own
-            check[3](self.gather_meta(check[0], check[2], len(check[2])))
-        turn = min(self.capacity, TURN_BYTES)
-        per_turn = max(self.world, turn // tensor.element_size() // self.world * self.world)
+        self._check_alone(check)  # in turns: the check goes first, in a call of its own
+        per_turn = max(self.world,
+                       self.turn_bytes // tensor.element_size() // self.world * self.world)
         for lo in range(0, flat.numel(), per_turn):
             part = flat[lo:lo + per_turn]
             self._all_reduce(part, part.numel() * part.element_size())
@@ -177,8 +177,8 @@ class ShmGroup:
         width = math.prod(piece.shape[1:])  # an empty share has a width too
         counts = [int(r) * width for r in rows]
         turns = self._turns(max(counts, default=0) * piece.element_size())
-        if turns > 1 and check is not None:  # in turns: the check first, a call of its own
-            check[3](self.gather_meta(check[0], check[2], len(check[2])))
+        if turns > 1:  # in turns: the check first, a call of its own
+            self._check_alone(check)
             check = None
         # a rank whose piece is not the rows it is said to hold writes nothing; every rank
         # reads that in its header and refuses alike
@@ -265,7 +265,7 @@ class ShmGroup:
         world, itemsize = self.world, send.element_size()
         names = ("dtype", "width", *(f"to{d}" for d in range(world)),
                  *(f"from{s}" for s in range(world)), "whole")
-        whole = send.numel() * itemsize <= min(self.capacity, TURN_BYTES)
+        whole = send.numel() * itemsize <= self.turn_bytes
         call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
                                                int(whole)), local=names[2:])
         if whole:
@@ -315,8 +315,13 @@ class ShmGroup:
     def _turns(self, nbytes: int) -> int:
         """Calls a message of ``nbytes`` (the largest one rank writes) takes: one up to
         ``TURN_BYTES`` (and a buffer), then one a turn (every rank counts alike)."""
-        turn = min(self.capacity, TURN_BYTES)
-        return max(1, -(-int(nbytes) // turn))
+        return max(1, -(-int(nbytes) // self.turn_bytes))
+
+    def _check_alone(self, check: tuple | None) -> None:
+        """An operator's check (op, names, values, verify) in a header-only call of its own,
+        judged by ``verify`` on every rank alike: for data that goes in turns."""
+        if check is not None:
+            check[3](self.gather_meta(check[0], check[2], len(check[2])))
 
 
 def _bounds(n: int, world: int) -> list[int]:

@@ -48,12 +48,10 @@ class ShmTransport:
     name = "shm"
 
     def __init__(self, group, choice: Choice, *, timeout_s: float):
-        from .collectives import TURN_BYTES, ShmGroup
+        from .collectives import ShmGroup
 
         self.group, self.choice = group, choice
         self.shm = ShmGroup(group, timeout_s=timeout_s)
-        # the largest product computed straight into a slot: one turn of an all_reduce
-        self.direct_bytes = min(self.shm.capacity, TURN_BYTES)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
         """``check``: (op, field names, this rank's values, verify(rows)): an operator's
@@ -69,7 +67,7 @@ class ShmTransport:
                           ) -> torch.Tensor:
         """``all_reduce(x @ w)`` with ``x @ w`` computed straight into this rank's slot
         (where the peers read it): one copy less than computing, then reducing. A product
-        over one turn (``direct_bytes``) is computed, then reduced in turns.
+        over one turn (``ShmGroup.turn_bytes``) is computed, then reduced in turns.
         ``region()``: a context entered around the product alone (the compute's timing).
         ``check``: (op, field names, this rank's values, verify(rows)): the operator's
         cross-rank check, carried in the data's own call (``verify`` raises where every
@@ -86,13 +84,12 @@ class ShmTransport:
                 return
             with region():
                 torch.mm(x, w, out=out)
-        if held.numel() * held.element_size() > self.direct_bytes:
-            # over a turn: computed, then reduced in turns, each turn's stages in cache (one
-            # 4 MiB product reduced in its slot ran 5 % slower than this, 3 runs out of 4)
-            if check is not None:
-                check[3](self.shm.gather_meta(check[0], check[2], len(check[2])))
+        if held.numel() * held.element_size() > self.shm.turn_bytes:
+            # over a turn: computed, then reduced in turns (the check in a call of its own
+            # first), each turn's stages in cache (one 4 MiB product reduced in its slot ran
+            # 5 % slower than this, 3 runs out of 4)
             into(held)
-            self.all_reduce(held)
+            self.shm.all_reduce(held, check=check)
         else:
             self.shm.reduce_computed(into, held, check=check)
         return held.t() if transposed else held
