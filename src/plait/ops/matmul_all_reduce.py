@@ -46,6 +46,7 @@ from .context import Decision, OpsContext, carries_checks, get_context, signatur
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
+from ..transport.calls import Carried
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
            "GEMV_ROWS"]
@@ -122,7 +123,7 @@ def _same_layout(op: str, metas) -> None:
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
                    transposed: bool, meanwhile=None, in_flight: list | None = None,
-                   check: tuple | None = None) -> torch.Tensor:
+                   check: Carried | None = None) -> torch.Tensor:
     """[M, K_r] @ [K_r, N] → all-reduced [M, N]; pieces overlap their all_reduce.
 
     ``meanwhile``: called once every piece is on the wire, before waiting for them (a
@@ -283,6 +284,14 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         if problem is not None:
             ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
+        if not torch.is_grad_enabled() or not (x2.requires_grad or w.requires_grad):
+            # nothing for a backward to save (a decoding step): straight to shared memory,
+            # which makes the product in its slot (the compute region around it alone)
+            transposed, check = plan
+            out = ctx.mover().matmul_all_reduce(
+                x2, w, region=piece if current_region() is not None else None, check=check,
+                transposed=transposed)
+            return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, [])
         return _started(x, x2, w, group, decision, *plan, wgrad_into)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
     return _started(x, x2, w, group, decision, transposed, None, wgrad_into)
@@ -299,7 +308,7 @@ def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
     _check_wgrad_into(OP, w, wgrad_into)
     flipped = 1 < x2.shape[0] <= GEMV_ROWS  # one row: the same bytes either way
     agreed = _same_layout if flipped else _same_rows
-    return flipped and bool(row[5]), (OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
+    return flipped and bool(row[5]), Carried(OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
 
 
 def _started(x, x2, w, group, decision, transposed, check, wgrad_into) -> InFlight:

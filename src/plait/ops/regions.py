@@ -32,7 +32,7 @@ from .agree import attempt, check_same, dtype_code
 from .context import carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
-from ..transport.calls import HEADER_WORDS
+from ..transport.calls import HEADER_WORDS, Carried
 
 __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
            "gather_for_matmul", "reduce_scatter_region"]
@@ -148,14 +148,16 @@ def _verify(op: str, metas, dim: int | None, split: bool, shares) -> list[int]:
     return shares if shares is not None else [m[3] for m in metas]
 
 
-def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
+def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool,
+             world: int | None = None):
     """On shared memory, ``_agreed``'s check as the ``check`` a data call carries in its
     header (no call of its own); None elsewhere, or where the call cannot carry it. A rank
     whose own input is bad raises here, and so do its peers, in their data call. Made
     once per signature (:meth:`plait.ops.context.OpsContext.carried_plan`)."""
     ctx = get_context(group)
+    world = _world(group) if world is None else world
     # a header holds the check's 4 + W fields and an all_gather's own 3 + W
-    if not carries_checks(ctx) or 7 + 2 * _world(group) > HEADER_WORDS:
+    if not carries_checks(ctx) or 7 + 2 * world > HEADER_WORDS:
         return None
     key = _signature(op, x, dim, sizes, split)
 
@@ -164,7 +166,7 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool):
         if problem is not None:
             raise problem
         names = tuple(f"f{i}" for i in range(len(row)))
-        return (op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
+        return Carried(op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
     check, problem = ctx.carried_plan(key, make)
     if problem is not None:
         ctx.gather_meta(op, 4 + _world(group), None, problem)  # raises
@@ -264,9 +266,10 @@ def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum); the backward is the identity (exit of a tensor-parallel region)."""
-    if _world(group) == 1:
+    world = _world(group)
+    if world == 1:
         return x
-    check = _carried("reduce_from_region", x, group, None, None, split=False)
+    check = _carried("reduce_from_region", x, group, None, None, split=False, world=world)
     if check is None:
         _agreed("reduce_from_region", x, group, None, None, split=False)
     if not (torch.is_grad_enabled() and x.requires_grad):  # no backward: the forward alone
@@ -292,10 +295,11 @@ def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
                        sizes: Sequence[int] | None = None) -> torch.Tensor:
     """All-gather ``x`` along ``dim``; the backward keeps this rank's slice (the gradient of
     the gathered tensor is replicated: every rank computed the same loss from it)."""
-    if _world(group) == 1:
+    world = _world(group)
+    if world == 1:
         return x
     check = None if sizes is None else \
-        _carried("gather_from_region", x, group, dim, sizes, split=False)
+        _carried("gather_from_region", x, group, dim, sizes, split=False, world=world)
     if check is None:  # sizes found by the check: it comes first
         sizes = _agreed("gather_from_region", x, group, dim, sizes, split=False)
     else:

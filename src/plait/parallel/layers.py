@@ -129,11 +129,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = self.plan.slice_of(self.info.rank)
-        inside = (ids >= mine.start) & (ids < mine.stop)
-        local = torch.where(inside, ids - mine.start, torch.zeros_like(ids))
+        # this rank's rows looked up, every other id's row 0 (six small ops: a decoding
+        # step makes them every token); where, not a product with the mask, so a row of
+        # inf or NaN owned elsewhere leaves no NaN here
+        local = ids - mine.start
+        kept = local.clamp(0, max(mine.stop - mine.start - 1, 0))
         pad = self.padding_idx
         pad = pad - mine.start if pad is not None and mine.start <= pad < mine.stop else None
-        out = F.embedding(local, self.weight, pad) * inside.unsqueeze(-1).to(self.weight.dtype)
+        out = torch.where((kept == local).unsqueeze(-1),
+                          F.embedding(kept, self.weight, pad), 0.0)
         if self.seq_dim is None:
             out = reduce_from_region(out, self.group)  # [..., D], each id's row from its owner
         else:

@@ -28,7 +28,7 @@ import torch
 
 from .shm import BUFFERS, LINE, WORDS, ShmSegments, reached
 
-__all__ = ["Call", "Header", "HDR", "DONE", "PIECE", "MAX_PIECES", "HEADER_WORDS"]
+__all__ = ["Call", "Carried", "Header", "HDR", "DONE", "PIECE", "MAX_PIECES", "HEADER_WORDS"]
 
 HDR, DONE, REDUCED = 0, 1, 2
 PIECE = 8                     # flag lines PIECE .. PIECE + MAX_PIECES − 1
@@ -44,14 +44,43 @@ assert PIECE + MAX_PIECES <= _HEADER_LINE and HEADER_WORDS + 1 <= 8 * LINE
 
 class Header:
     """A call's fields, as integers; what differs between ranks is named in the error.
-    ``local``: the fields that may differ (a rank's own shard size)."""
+    ``local``: the fields that may differ (a rank's own shard size). ``packed``: the words
+    written into the slot (a 0, "no rank rejected its input", then the values)."""
 
-    __slots__ = ("op", "names", "values", "local")
+    __slots__ = ("op", "names", "values", "local", "packed")
 
     def __init__(self, op: str, names: Sequence[str], values: Sequence[int],
                  local: Sequence[str] = ()):
         assert len(names) == len(values) <= HEADER_WORDS, (names, values)
         self.op, self.names, self.values, self.local = op, names, values, local
+        self.packed = _packer(len(values) + 1).pack(0, *values)
+
+
+class Carried:
+    """An operator's cross-rank check, carried in the header of the call that moves its
+    data (no call of its own): ``op``, its fields' ``names`` and this rank's ``values``,
+    and ``verify(rows)``, which raises (every rank alike) where every rank's values do not
+    agree. An operator makes one per signature (``OpsContext.carried_plan``), so the
+    headers made from it are kept: a decoding step's calls build and pack none."""
+
+    __slots__ = ("op", "names", "values", "verify", "_headers")
+
+    def __init__(self, op: str, names: Sequence[str], values: Sequence[int], verify):
+        self.op, self.names, self.values, self.verify = op, tuple(names), tuple(values), verify
+        self._headers: dict[tuple, Header] = {}
+
+    def header(self, names: tuple, values: tuple) -> Header:
+        """The header of a call that carries this check's fields, then its own ``names``
+        (``values``, a tuple): every field local (``verify`` judges the check's, the call
+        its own)."""
+        header = self._headers.get(values)
+        if header is None:
+            if len(self._headers) >= 64:  # a call's own fields vary (a gather's rows): bounded
+                self._headers.clear()
+            every = (*self.names, *names)
+            header = self._headers[values] = Header(self.op, every, (*self.values, *values),
+                                                    local=every)
+        return header
 
 
 class Call:
@@ -75,10 +104,12 @@ class Call:
 
     # --- the check, carried in the slot ----------------------------------------
     def _write_header(self, problem: Exception | None) -> None:
-        start, values = self._start, self.header.values
-        _packer(len(values) + 1).pack_into(self.shm.raw, 4 * start,
-                                           1 if problem is not None else 0, *values)
-        if problem is not None:
+        at, packed = 4 * self._start, self.header.packed
+        if problem is None:
+            self.shm.raw[at:at + len(packed)] = packed
+        else:
+            values = self.header.values
+            _packer(len(values) + 1).pack_into(self.shm.raw, at, 1, *values)
             note_at = _NOTE_LINE * LINE * 4 + self.buffer * _NOTE_BYTES
             text = f"{type(problem).__name__}:{problem}".encode()[:_NOTE_BYTES - 1]
             note = self.shm.flags.view(np.uint8)[note_at:note_at + _NOTE_BYTES]
@@ -89,18 +120,17 @@ class Call:
         before, are there for every peer. Wait for every peer's, then check them: every
         rank raises the same error where a rank rejected its input or a field differs.
         Every rank's header, in rank order."""
-        shm = self.shm
-        shm.set(HDR, self.epoch)
+        shm, epoch = self.shm, self.epoch
+        shm.set(HDR, epoch)
         start, width = self._start, len(self.header.values) + 1
-        mine = shm.flags_i32[start:start + width]
         a, b = 4 * start, 4 * (start + width)  # the header's bytes, compared as bytes
-        ours = shm.peers[shm.rank].raw[a:b]
-        alike = True
-        for peer in shm.peers:
-            if not reached(peer.words[HDR * LINE], self.epoch):
-                shm.wait(peer.rank, HDR, self.epoch, self.header.op)
-            alike = alike and (peer.rank == shm.rank or peer.raw[a:b] == ours)
-        if alike and not mine[0]:  # the common case: every header is this one
+        ours = self.header.packed if self.problem is None else shm.raw[a:b]
+        alike = self.problem is None
+        for peer in shm.others:
+            if not reached(peer.words[HDR * LINE], epoch):
+                shm.wait(peer.rank, HDR, epoch, self.header.op)
+            alike = alike and peer.raw[a:b] == ours
+        if alike:  # the common case: every header is this one, and none rejected its input
             rows = [tuple(self.header.values)] * shm.world
             self.rows, self.alike = rows, True
             return rows
@@ -142,6 +172,10 @@ class Call:
     def slot(self, rank: int, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
         """``count`` elements at byte ``offset`` of this call's buffer in ``rank``'s segment."""
         return self.shm.buffer(rank, self.buffer, dtype, count, offset)
+
+    def slots(self, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """Every rank's ``slot(rank, dtype, count)``, in rank order."""
+        return self.shm.buffers(self.buffer, dtype, count)
 
     def publish(self, piece: int) -> None:
         """This rank's piece ``piece`` is written (wherever it was written to)."""

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..perf.pieces import offsets
-from .calls import Call, Header
+from .calls import Call, Carried, Header
 from .shm import ShmSegments
 
 __all__ = ["ShmGroup", "ONE_SHOT_BYTES", "TURN_BYTES", "DTYPES"]
@@ -59,12 +59,20 @@ class ShmGroup:
         self.capacity = capacity
         self.turn_bytes = min(capacity, TURN_BYTES)  # the most one call moves a rank
         self.epoch = 0
+        self._reduce_headers: dict[tuple, Header] = {}  # a plain all_reduce's, by dtype, numel
+        self._gather_names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)),
+                              "piece")
 
     def call(self, op: str, names: Sequence[str], values: Sequence[int], *,
              local: Sequence[str] = (), problem: Exception | None = None) -> Call:
         """Begin the group's next call (every rank, in the same order)."""
+        return self.begin(Header(op, names, values, local), problem)
+
+    def begin(self, header: Header, problem: Exception | None = None) -> Call:
+        """Begin the group's next call with a ``header`` made already (every rank, in the
+        same order)."""
         self.epoch += 1
-        return Call(self.segments, self.epoch, Header(op, names, values, local), problem)
+        return Call(self.segments, self.epoch, header, problem)
 
     def gather_meta(self, op: str, row: Sequence[int] | None, width: int,
                     problem: Exception | None = None) -> list[tuple[int, ...]]:
@@ -83,11 +91,11 @@ class ShmGroup:
         call.close()
 
     # --- all_reduce ------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, check: tuple | None = None) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, check: Carried | None = None) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous); above ``TURN_BYTES`` in
         turns of at most that many bytes, one call each (see ``TURN_BYTES``). ``check``:
-        (op, names, values, verify): an operator's fields, carried in the first call's
-        header (``reduce_computed``)."""
+        an operator's fields, carried in the call's header (in turns: in a call of its own
+        first)."""
         flat = tensor.view(-1)
         size = flat.numel() * flat.element_size()
         if size <= self.turn_bytes:
@@ -101,28 +109,67 @@ class ShmGroup:
             self._all_reduce(part, part.numel() * part.element_size())
         return tensor
 
-    def reduce_computed(self, compute, out: torch.Tensor, check: tuple | None = None
+    def reduce_computed(self, compute, out: torch.Tensor, check: Carried | None = None
                         ) -> torch.Tensor:
         """``out`` = the sum over ranks of ``compute(slot)``, where ``compute`` writes this
         rank's term straight into its slot (``torch.mm(x, w, out=slot)``): the term is made
         where its peers read it, with no copy into a buffer. ``out`` contiguous, within one
-        buffer. ``check``: (op, names, values, verify): the operator's fields, carried in the
-        call's header; ``verify(rows)`` (every rank's values) raises where they do not agree,
-        on every rank alike."""
+        buffer. ``check``: the operator's fields, carried in the call's header;
+        ``check.verify(rows)`` (every rank's values) raises where they do not agree, on
+        every rank alike."""
         flat = out.view(-1)
         size = flat.numel() * flat.element_size()
         assert size <= self.capacity, (size, self.capacity)
         self._all_reduce(flat, size, compute, check)
         return out
 
-    def _all_reduce(self, flat: torch.Tensor, size: int, compute=None, check=None) -> None:
+    def reduce_product(self, x: torch.Tensor, w: torch.Tensor, check: Carried | None = None,
+                       transposed: bool = False) -> torch.Tensor:
+        """``all_reduce(x @ w)`` ([M, K] @ [K, N], a product of at most ``ONE_SHOT_BYTES``)
+        in one call, the product made in this rank's slot: ``reduce_computed``'s one-shot
+        path with nothing between the operator and its call (a decoding step makes a few
+        dozen a token). ``transposed``: the product made as [N, M] (every rank alike),
+        returned as the [M, N] view. The sum: a new tensor, in rank order."""
+        m, n = x.shape[0], w.shape[1]
+        count = m * n
+        header = self._plain_header(x.dtype, count) if check is None else \
+            check.header(("numel",), (count,))
+        call = self.begin(header)
+        slots = call.slots(x.dtype, count)
+        mine = slots[self.rank]
+        torch.mm(x, w, out=mine.view(n, m).t() if transposed else mine.view(m, n))
+        rows = call.exchange()  # every rank's product is in its slot
+        if check is not None and not call.alike:
+            try:
+                check.verify([row[:-1] for row in rows])
+            except (ValueError, TypeError):
+                call.close()
+                raise
+        out = torch.add(slots[0], slots[1])
+        for part in slots[2:]:
+            out.add_(part)
+        call.close()
+        return out.view(n, m).t() if transposed else out.view(m, n)
+
+    def _plain_header(self, dtype: torch.dtype, n: int) -> Header:
+        """A plain all_reduce's header (kept, by dtype and numel)."""
+        header = self._reduce_headers.get((dtype, n))
+        if header is None:
+            if len(self._reduce_headers) > 1024:
+                self._reduce_headers.clear()
+            header = self._reduce_headers[dtype, n] = Header("all_reduce", _AR_NAMES,
+                                                             (DTYPES[dtype], n))
+        return header
+
+    def _all_reduce(self, flat: torch.Tensor, size: int, compute=None,
+                    check: Carried | None = None) -> None:
         n, dtype = flat.numel(), flat.dtype
-        if check is None:
-            call = self.call("all_reduce", _AR_NAMES, (DTYPES[dtype], n))
-        else:  # the operator's own fields, compared by its own check once every rank's is read
-            op, names, values, verify = check
-            call = self.call(op, (*names, "numel"), (*values, n), local=(*names, "numel"))
-        slot = call.slot(self.rank, dtype, n)
+        # an operator's own fields are compared by its own check once every rank's is read
+        header = self._plain_header(dtype, n) if check is None else \
+            check.header(("numel",), (n,))
+        call = self.begin(header)
+        slots = call.slots(dtype, n)
+        slot = slots[self.rank]
         two_shot = size > ONE_SHOT_BYTES
         bounds = _bounds(n, self.world) if two_shot else None
         if compute is not None:
@@ -136,12 +183,12 @@ class ShmGroup:
         rows = call.exchange()  # every rank's tensor is in its slot
         if check is not None and not call.alike:  # one header everywhere: nothing differs
             try:
-                check[3]([row[:-1] for row in rows])  # the same rows, the same verdict, everywhere
+                check.verify([row[:-1] for row in rows])  # the same rows, the same verdict, everywhere
             except (ValueError, TypeError):
                 call.close()
                 raise
         if not two_shot:
-            _sum_into(flat, [call.slot(r, dtype, n) for r in range(self.world)])
+            _sum_into(flat, slots)
         else:
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
             own = slot[lo:hi]
@@ -167,13 +214,12 @@ class ShmGroup:
 
     # --- all_gather, reduce_scatter, all_to_all ---------------------------------------
     def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
-                   check: tuple | None = None) -> torch.Tensor:
+                   check: Carried | None = None) -> torch.Tensor:
         """Every rank's ``piece`` ([rows[r], ...]) concatenated in rank order into ``out``.
-        ``check``: (op, names, values, verify): an operator's fields, carried in the call's
-        header and judged by ``verify`` before the gather's own fields are. Where the
-        largest piece is over ``TURN_BYTES`` (or a buffer), in turns: each rank's piece cut
-        into as many element ranges, one call a range (every rank knows every piece's
-        size: ``rows``)."""
+        ``check``: an operator's fields, carried in the call's header and judged by its
+        ``verify`` before the gather's own fields are. Where the largest piece is over
+        ``TURN_BYTES`` (or a buffer), in turns: each rank's piece cut into as many element
+        ranges, one call a range (every rank knows every piece's size: ``rows``)."""
         width = math.prod(piece.shape[1:])  # an empty share has a width too
         counts = [int(r) * width for r in rows]
         turns = self._turns(max(counts, default=0) * piece.element_size())
@@ -184,36 +230,40 @@ class ShmGroup:
         # reads that in its header and refuses alike
         held_wrong = piece.shape[0] != int(rows[self.rank])
         mine, flat, starts = piece.reshape(-1), out.view(-1), offsets(counts)
+        names = self._gather_names
+        values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
         for turn in range(turns):
-            parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
-            names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)), "piece")
-            values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
-            op, local, ahead = "all_gather", ("piece",), 0
-            if check is not None:  # every field local: the operator's verdict comes first
-                op, ahead = check[0], len(check[1])
-                names, values = (*check[1], *names), (*check[2], *values)
-                local = names
-            call = self.call(op, names, values, local=local)
+            parts = [(0, c) for c in counts] if turns == 1 else \
+                [_bounds(c, turns)[turn:turn + 2] for c in counts]
+            if check is None:
+                call, ahead = self.call("all_gather", names, values, local=("piece",)), 0
+            else:  # every field local: the operator's verdict comes first
+                call, ahead = self.begin(check.header(names, values)), len(check.names)
+                names = call.header.names
             a, b = parts[self.rank]
             if not held_wrong:
-                call.slot(self.rank, piece.dtype, b - a).copy_(mine[a:b])
+                call.slot(self.rank, piece.dtype, b - a).copy_(mine if turns == 1 else mine[a:b])
             headers = call.exchange()
             if ahead and not call.alike:
                 try:
-                    check[3]([row[:ahead] for row in headers])
+                    check.verify([row[:ahead] for row in headers])
                 except (ValueError, TypeError):
                     call.close()
                     raise
                 call.check_fields([row[ahead:] for row in headers], names[ahead:],
                                   ("piece",))
             held = [row[-1] for row in headers]
-            if held != [int(r) for r in rows]:  # the same verdict on every rank: rows agree
+            if held != list(values[2:-1]):  # the same verdict on every rank: rows agree
                 call.close()
                 raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold "
                                  f"{held}")
-            for rank, (a, b) in enumerate(parts):
-                at = starts[rank]
-                flat[at + a:at + b].copy_(call.slot(rank, piece.dtype, b - a))
+            if turns == 1:  # every piece whole, in rank order: one op
+                torch.cat([call.slot(r, piece.dtype, c) for r, c in enumerate(counts)],
+                          out=flat)
+            else:
+                for rank, (a, b) in enumerate(parts):
+                    at = starts[rank]
+                    flat[at + a:at + b].copy_(call.slot(rank, piece.dtype, b - a))
             call.close()
         return out
 
@@ -317,11 +367,11 @@ class ShmGroup:
         ``TURN_BYTES`` (and a buffer), then one a turn (every rank counts alike)."""
         return max(1, -(-int(nbytes) // self.turn_bytes))
 
-    def _check_alone(self, check: tuple | None) -> None:
-        """An operator's check (op, names, values, verify) in a header-only call of its own,
-        judged by ``verify`` on every rank alike: for data that goes in turns."""
+    def _check_alone(self, check: Carried | None) -> None:
+        """An operator's check in a header-only call of its own, judged by its ``verify`` on
+        every rank alike: for data that goes in turns."""
         if check is not None:
-            check[3](self.gather_meta(check[0], check[2], len(check[2])))
+            check.verify(self.gather_meta(check.op, check.values, len(check.values)))
 
 
 def _bounds(n: int, world: int) -> list[int]:

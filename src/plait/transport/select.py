@@ -48,14 +48,15 @@ class ShmTransport:
     name = "shm"
 
     def __init__(self, group, choice: Choice, *, timeout_s: float):
-        from .collectives import ShmGroup
+        from .collectives import ONE_SHOT_BYTES, ShmGroup
 
         self.group, self.choice = group, choice
         self.shm = ShmGroup(group, timeout_s=timeout_s)
+        self._one_shot = ONE_SHOT_BYTES  # a product up to this size: one call
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
-        """``check``: (op, field names, this rank's values, verify(rows)): an operator's
-        cross-rank check, carried in the header of the call that moves the data."""
+        """``check``: an operator's cross-rank check (:class:`~.calls.Carried`), carried in
+        the header of the call that moves the data."""
         if tensor.is_contiguous():
             self.shm.all_reduce(tensor, check=check)
         else:
@@ -63,18 +64,21 @@ class ShmTransport:
         return Done() if async_op else None
 
     def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None,
-                          check: tuple | None = None, transposed: bool = False
+                          check=None, transposed: bool = False
                           ) -> torch.Tensor:
         """``all_reduce(x @ w)`` with ``x @ w`` computed straight into this rank's slot
-        (where the peers read it): one copy less than computing, then reducing. A product
+        (where the peers read it): one copy less than computing, then reducing. With no
+        ``region``, a one-shot product goes through ``ShmGroup.reduce_product``; a product
         over one turn (``ShmGroup.turn_bytes``) is computed, then reduced in turns.
         ``region()``: a context entered around the product alone (the compute's timing).
-        ``check``: (op, field names, this rank's values, verify(rows)): the operator's
-        cross-rank check, carried in the data's own call (``verify`` raises where every
-        rank's values do not agree). ``transposed``: make the product as ``[N, M]`` (a
-        GEMV whose w is column-major runs about 2x faster so on a CPU) and return it as
-        the ``[M, N]`` view of that buffer."""
+        ``check``: the operator's cross-rank check (:class:`~.calls.Carried`), carried in
+        the data's own call (its ``verify`` raises where every rank's values do not
+        agree). ``transposed``: make the product as ``[N, M]`` (a GEMV whose w is
+        column-major runs about 2x faster so on a CPU) and return it as the ``[M, N]``
+        view of that buffer."""
         m, n = x.shape[0], w.shape[1]
+        if region is None and m * n * x.element_size() <= self._one_shot:
+            return self.shm.reduce_product(x, w, check=check, transposed=transposed)
         held = x.new_empty(n, m) if transposed else x.new_empty(m, n)  # reduced in place
 
         def into(buffer):

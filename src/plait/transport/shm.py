@@ -191,12 +191,13 @@ class ShmSegments:
         self.raw = self.peers[self.rank].raw
         self.flags_i32 = self.peers[self.rank].flags_i32
         self.data = self.peers[self.rank].data
-        self._others = [p for p in self.peers if p.rank != self.rank]
+        self.others = [p for p in self.peers if p.rank != self.rank]  # every peer but this rank
         self._sleeping_word = WORDS - 1  # my "I sleep on a flag" word, read by writers
         # a rank per core or fewer: spin on the core (a yield would hand it to any other
         # process for a time slice); more ranks than cores: yield it while spinning
         self._crowded = self.world > len(os.sched_getaffinity(0))
         self._views: dict = {}
+        self._rows: dict = {}
 
     def _map(self, rank: int, path: str, pid: int, size: int) -> _Peer:
         raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -221,12 +222,23 @@ class ShmSegments:
             self._views[key] = view
         return view
 
+    def buffers(self, index: int, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """Every rank's ``buffer(rank, index, dtype, count)``, in rank order (kept too)."""
+        key = (index % BUFFERS, dtype, count)
+        views = self._rows.get(key)
+        if views is None:
+            if len(self._rows) > 1024:
+                self._rows.clear()
+            views = self._rows[key] = [self.buffer(r, index, dtype, count)
+                                       for r in range(self.world)]
+        return views
+
     # --- flags -------------------------------------------------------------------
     def set(self, word: int, epoch: int) -> None:
         """Publish ``epoch`` in this rank's flag ``word``, after the data it stands for,
         and wake any peer asleep on it."""
         self.words[word * LINE] = epoch & 0xFFFFFFFF
-        for peer in self._others:
+        for peer in self.others:
             if peer.words[self._sleeping_word * LINE]:
                 self._futex(self.flags, word, _FUTEX_WAKE, 2**31 - 1)
                 return
