@@ -43,12 +43,20 @@ def _world(group) -> int:
 
 
 def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x with ``dim`` leading, as [L, rest] (contiguous)."""
-    rest = math.prod(x.shape[:dim]) * math.prod(x.shape[dim + 1:])
+    """x with ``dim`` leading, as [L, rest] (contiguous). Where every dim before ``dim``
+    has one element (a decoding step's [1, 1, V_r] logits) that is x's own order: no
+    movedim."""
+    lead = math.prod(x.shape[:dim])
+    rest = lead * math.prod(x.shape[dim + 1:])
+    if lead == 1:
+        return x.reshape(x.shape[dim], rest).contiguous()
     return x.movedim(dim, 0).reshape(x.shape[dim], rest).contiguous()
 
 
 def _unrows(rows: torch.Tensor, like: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``_rows``' inverse: ``rows`` ([length, rest]) in ``like``'s layout along ``dim``."""
+    if math.prod(like.shape[:dim]) == 1:
+        return rows.view(*like.shape[:dim], length, *like.shape[dim + 1:])
     shape = list(like.movedim(dim, 0).shape)
     shape[0] = length
     return rows.view(shape).movedim(0, dim)
@@ -202,12 +210,9 @@ class _Copy(torch.autograd.Function):
 
 
 def _reduced(x: torch.Tensor, group, check=None) -> torch.Tensor:
-    out = x.contiguous().clone()
     if check is not None:  # shared memory, the check in the data call's header
-        transport_of(group).all_reduce(out, check=check)
-    else:
-        transport_of(group).all_reduce(out)
-    return out
+        return transport_of(group).summed(x, check=check)
+    return transport_of(group).summed(x)
 
 
 class _Reduce(torch.autograd.Function):

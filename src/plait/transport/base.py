@@ -44,6 +44,12 @@ class DistTransport:
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
+    def summed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the group as a new tensor (``tensor`` untouched)."""
+        out = tensor.contiguous().clone()
+        self.all_reduce(out)
+        return out
+
     def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
                    async_op: bool = False):
         """Equal rows: one all_gather; unequal (gloo refuses them): one all_to_all whose send

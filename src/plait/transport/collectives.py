@@ -131,14 +131,33 @@ class ShmGroup:
         dozen a token). ``transposed``: the product made as [N, M] (every rank alike),
         returned as the [M, N] view. The sum: a new tensor, in rank order."""
         m, n = x.shape[0], w.shape[1]
-        count = m * n
-        header = self._plain_header(x.dtype, count) if check is None else \
-            check.header(("numel",), (count,))
-        call = self.begin(header)
-        slots = call.slots(x.dtype, count)
+        call, slots = self._open(x.dtype, m * n, check)
         mine = slots[self.rank]
         torch.mm(x, w, out=mine.view(n, m).t() if transposed else mine.view(m, n))
-        rows = call.exchange()  # every rank's product is in its slot
+        out = self._sum_new(call, slots, check)
+        return out.view(n, m).t() if transposed else out.view(m, n)
+
+    def summed(self, tensor: torch.Tensor, check: Carried | None = None) -> torch.Tensor:
+        """The sum of ``tensor`` (at most ``ONE_SHOT_BYTES``) over the group, as a new
+        tensor, ``tensor`` untouched: an all_reduce without the copy a caller makes to keep
+        its input (an embedding's lookup, a decoding step's). In rank order, one call."""
+        call, slots = self._open(tensor.dtype, tensor.numel(), check)
+        slots[self.rank].copy_(tensor.reshape(-1))
+        return self._sum_new(call, slots, check).view(tensor.shape)
+
+    def _open(self, dtype: torch.dtype, count: int, check: Carried | None):
+        """A one-shot all_reduce's call begun (``check`` in its header) and every rank's
+        slot of ``count`` elements, for this rank to write its term into."""
+        header = self._plain_header(dtype, count) if check is None else \
+            check.header(("numel",), (count,))
+        call = self.begin(header)
+        return call, call.slots(dtype, count)
+
+    def _sum_new(self, call: Call, slots: list[torch.Tensor], check: Carried | None
+                 ) -> torch.Tensor:
+        """Once this rank's term is in its slot: every rank's summed in rank order into a
+        new tensor (the operator's check judged first), the call closed."""
+        rows = call.exchange()  # every rank's term is in its slot
         if check is not None and not call.alike:
             try:
                 check.verify([row[:-1] for row in rows])
@@ -149,7 +168,7 @@ class ShmGroup:
         for part in slots[2:]:
             out.add_(part)
         call.close()
-        return out.view(n, m).t() if transposed else out.view(m, n)
+        return out
 
     def _plain_header(self, dtype: torch.dtype, n: int) -> Header:
         """A plain all_reduce's header (kept, by dtype and numel)."""

@@ -10,7 +10,8 @@
   the benchmarks and ``-v``.
 
 Both transports answer the same calls, each on contiguous tensors and in rank order:
-``all_reduce(t)`` (in place), ``all_gather(out, piece, rows)``, ``reduce_scatter(out, t,
+``all_reduce(t)`` (in place), ``summed(t)`` (the sum as a new tensor),
+``all_gather(out, piece, rows)``, ``reduce_scatter(out, t,
 rows)``, ``all_to_all(out, send, out_rows, in_rows)``, and ``gather_meta`` (the operators'
 cross-rank check). ``async_op=True`` returns a handle whose ``wait()`` completes the call;
 shared memory has no engine of its own on a CPU (the rank's own thread moves the bytes),
@@ -52,7 +53,7 @@ class ShmTransport:
 
         self.group, self.choice = group, choice
         self.shm = ShmGroup(group, timeout_s=timeout_s)
-        self._one_shot = ONE_SHOT_BYTES  # a product up to this size: one call
+        self._one_shot = ONE_SHOT_BYTES  # a product or sum up to this size: one call
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
         """``check``: an operator's cross-rank check (:class:`~.calls.Carried`), carried in
@@ -62,6 +63,15 @@ class ShmTransport:
         else:
             tensor.copy_(self.shm.all_reduce(tensor.contiguous(), check=check))
         return Done() if async_op else None
+
+    def summed(self, tensor: torch.Tensor, check=None) -> torch.Tensor:
+        """The sum of ``tensor`` over the group as a new tensor (``tensor`` untouched);
+        ``check`` as ``all_reduce``'s. One-shot sizes: no copy of the input first."""
+        if tensor.numel() * tensor.element_size() <= self._one_shot:
+            return self.shm.summed(tensor, check=check)
+        out = tensor.contiguous().clone()
+        self.shm.all_reduce(out, check=check)
+        return out
 
     def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None,
                           check=None, transposed: bool = False
