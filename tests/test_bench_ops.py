@@ -40,7 +40,7 @@ KEYS = {"op", "shape", "t_compute_s", "t_comm_s", "t_unfused_s", "t_fused_s", "t
 
 @pytest.fixture(scope="module")
 def records():
-    cfg = OpsBenchConfig(sweep=SWEEP, iters=2, warmup=0, fixed_chunks=(1, 2))
+    cfg = OpsBenchConfig(sweep=SWEEP, iters=2, warmup=0, fixed_chunks=(1, 2), min_time_s=0)
     out, _, calibration = bench_ops(cfg, ranks=2, hosts=0, link=None, timeout_s=60)
     assert set(calibration) == {"profile", "memory_Bps", "curves", "gemm"}
     return out
@@ -210,3 +210,20 @@ def test_two_transports_summarize_each_and_together(records):
         [r["t_unfused_s"] / r["t_limit_s"] for r in records]))
     shm[-1] = {**shm[-1], "correct": False}
     assert summarize_transports(gloo + shm)["all_correct"] is False
+
+
+@pytest.mark.parametrize("call_s, min_time_s, rounds", [
+    (0.005, 0.25, 44),   # a 5 ms call: 50 rounds would make 0.25 s, capped at 4 × 11
+    (0.012, 0.25, 21),   # 0.25 / 0.012 = 20.8
+    (0.080, 0.25, 11),   # long enough at --iters
+    (0.005, 0.0, 11),    # 0: --iters exactly
+])
+def test_a_short_call_is_timed_more_rounds(monkeypatch, call_s, min_time_s, rounds):
+    """The rounds follow the call's reading (fed here, not measured): at least --iters, up
+    to 4 ×, enough for min_time_s a variant."""
+    import plait.bench.ops as ops
+
+    monkeypatch.setattr(ops, "time_once", lambda call, device=None: call_s)
+    cfg = OpsBenchConfig(sweep=SWEEP, iters=11, min_time_s=min_time_s)
+    assert ops._rounds(cfg, lambda: None, None) == rounds
+

@@ -48,6 +48,7 @@ matmul_reduce_scatter shapes' auto still ran 4.5-7 % over the same count.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +60,7 @@ from ..ops.pieces import even_sizes
 from ..perf.pieces import calibration_dict
 from ..runtime import parse_rate, rank_context
 from ..ops.context import transport_of
-from ..runtime.timing import median, time_interleaved
+from ..runtime.timing import agreed_max, median, time_interleaved, time_once
 from .case import (SLOTS, Case, all_gather_pieces, all_reduce_pieces, all_to_all_equal,
                    all_to_all_pieces, check_outputs, gather_equal)
 from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
@@ -218,6 +219,9 @@ class OpsBenchConfig:
     ops: tuple[str, ...] = field(default=tuple(QUICK_SHAPES), metadata={
         "help": "operators to run: " + ", ".join(CASES)})
     iters: int = field(default=11, metadata={"help": "timed iterations per variant (median reported)"})
+    min_time_s: float = field(default=0.25, metadata={"help": (
+        "seconds each variant is timed for at least: a shape whose call is short gets more "
+        "rounds than --iters, up to 4 × (0: --iters exactly)")})
     warmup: int = field(default=1, metadata={"help": "untimed iterations per variant"})
     fixed_chunks: tuple[int, ...] = field(default=(1, 2, 4, 8), metadata={
         "help": "fixed piece counts timed beside auto"})
@@ -233,6 +237,8 @@ class OpsBenchConfig:
             raise ValueError(f"unknown operators {unknown}; choose from {list(CASES)}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"need iters ≥ 1 and warmup ≥ 0, got {self.iters}, {self.warmup}")
+        if not self.min_time_s >= 0:
+            raise ValueError(f"--min-time-s must be 0 or more, got {self.min_time_s}")
         if any(int(c) < 1 for c in self.fixed_chunks):
             raise ValueError(f"fixed chunks must be positive, got {self.fixed_chunks}")
 
@@ -272,6 +278,19 @@ def beats_limit(record: dict) -> bool:
     return record["t_fused_s"] + record["limit_tolerance_s"] < record["t_limit_s"]
 
 
+def _rounds(cfg: OpsBenchConfig, call, device) -> int:
+    """Rounds for a shape: ``cfg.iters``, or more (at most 4 ×) where one ``call`` (the
+    unfused path, timed once, the slowest rank's) is so short that the variants would be
+    timed for under ``cfg.min_time_s`` each. A few ms call on this shared VM swings by
+    10-50 % from one round to the next (an embedding_all_to_all of 9 ms read 8.7-13.8 ms
+    over 11 rounds), so 11 rounds left auto's paired ratio to the unfused path up to 7 %
+    off its own code's. Every rank takes the same count (one agreed time)."""
+    if cfg.min_time_s <= 0:
+        return cfg.iters
+    t = agreed_max([time_once(call, device)], device=device)[0]
+    return max(cfg.iters, min(4 * cfg.iters, math.ceil(cfg.min_time_s / max(t, 1e-6))))
+
+
 def _paired(a: list[float], b: list[float]) -> float:
     """The median over rounds of a / b timed in the same round: the two ran moments apart,
     so a slow stretch of the machine divides out (the ratio of their medians keeps it)."""
@@ -296,7 +315,7 @@ def _bench_case(case: Case, cfg: OpsBenchConfig, host_of: list[int]) -> dict:
     for fn in variants.values():
         for _ in range(cfg.warmup):
             fn()
-    timed = time_interleaved(variants, cfg.iters, device)
+    timed = time_interleaved(variants, _rounds(cfg, case.plain, device), device)
     times = {name: median(ts) for name, ts in timed.items()}
     outputs, paths = _variant_outputs(case, counts, pieces)
     checked = check_outputs(case, outputs)
