@@ -56,18 +56,21 @@ def run_decode(args: argparse.Namespace) -> int:
                                           note=f"batch {p['batch']} round {p['round']}"))
     console.print(f"[dim]{where}[/dim]")
     timed = [r for r in records if "batch" in r]
+    alone = {r["batch"]: r["ms_per_token"] for r in timed if r["system"] == "one-process"}
     rows = [[r["system"], str(r["batch"]), str(r["ranks_used"]), r["transport"],
              f"{r['ms_per_token']:.2f}", f"{r['p99_ms']:.2f}", f"{r['ttft_ms']:.1f}",
              f"{r['tokens_per_s']:,.0f}",
+             f"{r['ms_per_token'] / alone[r['batch']]:.2f}×" if r["batch"] in alone else "–",
              f"{r['ideal_ms']:.2f} ({r['ratio_to_ideal']:.2f}×)" if "ideal_ms" in r else "–",
              {True: "yes", False: "[red]NO[/red]", None: "–"}[r["same_tokens"]]] for r in timed]
     print_table(f"decoding a Llama {cfg.n_layer} × {cfg.n_embd} ({cfg.n_head} heads over "
                 f"{cfg.n_kv_head} KV heads) on {ranks} ranks: {cfg.new_tokens} tokens after "
                 f"{cfg.prompt_len}",
                 ["system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
-                 "tokens/s", "ideal ms (× ideal)", "same tokens"], rows,
+                 "tokens/s", "× one process", "ideal ms (× ideal)", "same tokens"], rows,
                 caption="median over every round's steps (a step: the slowest rank's); "
-                        "one-process: the whole model on one rank; TTFT: the prompt's forward "
+                        "one-process: the whole model on one rank (× one process: ms / token "
+                        "over its, at that batch); TTFT: the prompt's forward "
                         "to the first token (median over rounds); ideal: the even split's step "
                         "less its slowest rank's compute in the split layers, plus all their "
                         "work at the ranks' summed speeds (plait.training.split.decode_ideal)")

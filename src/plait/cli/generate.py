@@ -51,8 +51,8 @@ def run_generate(args: argparse.Namespace) -> int:
     check_outputs(args, "json")
     result, where = run_placed(_one, cfg, ranks=ranks, hosts=hosts, link=link,
                                timeout_s=args.timeout, slow=list(getattr(args, "slow_specs", ())))
-    console.print(f"[dim]{where}; transport {result['transport']}; "
-                  f"{(result['parallel'] or ['one rank'])[0]}[/dim]")
+    console.print(f"[dim]{where}; transport {result['transport']}[/dim]")
+    console.print(f"[dim]{(result['parallel'] or ['one rank'])[0]}[/dim]")
     for i, tokens in enumerate(result["tokens"]):
         console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False)
         console.print(f"  → {' '.join(map(str, tokens))}", markup=False)
