@@ -178,3 +178,41 @@ def test_a_transposed_gemv_output_takes_an_in_place_change_under_autograd(transp
     for chunks in ("auto", 2):
         for errors in run_ranks(_gemv_grad, 2, chunks, env={"PLAIT_TRANSPORT": transport}):
             assert max(errors) <= 1e-12, (chunks, errors)
+
+
+def _reduced_in_place():
+    """A region's all-reduce and a one-row product, each changed in place under autograd
+    (a view made inside a custom Function could not be), with exact gradients."""
+    import torch.distributed as dist
+    from plait import ops
+    from plait.ops.regions import reduce_from_region
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.full((2, 3), float(rank + 1), dtype=torch.float64, requires_grad=True)
+    y = reduce_from_region(x)
+    y.add_(1.0)
+    (y * 2).sum().backward()
+    gen = torch.Generator().manual_seed(6)
+    X, W = torch.randn(1, 4 * world, generator=gen, dtype=torch.float64), \
+        torch.randn(4 * world, 5, generator=gen, dtype=torch.float64)
+    a = X[:, 4 * rank:4 * rank + 4].clone().requires_grad_(True)
+    z = ops.matmul_all_reduce(a, W[4 * rank:4 * rank + 4])
+    z.mul_(3.0)
+    z.sum().backward()
+    return (y._base is None and z._base is None,
+            torch.equal(y.detach(), torch.full((2, 3), world * (world + 1) / 2 + 1,
+                                               dtype=torch.float64)),
+            torch.equal(x.grad, torch.full((2, 3), 2.0, dtype=torch.float64)),
+            float((z.detach() - 3 * X @ W).abs().max()),
+            float((a.grad - 3 * torch.ones(1, 5, dtype=torch.float64)
+                   @ W[4 * rank:4 * rank + 4].t()).abs().max()))
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_reduced_output_takes_an_in_place_change_under_autograd(world, transport):
+    for rank, (plain, values, grads, err, grad_err) in enumerate(
+            run_ranks(_reduced_in_place, world, env={"PLAIT_TRANSPORT": transport})):
+        assert plain and values and grads, (rank, plain, values, grads)
+        assert err <= 1e-12 and grad_err <= 1e-12, (rank, err, grad_err)
+

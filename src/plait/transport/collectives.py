@@ -134,16 +134,16 @@ class ShmGroup:
         call, slots = self._open(x.dtype, m * n, check)
         mine = slots[self.rank]
         torch.mm(x, w, out=mine.view(n, m).t() if transposed else mine.view(m, n))
-        out = self._sum_new(call, slots, check)
-        return out.view(n, m).t() if transposed else out.view(m, n)
+        out = self._sum_new(call, slots, check, (n, m) if transposed else (m, n))
+        return out.t() if transposed else out
 
     def summed(self, tensor: torch.Tensor, check: Carried | None = None) -> torch.Tensor:
         """The sum of ``tensor`` (at most ``ONE_SHOT_BYTES``) over the group, as a new
         tensor, ``tensor`` untouched: an all_reduce without the copy a caller makes to keep
         its input (an embedding's lookup, a decoding step's). In rank order, one call."""
         call, slots = self._open(tensor.dtype, tensor.numel(), check)
-        slots[self.rank].copy_(tensor.reshape(-1))
-        return self._sum_new(call, slots, check).view(tensor.shape)
+        slots[self.rank].copy_(tensor.detach().reshape(-1))  # the slot is no autograd input
+        return self._sum_new(call, slots, check, tensor.shape)
 
     def _open(self, dtype: torch.dtype, count: int, check: Carried | None):
         """A one-shot all_reduce's call begun (``check`` in its header) and every rank's
@@ -153,10 +153,11 @@ class ShmGroup:
         call = self.begin(header)
         return call, call.slots(dtype, count)
 
-    def _sum_new(self, call: Call, slots: list[torch.Tensor], check: Carried | None
-                 ) -> torch.Tensor:
+    def _sum_new(self, call: Call, slots: list[torch.Tensor], check: Carried | None,
+                 shape: Sequence[int]) -> torch.Tensor:
         """Once this rank's term is in its slot: every rank's summed in rank order into a
-        new tensor (the operator's check judged first), the call closed."""
+        new tensor of ``shape`` (the operator's check judged first), the call closed. The
+        tensor is no view (a caller may change it in place under autograd)."""
         rows = call.exchange()  # every rank's term is in its slot
         if check is not None and not call.alike:
             try:
@@ -164,9 +165,8 @@ class ShmGroup:
             except (ValueError, TypeError):
                 call.close()
                 raise
-        out = torch.add(slots[0], slots[1])
-        for part in slots[2:]:
-            out.add_(part)
+        out = slots[0].new_empty(shape)
+        _sum_into(out.view(-1), slots)
         call.close()
         return out
 
