@@ -282,7 +282,7 @@ def _rounds(cfg: OpsBenchConfig, call, device) -> int:
     """Rounds for a shape: ``cfg.iters``, or more (at most 4 ×) where one ``call`` (the
     unfused path, timed once, the slowest rank's) is so short that the variants would be
     timed for under ``cfg.min_time_s`` each. A few ms call on this shared VM swings by
-    10-50 % from one round to the next (an embedding_all_to_all of 9 ms read 8.7-13.8 ms
+    10-50 % from one round to the next (an embedding_all_to_all of 9 ms read 8.8-13.8 ms
     over 11 rounds), so 11 rounds left auto's paired ratio to the unfused path up to 7 %
     off its own code's. Every rank takes the same count (one agreed time)."""
     if cfg.min_time_s <= 0:

@@ -284,14 +284,6 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         if problem is not None:
             ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
-        if not torch.is_grad_enabled() or not (x2.requires_grad or w.requires_grad):
-            # nothing for a backward to save (a decoding step): straight to shared memory,
-            # which makes the product in its slot (the compute region around it alone)
-            transposed, check = plan
-            out = ctx.mover().matmul_all_reduce(
-                x2, w, region=piece if current_region() is not None else None, check=check,
-                transposed=transposed)
-            return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, [])
         return _started(x, x2, w, group, decision, *plan, wgrad_into)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
     return _started(x, x2, w, group, decision, transposed, None, wgrad_into)

@@ -156,14 +156,12 @@ def _verify(op: str, metas, dim: int | None, split: bool, shares) -> list[int]:
     return shares if shares is not None else [m[3] for m in metas]
 
 
-def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool,
-             world: int | None = None):
+def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool, world: int):
     """On shared memory, ``_agreed``'s check as the ``check`` a data call carries in its
     header (no call of its own); None elsewhere, or where the call cannot carry it. A rank
     whose own input is bad raises here, and so do its peers, in their data call. Made
     once per signature (:meth:`plait.ops.context.OpsContext.carried_plan`)."""
     ctx = get_context(group)
-    world = _world(group) if world is None else world
     # a header holds the check's 4 + W fields and an all_gather's own 3 + W
     if not carries_checks(ctx) or 7 + 2 * world > HEADER_WORDS:
         return None
@@ -177,7 +175,7 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool,
         return Carried(op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
     check, problem = ctx.carried_plan(key, make)
     if problem is not None:
-        ctx.gather_meta(op, 4 + _world(group), None, problem)  # raises
+        ctx.gather_meta(op, 4 + world, None, problem)  # raises
     return check
 
 
@@ -210,9 +208,9 @@ class _Copy(torch.autograd.Function):
 
 
 def _reduced(x: torch.Tensor, group, check=None) -> torch.Tensor:
-    if check is not None:  # shared memory, the check in the data call's header
-        return transport_of(group).summed(x, check=check)
-    return transport_of(group).summed(x)
+    mover = transport_of(group)
+    # shared memory carries the check in the data call's header; elsewhere it ran already
+    return mover.summed(x) if check is None else mover.summed(x, check=check)
 
 
 class _Reduce(torch.autograd.Function):

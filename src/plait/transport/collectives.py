@@ -146,8 +146,9 @@ class ShmGroup:
         return self._sum_new(call, slots, check, tensor.shape)
 
     def _open(self, dtype: torch.dtype, count: int, check: Carried | None):
-        """A one-shot all_reduce's call begun (``check`` in its header) and every rank's
-        slot of ``count`` elements, for this rank to write its term into."""
+        """An all_reduce's call begun (``check`` in its header, before the call's own
+        numel) and every rank's slot of ``count`` elements, for this rank to write its
+        term into."""
         header = self._plain_header(dtype, count) if check is None else \
             check.header(("numel",), (count,))
         call = self.begin(header)
@@ -158,13 +159,7 @@ class ShmGroup:
         """Once this rank's term is in its slot: every rank's summed in rank order into a
         new tensor of ``shape`` (the operator's check judged first), the call closed. The
         tensor is no view (a caller may change it in place under autograd)."""
-        rows = call.exchange()  # every rank's term is in its slot
-        if check is not None and not call.alike:
-            try:
-                check.verify([row[:-1] for row in rows])
-            except (ValueError, TypeError):
-                call.close()
-                raise
+        _exchange(call, check)  # every rank's term is in its slot
         out = slots[0].new_empty(shape)
         _sum_into(out.view(-1), slots)
         call.close()
@@ -183,11 +178,7 @@ class ShmGroup:
     def _all_reduce(self, flat: torch.Tensor, size: int, compute=None,
                     check: Carried | None = None) -> None:
         n, dtype = flat.numel(), flat.dtype
-        # an operator's own fields are compared by its own check once every rank's is read
-        header = self._plain_header(dtype, n) if check is None else \
-            check.header(("numel",), (n,))
-        call = self.begin(header)
-        slots = call.slots(dtype, n)
+        call, slots = self._open(dtype, n, check)
         slot = slots[self.rank]
         two_shot = size > ONE_SHOT_BYTES
         bounds = _bounds(n, self.world) if two_shot else None
@@ -199,13 +190,7 @@ class ShmGroup:
             slot[hi:].copy_(flat[hi:])
         else:
             slot.copy_(flat)
-        rows = call.exchange()  # every rank's tensor is in its slot
-        if check is not None and not call.alike:  # one header everywhere: nothing differs
-            try:
-                check.verify([row[:-1] for row in rows])  # the same rows, the same verdict, everywhere
-            except (ValueError, TypeError):
-                call.close()
-                raise
+        _exchange(call, check)  # every rank's tensor is in its slot
         if not two_shot:
             _sum_into(flat, slots)
         else:
@@ -391,6 +376,19 @@ class ShmGroup:
         every rank alike: for data that goes in turns."""
         if check is not None:
             check.verify(self.gather_meta(check.op, check.values, len(check.values)))
+
+
+def _exchange(call: Call, check: Carried | None) -> None:
+    """An all_reduce's headers exchanged, and the operator's ``check`` judged on every
+    rank's fields (its own numel last) where the headers differ: the same rows, the same
+    verdict, on every rank; the call closed where it refuses."""
+    rows = call.exchange()
+    if check is not None and not call.alike:  # one header everywhere: nothing differs
+        try:
+            check.verify([row[:-1] for row in rows])
+        except (ValueError, TypeError):
+            call.close()
+            raise
 
 
 def _bounds(n: int, world: int) -> list[int]:

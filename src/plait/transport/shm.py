@@ -197,7 +197,7 @@ class ShmSegments:
         # process for a time slice); more ranks than cores: yield it while spinning
         self._crowded = self.world > len(os.sched_getaffinity(0))
         self._views: dict = {}
-        self._rows: dict = {}
+        self._every: dict = {}
 
     def _map(self, rank: int, path: str, pid: int, size: int) -> _Peer:
         raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -225,11 +225,11 @@ class ShmSegments:
     def buffers(self, index: int, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
         """Every rank's ``buffer(rank, index, dtype, count)``, in rank order (kept too)."""
         key = (index % BUFFERS, dtype, count)
-        views = self._rows.get(key)
+        views = self._every.get(key)
         if views is None:
-            if len(self._rows) > 1024:
-                self._rows.clear()
-            views = self._rows[key] = [self.buffer(r, index, dtype, count)
+            if len(self._every) > 1024:
+                self._every.clear()
+            views = self._every[key] = [self.buffer(r, index, dtype, count)
                                        for r in range(self.world)]
         return views
 
