@@ -148,13 +148,14 @@ def test_messages_larger_than_a_buffer_go_in_turns_and_equal_gloo(world):
 
 def _checked(bad_rank: int):
     """A good call, a call where ``bad_rank``'s shape differs, one where it rejects its
-    input, then a good call again: each rank's outcome."""
+    input, an all_to_all whose send on ``bad_rank`` has a row more than its splits say,
+    then a good call again: each rank's outcome."""
     from plait.transport.collectives import ShmGroup
 
     rank = dist.get_rank()
     shm = ShmGroup(capacity=1 << 16, timeout_s=20)
     seen = []
-    for case in ("good", "shape", "rejected", "good"):
+    for case in ("good", "shape", "rejected", "a2a", "good"):
         n = 33 if case == "shape" and rank == bad_rank else 32
         problem = ValueError("x is not what it should be") \
             if case == "rejected" and rank == bad_rank else None
@@ -163,6 +164,10 @@ def _checked(bad_rank: int):
                 shm.gather_meta("op", None, 2, problem)
             elif case == "rejected":
                 shm.gather_meta("op", (1, 2), 2)
+            elif case == "a2a":
+                splits = [2] * shm.world
+                send = torch.ones(2 * shm.world + (rank == bad_rank), 3)
+                shm.all_to_all(torch.empty(2 * shm.world, 3), send, splits, splits)
             else:
                 x = torch.ones(n)
                 shm.all_reduce(x)
@@ -176,7 +181,7 @@ def _checked(bad_rank: int):
 def test_a_mismatch_on_one_rank_is_an_error_on_every_rank_and_the_group_goes_on(world):
     results = run_ranks(_checked, world, world - 1)
     for rank, seen in enumerate(results):
-        assert seen[0] == ("ok", None) and seen[3] == ("ok", None), seen
+        assert seen[0] == ("ok", None) and seen[4] == ("ok", None), seen
         kind, text = seen[1]
         assert kind == "ValueError" and "ranks disagree on numel" in text, text
         assert f"rank {world - 1} has (33)" in text, text
@@ -184,3 +189,5 @@ def test_a_mismatch_on_one_rank_is_an_error_on_every_rank_and_the_group_goes_on(
         assert kind == "ValueError" and "x is not what it should be" in text, text
         if rank != world - 1:
             assert f"input rejected on rank {world - 1}" in text, text
+        kind, text = seen[3]  # a send that is not its splits: refused on every rank
+        assert kind == "ValueError" and f"rank {world - 1} sends [2" in text, text

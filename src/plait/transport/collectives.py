@@ -10,9 +10,11 @@ all_reduce         one-shot (each rank writes its tensor into its buffer and rea
                    message instead of (world − 1) ×. Either way every rank holds
                    the same bits: each element is summed once, in one order.
 all_gather         each rank writes its rows into its buffer, reads every peer's.
-reduce_scatter     each rank writes its tensor, sums its own rows of every peer's.
-all_to_all         each rank writes its send rows; the header carries its splits, so
-                   a receiver finds its rows in the sender's buffer.
+reduce_scatter     each rank writes its tensor but its own rows, and sums its own rows
+                   of every peer's, its own read where they are.
+all_to_all         each rank writes its send rows but its own block, which it copies
+                   straight to its output; the header carries its splits, so a
+                   receiver finds its rows in the sender's buffer.
 =================  ==============================================================
 
 A message larger than ``TURN_BYTES`` (or a buffer) goes in turns of at most that many bytes,
@@ -293,15 +295,18 @@ class ShmGroup:
                 f"reduce_scatter: rows {list(rows)} sum to {sum(int(r) for r in rows)}, the "
                 f"tensor has {tensor.shape[0]}")
             call = self.call("reduce_scatter", names, values, problem=problem)
-            if call.problem is None:
+            if call.problem is None:  # the peers read every range but this rank's own
                 slot = call.slot(self.rank, tensor.dtype, at[-1])
                 for rank, (a, b) in enumerate(parts):
-                    slot[at[rank]:at[rank + 1]].copy_(flat[segments[rank] + a:
-                                                           segments[rank] + b])
+                    if rank != self.rank:
+                        slot[at[rank]:at[rank + 1]].copy_(flat[segments[rank] + a:
+                                                               segments[rank] + b])
             call.exchange()
             a, b = parts[self.rank]
-            _sum_into(mine[a:b], [call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
-                                                                      at[self.rank + 1]]
+            own = flat[segments[self.rank] + a:segments[self.rank] + b]
+            _sum_into(mine[a:b], [own if r == self.rank else
+                                  call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
+                                                                     at[self.rank + 1]]
                                   for r in range(self.world)])
             call.close()
         return out
@@ -320,10 +325,20 @@ class ShmGroup:
         names = ("dtype", "width", *(f"to{d}" for d in range(world)),
                  *(f"from{s}" for s in range(world)), "whole")
         whole = send.numel() * itemsize <= self.turn_bytes
+        flat, mine = out.view(-1), send.reshape(-1)
+        own = offsets([int(n) * width for n in in_rows])
+        problem = None
+        if own[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != flat.numel():
+            problem = ValueError(f"all_to_all: rank {self.rank} sends {list(in_rows)} rows "
+                                 f"from {send.shape[0]} and receives {list(out_rows)} into "
+                                 f"{out.shape[0] if out.dim() else 0}")
         call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
-                                               int(whole)), local=names[2:])
-        if whole:
-            call.slot(self.rank, send.dtype, send.numel()).copy_(send.reshape(-1))
+                                               int(whole)), local=names[2:], problem=problem)
+        if whole and problem is None:  # every block but this rank's own, where its receiver
+            lo, hi = own[self.rank], own[self.rank + 1]  # finds it
+            slot = call.slot(self.rank, send.dtype, send.numel())
+            slot[:lo].copy_(mine[:lo])
+            slot[hi:].copy_(mine[hi:])
         rows = call.exchange()
         sent = [row[2:2 + world] for row in rows]        # [sender][receiver]
         expected = [row[2 + world:2 + 2 * world] for row in rows]  # [receiver][sender]
@@ -334,13 +349,14 @@ class ShmGroup:
             call.close()
             raise ValueError(f"all_to_all: rank {s} sends rank {r} {sent[s][r]} rows, rank {r} "
                              f"expects {expected[r][s]}")
-        flat, mine = out.view(-1), send.reshape(-1)
         if all(row[-1] for row in rows):  # every send in this call
             start = 0
             for rank in range(world):
                 count = sent[rank][self.rank] * width
-                offset = sum(sent[rank][:self.rank]) * width * itemsize
-                flat[start:start + count].copy_(call.slot(rank, send.dtype, count, offset))
+                offset = sum(sent[rank][:self.rank]) * width
+                flat[start:start + count].copy_(
+                    mine[offset:offset + count] if rank == self.rank else
+                    call.slot(rank, send.dtype, count, offset * itemsize))
                 start += count
             call.close()
             return out
@@ -356,12 +372,14 @@ class ShmGroup:
             at = offsets([b - a for a, b in parts[self.rank]])
             slot = call.slot(self.rank, send.dtype, at[-1])
             for d, (a, b) in enumerate(parts[self.rank]):
-                slot[at[d]:at[d + 1]].copy_(mine[sends[d] + a:sends[d] + b])
+                if d != self.rank:  # this rank's own block goes straight to out, below
+                    slot[at[d]:at[d + 1]].copy_(mine[sends[d] + a:sends[d] + b])
             call.exchange()
             for s in range(world):
                 (a, b), before = parts[s][self.rank], parts[s][:self.rank]
                 offset = sum(y - x for x, y in before) * itemsize
                 flat[lands[s] + a:lands[s] + b].copy_(
+                    mine[sends[s] + a:sends[s] + b] if s == self.rank else
                     call.slot(s, send.dtype, b - a, offset))
             call.close()
         return out
