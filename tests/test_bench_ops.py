@@ -208,6 +208,8 @@ def test_two_transports_summarize_each_and_together(records):
     assert out["gloo_unfused_over_shm_fused"] == [2.0] * len(records)
     assert out["gloo_unfused_over_shm_limit_median"] == pytest.approx(median(
         [r["t_unfused_s"] / r["t_limit_s"] for r in records]))
+    assert out["gloo_unfused_over_shm_compute_median"] == pytest.approx(median(
+        [r["t_unfused_s"] / r["t_compute_s"] for r in records]))
     shm[-1] = {**shm[-1], "correct": False}
     assert summarize_transports(gloo + shm)["all_correct"] is False
 

@@ -495,6 +495,11 @@ def summarize_transports(records: list[dict]) -> dict:
         bound = [by[op, shape, "gloo"]["t_unfused_s"] / by[op, shape, "shm"]["t_limit_s"]
                  for op, shape, t in by if t == "shm" and (op, shape, "gloo") in by]
         out["gloo_unfused_over_shm_limit_median"] = median(bound) if bound else None
+        # were shared memory's collective free: gloo's unfused time over shm's compute alone
+        # (its median round, as the fused time is), what no transport can pass on these shapes
+        free = [by[op, shape, "gloo"]["t_unfused_s"] / by[op, shape, "shm"]["t_compute_s"]
+                for op, shape, t in by if t == "shm" and (op, shape, "gloo") in by]
+        out["gloo_unfused_over_shm_compute_median"] = median(free) if free else None
     return out
 
 
