@@ -191,3 +191,47 @@ def test_a_mismatch_on_one_rank_is_an_error_on_every_rank_and_the_group_goes_on(
             assert f"input rejected on rank {world - 1}" in text, text
         kind, text = seen[3]  # a send that is not its splits: refused on every rank
         assert kind == "ValueError" and f"rank {world - 1} sends [2" in text, text
+
+
+def _in_place(bad_rank: int):
+    """reduce_scatter into this rank's own rows of its tensor, and all_to_all with one
+    tensor as send and output (uneven splits, every rank sending as many rows as it gets),
+    each against the same call on separate buffers; then an all_to_all whose output on
+    ``bad_rank`` is not contiguous, and a good call after it."""
+    from plait.transport.collectives import ShmGroup
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shm = ShmGroup(capacity=1 << 16, timeout_s=20)
+    out = {}
+    for n in (4, 3000):  # one call, and in turns (a rank's tensor over a buffer)
+        rows = [2 + r for r in range(world)]
+        at = sum(rows[:rank])
+        tensor = _data(40 + rank, (sum(rows), n), torch.float32)
+        want = shm.reduce_scatter(tensor.new_empty(rows[rank], n), tensor.clone(), rows)
+        shm.reduce_scatter(tensor[at:at + rows[rank]], tensor, rows)
+        out[f"reduce_scatter/{n}"] = torch.equal(tensor[at:at + rows[rank]], want)
+        splits = [rank + d + 1 for d in range(world)]  # rank s sends d s + d + 1 rows
+        send = _data(50 + rank, (sum(splits), n), torch.float32)
+        want = shm.all_to_all(send.new_empty(send.shape), send.clone(), splits, splits)
+        shm.all_to_all(send, send, splits, splits)
+        out[f"all_to_all/{n}"] = torch.equal(send, want)
+    splits = [2] * world
+    recv = torch.empty(2 * world, 6)
+    try:
+        shm.all_to_all(recv[:, :3] if rank == bad_rank else recv[:, :3].contiguous(),
+                       torch.ones(2 * world, 3), splits, splits)
+        out["strided"] = None
+    except ValueError as err:
+        out["strided"] = str(err)
+    ones = torch.ones(3)
+    shm.all_reduce(ones)
+    out["after"] = ones.tolist()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_place_calls_equal_separate_buffers_and_a_strided_output_is_refused(world):
+    for seen in run_ranks(_in_place, world, world - 1, timeout_s=60):
+        assert all(seen[k] for k in seen if k.startswith(("reduce_scatter", "all_to_all"))), seen
+        assert seen["strided"] is not None and "not contiguous" in seen["strided"], seen
+        assert seen["after"] == [world] * 3

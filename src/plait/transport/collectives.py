@@ -282,18 +282,22 @@ class ShmGroup:
         width = math.prod(tensor.shape[1:])
         counts = [int(r) * width for r in rows]
         segments = offsets(counts)  # where each rank's rows start in the flat tensor
-        flat, mine = tensor.reshape(-1), out.view(-1)
+        flat = tensor.reshape(-1)
+        mine = out.view(-1) if out.is_contiguous() else None
         turns = self._turns(tensor.numel() * tensor.element_size())
         names = ("dtype", "width", "total", *(f"rows{r}" for r in range(self.world)))
         values = (DTYPES[tensor.dtype], width, tensor.shape[0], *rows)
-        fits = tensor.shape[0] == sum(int(r) for r in rows)
+        problem = None  # this rank's, refused on every rank in the call's header
+        if tensor.shape[0] != sum(int(r) for r in rows):
+            problem = ValueError(f"reduce_scatter: rows {list(rows)} sum to "
+                                 f"{sum(int(r) for r in rows)}, the tensor has {tensor.shape[0]}")
+        elif mine is None or mine.numel() != counts[self.rank]:
+            problem = ValueError(f"reduce_scatter: rank {self.rank}'s output is not "
+                                 f"{rows[self.rank]} contiguous rows of {width}")
         for turn in range(turns):
             parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
             sizes = [b - a for a, b in parts]
             at = offsets(sizes)  # each rank's range, in turn, in a slot
-            problem = None if fits else ValueError(
-                f"reduce_scatter: rows {list(rows)} sum to {sum(int(r) for r in rows)}, the "
-                f"tensor has {tensor.shape[0]}")
             call = self.call("reduce_scatter", names, values, problem=problem)
             if call.problem is None:  # the peers read every range but this rank's own
                 slot = call.slot(self.rank, tensor.dtype, at[-1])
@@ -304,6 +308,8 @@ class ShmGroup:
             call.exchange()
             a, b = parts[self.rank]
             own = flat[segments[self.rank] + a:segments[self.rank] + b]
+            if _shares_memory(own, mine):  # in place (out a view of tensor): read it first
+                own = own.clone()
             _sum_into(mine[a:b], [own if r == self.rank else
                                   call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
                                                                      at[self.rank + 1]]
@@ -325,13 +331,18 @@ class ShmGroup:
         names = ("dtype", "width", *(f"to{d}" for d in range(world)),
                  *(f"from{s}" for s in range(world)), "whole")
         whole = send.numel() * itemsize <= self.turn_bytes
-        flat, mine = out.view(-1), send.reshape(-1)
+        mine = send.reshape(-1)
+        if _shares_memory(out, send):  # in place: this rank's own block lands before the
+            mine = mine.clone()        # blocks after it are read
         own = offsets([int(n) * width for n in in_rows])
         problem = None
-        if own[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != flat.numel():
+        if not out.is_contiguous():
+            problem = ValueError(f"all_to_all: rank {self.rank}'s output is not contiguous")
+        elif own[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != out.numel():
             problem = ValueError(f"all_to_all: rank {self.rank} sends {list(in_rows)} rows "
                                  f"from {send.shape[0]} and receives {list(out_rows)} into "
                                  f"{out.shape[0] if out.dim() else 0}")
+        flat = out.view(-1) if problem is None else None
         call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
                                                int(whole)), local=names[2:], problem=problem)
         if whole and problem is None:  # every block but this rank's own, where its receiver
@@ -416,6 +427,12 @@ def _bounds(n: int, world: int) -> list[int]:
     for r in range(world):
         out.append(out[-1] + base + (r < extra))
     return out
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (may overlap): a collective called
+    in place reads its input where it writes its output."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
