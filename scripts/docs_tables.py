@@ -776,10 +776,10 @@ def shm_ops_table(res: Results) -> str:
                "fused time, median over shapes; "
                "above limit: shapes timed faster than it; gloo unfused / shm fused: median "
                "over shapes; at most: gloo's unfused time over shm's limit, median over "
-               "shapes (what a shared-memory schedule costing nothing but that limit would "
-               "reach); were the collective free: gloo's unfused time over shm's compute "
-               "alone (its median round), median over shapes: what a transport costing nothing "
-               "would reach.")
+               "shapes (a bound: no round beats the limit); were the collective free: gloo's "
+               "unfused time over shm's compute alone in its median round, the statistic the "
+               "fused time is, median over shapes: what the fused time reaches with a "
+               "collective costing nothing (below 'at most', which takes the fastest round).")
     head = ["run", "shm: worst auto / unfused", "gloo: worst auto / unfused",
             "shm: median efficiency", "shm: above limit", "gloo unfused / shm fused",
             "at most", "were the collective free", "#wrong", "shapes"]

@@ -126,6 +126,17 @@ def test_the_summary_reads_the_records(records):
         f"{r['op']} {r['shape']}" for r in records if r["auto_over_unfused"] > 1.05]
     assert summary["worst_auto_choice_over_best_fixed"] == max(
         r["auto_choice_over_best_fixed"] for r in records)
+    assert summary["median_efficiency"] == median(r["efficiency"] for r in records)
+
+
+def test_a_summary_prints_an_empty_list_as_none():
+    """A fresh-eyes trial read ``beats_limit ,`` in a two-transport summary: an empty list
+    printed as nothing."""
+    from plait.bench.report import summary_text
+
+    assert summary_text({"shm": {"beats_limit": [], "all_correct": True}}) == \
+        "shm beats_limit none, all_correct True"
+    assert summary_text([[], [0.5]], ".2f") == "[none], [0.50]"
 
 
 def _sent_by_rank_0(op, shape):

@@ -95,6 +95,8 @@ def summary_text(value: Any, fmt: str = ".4g") -> str:
     if isinstance(value, dict):
         return ", ".join(f"{key} {summary_text(item, fmt)}" for key, item in value.items())
     if isinstance(value, (list, tuple)):
+        if not value:
+            return "none"
         return ", ".join(f"[{summary_text(item, fmt)}]" if isinstance(item, (list, tuple))
                          else summary_text(item, fmt) for item in value)
     return str(value)

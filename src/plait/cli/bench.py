@@ -197,7 +197,9 @@ def run_ops(args: argparse.Namespace) -> int:
     limit_text = ("limit = max(compute's fastest round, link: bytes over the busiest link ÷ "
                   "link rate; measured: the collective alone); on shared memory (copy) the sum "
                   "compute + the bus bytes ÷ one core's copy bandwidth: one core does both")
-    print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}), ms",
+    on = ", ".join(dict.fromkeys(r["transport"] for r in records))
+    print_table(f"fused operators on {ranks} ranks ({records[0]['link'] if records else ''}; "
+                f"transport {on}), ms",
                 ["op", "shape", "transport", "compute", "comm", "unfused 1 call", "unfused pieces",
                  "fused", "limit", "copy GB/s", "beside", "path/pieces", "speedup", "vs 1 call", "effic.",
                  "best fixed", "correct"], rows,

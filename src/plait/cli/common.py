@@ -152,12 +152,17 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
 
 
 def check_shm(args: argparse.Namespace, ranks: int, hosts: int) -> None:
-    """``--transport shm`` (alone or in a list) where every rank has a host of its own: the
-    ranks would each refuse it once started; refused here instead."""
+    """``--transport shm`` (alone or in a list) on one rank, or where every rank has a host
+    of its own: the ranks would each refuse it once started; refused here instead."""
     from ..transport.select import wanted
 
     given = getattr(args, "transport", None) or wanted()
-    if "shm" in [t.strip() for t in given.split(",")] and hosts and ranks <= hosts:
+    if "shm" not in [t.strip() for t in given.split(",")]:
+        return
+    if ranks == 1:
+        raise ValueError("--transport shm: one rank has nothing to move; shared memory needs "
+                         "two or more ranks on a host")
+    if hosts and ranks <= hosts:
         raise ValueError(f"--transport shm: each of the {ranks} ranks is on a host of its own "
                          f"(--hosts {hosts}); shared memory needs two or more on a host")
 
