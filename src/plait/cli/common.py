@@ -75,7 +75,8 @@ def add_launch_args(parser: argparse.ArgumentParser, ranks: int = 2,
                        help="emulated hosts, each a network namespace (default 0: loopback)")
     group.add_argument("--link", default=None,
                        help="each host's link rate, shaped with tc tbf, e.g. 100mbit, 1gbit "
-                            "(default 1gbit when --hosts is given)")
+                            "(default 1gbit when --hosts is given; given without --hosts, "
+                            "every rank gets a host of its own)")
     group.add_argument("--host-cpu", default=None, metavar="CORES[,CORES…]",
                        help="each host's CPU budget in cores, enforced by the kernel (cgroup "
                             "cpu quota), e.g. 1,0.5: host 1 gets half a core; one number for "
