@@ -1,5 +1,5 @@
 """One collective call on shared memory: its epoch, its header (the cross-rank check carried
-in the slot), its pieces' flags, and the release of its buffer.
+in the slot), its flags, and the release of its buffer.
 
 Every rank of the group makes the same calls in the same order (as with any collective),
 so the *n*-th call has epoch *n* on every rank, and uses data buffer ``n % BUFFERS`` of
@@ -13,9 +13,13 @@ every segment. A call:
    where any differs or any rank rejected its input: the check rides with the data, a
    few flag reads and no round trip of its own, and a mismatch is an error on every
    rank, never a hang;
-3. moves its pieces: a writer sets its flag ``PIECE + k`` once piece ``k`` is written
-   (into its own segment or a peer's), a reader waits on the writer's flag;
+3. where it has a second phase (a two-shot all-reduce: each rank sums its own chunk of
+   every rank's data), raises ``REDUCED`` once its chunk is summed; a reader of that
+   chunk waits on the owner's flag;
 4. raises ``DONE``.
+
+A fused operator's pieces are calls of their own, one a piece, each flagged as above once
+the piece is written: the next piece is computed while the peers read this one.
 """
 
 from __future__ import annotations
@@ -28,18 +32,16 @@ import torch
 
 from .shm import BUFFERS, LINE, WORDS, ShmSegments, reached
 
-__all__ = ["Call", "Carried", "Header", "HDR", "DONE", "PIECE", "MAX_PIECES", "HEADER_WORDS"]
+__all__ = ["Call", "Carried", "Header", "HDR", "DONE", "REDUCED", "HEADER_WORDS"]
 
-HDR, DONE, REDUCED = 0, 1, 2
-PIECE = 8                     # flag lines PIECE .. PIECE + MAX_PIECES − 1
-MAX_PIECES = 112
+HDR, DONE, REDUCED = 0, 1, 2  # flag lines of a rank's control block
 # a header and a note per data buffer: call n writes those of buffer n % BUFFERS, which no
 # rank reads any more once every rank has finished call n − BUFFERS (step 1 above)
 _HEADER_LINE = 128            # headers (packed integers) from this line on, 8 lines each
 HEADER_WORDS = 48             # at most this many integers a header
 _NOTE_LINE = 128 + 8 * BUFFERS  # rejected inputs' messages (UTF-8) from this line on
 _NOTE_BYTES = (WORDS - 1 - _NOTE_LINE) // BUFFERS * LINE * 4
-assert PIECE + MAX_PIECES <= _HEADER_LINE and HEADER_WORDS + 1 <= 8 * LINE
+assert REDUCED < _HEADER_LINE and HEADER_WORDS + 1 <= 8 * LINE
 
 
 class Header:
@@ -168,7 +170,7 @@ class Call:
                          for r, row in enumerate(rows))
         raise ValueError(f"{self.header.op}: ranks disagree on {field}: {told}")
 
-    # --- pieces --------------------------------------------------------------------
+    # --- data and flags ----------------------------------------------------------
     def slot(self, rank: int, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
         """``count`` elements at byte ``offset`` of this call's buffer in ``rank``'s segment."""
         return self.shm.buffer(rank, self.buffer, dtype, count, offset)
@@ -177,19 +179,12 @@ class Call:
         """Every rank's ``slot(rank, dtype, count)``, in rank order."""
         return self.shm.buffers(self.buffer, dtype, count)
 
-    def publish(self, piece: int) -> None:
-        """This rank's piece ``piece`` is written (wherever it was written to)."""
-        assert piece < MAX_PIECES, piece
-        self.shm.set(PIECE + piece, self.epoch)
-
-    def wait(self, rank: int, piece: int) -> None:
-        """Until ``rank`` has published piece ``piece`` of this call."""
-        self.shm.wait(rank, PIECE + piece, self.epoch, self.header.op)
-
     def reduced(self) -> None:
+        """This rank's chunk of a two-shot all-reduce is summed in its slot."""
         self.shm.set(REDUCED, self.epoch)
 
     def wait_reduced(self, rank: int) -> None:
+        """Until ``rank``'s chunk is summed."""
         self.shm.wait(rank, REDUCED, self.epoch, self.header.op)
 
     def close(self) -> None:
