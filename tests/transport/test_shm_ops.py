@@ -216,3 +216,21 @@ def test_a_reduced_output_takes_an_in_place_change_under_autograd(world, transpo
         assert plain and values and grads, (rank, plain, values, grads)
         assert err <= 1e-12 and grad_err <= 1e-12, (rank, err, grad_err)
 
+
+
+def _applied() -> list[str]:
+    import plait
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    return plait.parallel.applied(plait.parallelize(model, {"0": "colwise", "2": "rowwise"}))
+
+
+@pytest.mark.parametrize("asked", ["auto", "shm", "gloo"])
+def test_applied_says_which_transport_the_collectives_take_and_why(asked):
+    """The issue: ``plait.parallel.applied(model)`` says which transport ran and why."""
+    for notes in run_ranks(_applied, 2, env={"PLAIT_TRANSPORT": asked}):
+        said = [n for n in notes if n.startswith("collectives: ")]
+        took = "gloo" if asked == "gloo" else "shm"
+        assert len(said) == 1 and said[0].startswith(f"collectives: {took} ("), notes
+        assert ("asked for" in said[0]) == (asked != "auto"), notes

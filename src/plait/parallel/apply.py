@@ -501,6 +501,9 @@ class _Run:
             if len(set(dim.plan.sizes)) > 1:
                 self._note(dim.name, f"{_KIND_NAMES[dim.kind]} split {list(dim.plan.sizes)} "
                            f"({_UNITS.get(dim.kind, 'units')} per rank)")
+        if self.info.world > 1:  # which transport the group's collectives take, and why
+            choice = get_context(self.group).mover().choice  # every rank makes this call
+            self._note("collectives", f"{choice.name} ({choice.reason})")
         notes = _grouped(self.notes)
         self.model._plait_parallel = line
         self.model._plait_notes = notes
@@ -545,7 +548,8 @@ def _grouped(notes: list[tuple[str, str]]) -> list[str]:
         paths = seen.setdefault(what, [])
         if pattern not in paths:
             paths.append(pattern)
-    return [f"{', '.join(paths)}: {what}" for what, paths in seen.items()]
+    return [f"{', '.join(p for p in paths if p)}: {what}" if any(paths) else what
+            for what, paths in seen.items()]
 
 
 def _at(path: str, make):
