@@ -235,3 +235,19 @@ def test_in_place_calls_equal_separate_buffers_and_a_strided_output_is_refused(w
         assert all(seen[k] for k in seen if k.startswith(("reduce_scatter", "all_to_all"))), seen
         assert seen["strided"] is not None and "not contiguous" in seen["strided"], seen
         assert seen["after"] == [world] * 3
+
+
+def test_an_in_place_call_is_found_by_address_not_by_storage():
+    """Two storages over the same bytes (``torch.from_numpy`` of two views of one array)
+    are in place as much as two views of one storage (a review found the storage test
+    missed them); disjoint views of one storage are not."""
+    import numpy as np
+
+    from plait.transport.collectives import _shares_memory
+
+    array = np.zeros(16, dtype=np.float32)
+    whole, tail = torch.from_numpy(array), torch.from_numpy(array[4:])
+    assert _shares_memory(whole, tail) and not _shares_memory(whole[:4], tail)
+    t = torch.zeros(6, 4)
+    assert _shares_memory(t[4:6], t) and not _shares_memory(t[:2], t[2:])
+    assert not _shares_memory(torch.empty(0), torch.empty(0))

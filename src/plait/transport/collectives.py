@@ -430,9 +430,20 @@ def _bounds(n: int, world: int) -> list[int]:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage (may overlap): a collective called
-    in place reads its input where it writes its output."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    """Whether the bytes ``a`` and ``b`` span overlap (a collective called in place reads
+    its input where it writes its output). By address, not by storage: two tensors made
+    over one buffer (``torch.from_numpy`` of two views, two maps of one file) are
+    different storages over the same bytes."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses from ``t``'s first element to just past its last (an empty one: none)."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
