@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -325,8 +325,3 @@ def explain(op: str | None = None, group=None) -> str:
     if op is not None:
         return decisions[op].line() if op in decisions else f"{op}: not called yet"
     return "\n".join(d.line() for d in decisions.values()) or "no fused operator called yet"
-
-
-def with_calibration(ctx: OpsContext, calibrated: Calibration) -> OpsContext:
-    return replace(ctx, calibrated=calibrated, decisions={}, _auto_made={}, _logged=set(),
-                   _measured_here=False)
