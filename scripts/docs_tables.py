@@ -735,15 +735,6 @@ def shm_collectives_table(res: Results) -> str:
     return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
 
 
-def _free(records: list[dict]) -> float | None:
-    """gloo's unfused time over shm's compute alone, median over shapes (runs stored before
-    the summary gave it)."""
-    shm = {(r["op"], str(r["shape"])): r for r in records if r["transport"] == "shm"}
-    free = [r["t_unfused_s"] / shm[r["op"], str(r["shape"])]["t_compute_s"] for r in records
-            if r["transport"] == "gloo" and (r["op"], str(r["shape"])) in shm]
-    return median(free) if free else None
-
-
 def shm_ops_table(res: Results) -> str:
     """bench ops --transport shm,gloo: per run, each transport's worst chunks="auto" over
     the unfused path, shm's median efficiency against the one-host limit, and gloo's
@@ -765,7 +756,7 @@ def shm_ops_table(res: Results) -> str:
                      fmt(median(eff), ".2f") if eff else "–", str(above),
                      fmt(s["gloo_unfused_over_shm_fused_median"], ".2f"),
                      fmt(s.get("gloo_unfused_over_shm_limit_median"), ".2f"),
-                     fmt(s.get("gloo_unfused_over_shm_compute_median", _free(recs)), ".2f"),
+                     fmt(s.get("gloo_unfused_over_shm_compute_median"), ".2f"),
                      str(wrong),
                      str(len(shm))])
     caption = ("2 ranks on this host, every shape on both transports in turns. Worst auto / "

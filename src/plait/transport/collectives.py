@@ -294,6 +294,9 @@ class ShmGroup:
         elif mine is None or mine.numel() != counts[self.rank]:
             problem = ValueError(f"reduce_scatter: rank {self.rank}'s output is not "
                                  f"{rows[self.rank]} contiguous rows of {width}")
+        # in place (out a view of tensor's own rows): each turn reads its own range first
+        in_place = problem is None and _shares_memory(
+            flat[segments[self.rank]:segments[self.rank + 1]], mine)
         for turn in range(turns):
             parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
             sizes = [b - a for a, b in parts]
@@ -308,7 +311,7 @@ class ShmGroup:
             call.exchange()
             a, b = parts[self.rank]
             own = flat[segments[self.rank] + a:segments[self.rank] + b]
-            if _shares_memory(own, mine):  # in place (out a view of tensor): read it first
+            if in_place:
                 own = own.clone()
             _sum_into(mine[a:b], [own if r == self.rank else
                                   call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
@@ -334,11 +337,11 @@ class ShmGroup:
         mine = send.reshape(-1)
         if _shares_memory(out, send):  # in place: this rank's own block lands before the
             mine = mine.clone()        # blocks after it are read
-        own = offsets([int(n) * width for n in in_rows])
+        sends = offsets([int(n) * width for n in in_rows])  # each receiver's block in send
         problem = None
         if not out.is_contiguous():
             problem = ValueError(f"all_to_all: rank {self.rank}'s output is not contiguous")
-        elif own[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != out.numel():
+        elif sends[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != out.numel():
             problem = ValueError(f"all_to_all: rank {self.rank} sends {list(in_rows)} rows "
                                  f"from {send.shape[0]} and receives {list(out_rows)} into "
                                  f"{out.shape[0] if out.dim() else 0}")
@@ -346,7 +349,7 @@ class ShmGroup:
         call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
                                                int(whole)), local=names[2:], problem=problem)
         if whole and problem is None:  # every block but this rank's own, where its receiver
-            lo, hi = own[self.rank], own[self.rank + 1]  # finds it
+            lo, hi = sends[self.rank], sends[self.rank + 1]  # finds it
             slot = call.slot(self.rank, send.dtype, send.numel())
             slot[:lo].copy_(mine[:lo])
             slot[hi:].copy_(mine[hi:])
@@ -374,7 +377,6 @@ class ShmGroup:
         call.close()
         counts = [[n * width for n in row] for row in sent]  # [sender][receiver] elements
         turns = self._turns(max(sum(row) for row in counts) * itemsize)
-        sends = offsets(counts[self.rank])  # where each receiver's block starts in send
         lands = offsets([counts[s][self.rank] for s in range(world)])  # each sender's in out
         for turn in range(turns):
             parts = [[_bounds(n, turns)[turn:turn + 2] for n in row] for row in counts]
