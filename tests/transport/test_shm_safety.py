@@ -77,22 +77,40 @@ def test_a_sigkilled_rank_is_named_and_its_peers_stop(tmp_path, world):
     assert _ours() == []
 
 
-def test_a_dead_makers_segment_is_removed_by_the_next_set_up():
-    from plait.transport.shm import PREFIX, SHM_DIR, remove_stale
+def test_a_dead_makers_segment_is_removed_by_the_next_set_up(monkeypatch):
+    """A segment is a dead maker's when its lock is free and it is older than a set-up
+    takes: that one goes; a live maker's (its lock held, in whatever pid namespace), a
+    young one, and one this user may not remove (another user's, in a sticky /dev/shm:
+    the unlink raises) stay, and set-up goes on."""
+    import fcntl
 
-    child = os.fork()
-    if child == 0:
-        os._exit(0)
-    os.waitpid(child, 0)  # a pid that is gone
-    stale = os.path.join(SHM_DIR, f"{PREFIX}{child}-deadbeef0000-0")
-    mine = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-feedface0000-0")
-    for path in (stale, mine):
+    from plait.transport import shm as shm_mod
+    from plait.transport.shm import PREFIX, SHM_DIR, STALE_AFTER_S, remove_stale
+
+    old = time.time() - 2 * STALE_AFTER_S
+    paths = {name: os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{name}-0")
+             for name in ("stale", "live", "young", "theirs")}
+    for name, path in paths.items():
         with open(path, "wb") as f:
             f.truncate(4096)
+        if name != "young":
+            os.utime(path, (old, old))
+    held = os.open(paths["live"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # its maker lives
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if path == paths["theirs"]:
+            raise PermissionError(13, "Permission denied", path)
+        return real_unlink(path, *args, **kwargs)
     try:
-        assert os.path.basename(stale) in remove_stale()
-        assert not os.path.exists(stale) and os.path.exists(mine)  # a live maker's stays
+        monkeypatch.setattr(shm_mod.os, "unlink", unlink)
+        removed = remove_stale()
+        assert [n for n, p in paths.items() if os.path.basename(p) in removed] == ["stale"]
+        monkeypatch.undo()
+        assert [n for n, p in paths.items() if os.path.exists(p)] == ["live", "young", "theirs"]
     finally:
-        for path in (stale, mine):
+        os.close(held)
+        for path in paths.values():
             if os.path.exists(path):
                 os.unlink(path)

@@ -166,6 +166,22 @@ def check_shm(args: argparse.Namespace, ranks: int, hosts: int) -> None:
     if hosts and ranks <= hosts:
         raise ValueError(f"--transport shm: each of the {ranks} ranks is on a host of its own "
                          f"(--hosts {hosts}); shared memory needs two or more on a host")
+    _check_shm_room(ranks, hosts)
+
+
+def _check_shm_room(ranks: int, hosts: int) -> None:
+    """``/dev/shm`` must hold every rank's segment (the emulated hosts of this machine share
+    it): refused here, naming its size, where the ranks would refuse it once started."""
+    from ..transport.collectives import default_capacity
+    from ..transport.shm import SHM_DIR, segment_bytes, shm_free_bytes
+
+    per_host = ranks // hosts if hosts else ranks
+    need = ranks * segment_bytes(per_host, default_capacity(per_host))
+    free = shm_free_bytes()
+    if free is not None and free < need:
+        raise ValueError(f"--transport shm: {SHM_DIR} has {free / 2**20:.1f} MiB free, "
+                         f"{ranks} ranks need {need / 2**20:.1f} MiB: give it more (docker "
+                         f"--shm-size, or --ipc=host) or use --transport gloo")
 
 
 def _check_checks() -> None:

@@ -30,7 +30,6 @@ from ..runtime.priority import prioritize_group
 from .agree import attempt, refusal_pending, start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
-from ..transport.calls import HEADER_WORDS
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of", "CHECKS",
            "carries_checks", "checks_from_env"]
@@ -228,18 +227,23 @@ class OpsContext:
         return decision
 
     # --- cross-rank checks -------------------------------------------------
-    def gather_meta(self, op: str, width: int, row, problem: Exception | None = None
-                    ) -> list[tuple[int, ...]]:
+    def gather_meta(self, op: str, width: int, row, problem: Exception | None = None,
+                    verify=None) -> list[tuple[int, ...]]:
         """Every rank's ``row`` of ``width`` integers (dtype code, dims, sizes) before any
         data moves, raising on every rank if any rank's local checks failed
         (``problem``, with ``row`` None there); see :mod:`plait.ops.agree`."""
-        return self.start_meta(op, width, row, problem)()
+        return self.start_meta(op, width, row, problem, verify)()
 
-    def start_meta(self, op: str, width: int, row, problem: Exception | None = None):
-        """``gather_meta``, started: calling the result waits and gives what it gives."""
-        if width <= HEADER_WORDS and carries_checks(self):
-            # the check rides in a slot header (a wider row, MoE's on many ranks: gloo)
-            rows = self.transport.shm.gather_meta(op, row, width, problem)
+    def start_meta(self, op: str, width: int, row, problem: Exception | None = None,
+                   verify=None):
+        """``gather_meta``, started: calling the result waits and gives what it gives.
+        ``verify(rows)``: the operator's own check of every rank's row, which shared memory
+        asks for its error where a peer carries the same check in a data call (a header of
+        another width) and refuses the call either way; elsewhere unused (the operator
+        verifies the rows it gets)."""
+        if carries_checks(self) and width <= self.transport.shm.header_words:
+            # the check rides in a slot header (sized for any operator's on this group)
+            rows = self.transport.shm.gather_meta(op, row, width, problem, verify)
             return lambda: rows
         group = self.group if self.checks_group is None else self.checks_group
         done = start_gather_checked(op, group, problem, row, width)

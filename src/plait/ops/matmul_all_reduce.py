@@ -90,7 +90,8 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext,
         _check_wgrad_into(op, w, wgrad_into)
         return row
     row, problem = attempt(local)
-    return _decide(op, ctx.gather_meta(op, 6, row, problem), x2.element_size(), chunks, ctx)
+    metas = ctx.gather_meta(op, 6, row, problem, lambda rows: _same_rows(op, rows))
+    return _decide(op, metas, x2.element_size(), chunks, ctx)
 
 
 def _check_wgrad_into(op: str, w: torch.Tensor, wgrad_into: torch.Tensor | None) -> None:

@@ -32,7 +32,7 @@ from .agree import attempt, check_same, dtype_code
 from .context import carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
 from .pieces import even_sizes, offsets
-from ..transport.calls import HEADER_WORDS, Carried
+from ..transport.calls import Carried
 
 __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
            "gather_for_matmul", "reduce_scatter_region"]
@@ -108,7 +108,9 @@ def _agreed(op: str, x, group, dim: int | None, sizes, *, split: bool,
     ``sizes`` (default: as found) are every rank's shares.
     """
     row, problem, shares = _row(op, x, group, dim, sizes, split=split, needs_grad=needs_grad)
-    metas = get_context(group).gather_meta(op, 4 + _world(group), row, problem)
+    metas = get_context(group).gather_meta(
+        op, 4 + _world(group), row, problem,
+        lambda rows: _verify(op, rows, dim, split, shares))
     return _verify(op, metas, dim, split, shares)
 
 
@@ -162,8 +164,7 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool, world: i
     whose own input is bad raises here, and so do its peers, in their data call. Made
     once per signature (:meth:`plait.ops.context.OpsContext.carried_plan`)."""
     ctx = get_context(group)
-    # a header holds the check's 4 + W fields and an all_gather's own 3 + W
-    if not carries_checks(ctx) or 7 + 2 * world > HEADER_WORDS:
+    if not carries_checks(ctx):
         return None
     key = _signature(op, x, dim, sizes, split)
 

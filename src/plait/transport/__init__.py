@@ -9,8 +9,8 @@
 """
 
 from .calls import Call, Header
-from .collectives import ShmGroup
-from .shm import PeerDied, ShmSegments, remove_stale, supported
+from .collectives import GroupBroken, ShmGroup
+from .shm import PeerDied, PeerFailed, ShmSegments, ShmUnavailable, remove_stale, supported
 
-__all__ = ["ShmGroup", "ShmSegments", "Call", "Header", "PeerDied", "supported",
-           "remove_stale"]
+__all__ = ["ShmGroup", "ShmSegments", "Call", "Header", "PeerDied", "PeerFailed",
+           "ShmUnavailable", "GroupBroken", "supported", "remove_stale"]

@@ -21,12 +21,20 @@ A message larger than ``TURN_BYTES`` (or a buffer) goes in turns of at most that
 one call a turn: its stages stay in the cores' caches, and no message is too big for a
 buffer. all_reduce cuts the tensor; all_gather each rank's rows; reduce_scatter every rank's
 rows of the tensor; all_to_all every block (sender, receiver), once a first call's headers
-have given every rank every split.
+have given every rank every split. A turn's staging is at most ``turn_bytes`` plus one
+element a rank (the rounding of its ranges), which the buffer always holds.
+
+A group is used by one thread (the first to call it; another is refused). A call that
+raises on one rank after the group's calls began there, other than a refusal every rank
+reaches alike, is a failure: that rank raises its ``FAILED`` word with what it raised, its
+peers raise :class:`~.shm.PeerFailed` instead of reading what it left, and every later
+call on the group, on every rank, raises :class:`GroupBroken`: make a new group.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Sequence
 
 import torch
@@ -36,7 +44,8 @@ from ..perf.pieces import offsets
 from .calls import Call, Carried, Header
 from .shm import ShmSegments
 
-__all__ = ["ShmGroup", "ONE_SHOT_BYTES", "TURN_BYTES", "DTYPES"]
+__all__ = ["ShmGroup", "GroupBroken", "ONE_SHOT_BYTES", "TURN_BYTES", "DTYPES",
+           "default_capacity", "chunk_bounds"]
 
 ONE_SHOT_BYTES = 256 * 1024
 # A larger all-reduce goes in turns of this many bytes, one call each: a turn's staged
@@ -45,22 +54,48 @@ ONE_SHOT_BYTES = 256 * 1024
 # memory. 16 MiB on 2 ranks of this machine: 3.26 ms in one call, 1.6-1.8 ms in turns of
 # 0.75-2 MiB (busbw 39 % of one core's copy, against 74-81 %).
 TURN_BYTES = 1 << 20
+_SLACK = 16  # bytes a rank a turn may stage past turn_bytes (one element of its range)
 _AR_NAMES = ("dtype", "numel")
 DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float64: 3, torch.float16: 4,
           torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.int8: 8, torch.bool: 9}
 
 
+class GroupBroken(RuntimeError):
+    """A call on a group whose earlier call failed (here or on a peer): make a new group."""
+
+
+def default_capacity(world: int) -> int:
+    """Bytes of a data buffer by default: a turn and its rounding (no call stages more), to
+    a page."""
+    return -(-(TURN_BYTES + _SLACK * world) // 4096) * 4096
+
+
 class ShmGroup:
     """The collectives of ``group``'s ranks over their shared memory (collective to make:
-    every rank of the group). ``capacity``: bytes of one data buffer of a segment."""
+    every rank of the group). ``capacity``: bytes of one data buffer of a segment (every
+    rank the same; default :func:`default_capacity`). Raises
+    :class:`~.shm.ShmUnavailable` on every rank where the ranks cannot share memory."""
 
-    def __init__(self, group=None, *, capacity: int = 16 << 20, timeout_s: float = 60.0):
+    def __init__(self, group=None, *, capacity: int | None = None, timeout_s: float = 60.0):
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        capacity = default_capacity(world) if capacity is None else int(capacity)
+        if capacity < 4096 + _SLACK * world:
+            raise ValueError(f"shared memory: a buffer of {capacity} bytes is too small for "
+                             f"{world} ranks; give at least {4096 + _SLACK * world}")
         self.group = group
         self.segments = ShmSegments(group, capacity=capacity, timeout_s=timeout_s)
         self.rank, self.world = self.segments.rank, self.segments.world
         self.capacity = capacity
-        self.turn_bytes = min(capacity, TURN_BYTES)  # the most one call moves a rank
+        self.header_words = self.segments.layout.header_words  # a call's header holds these
+        # the most one call stages a rank, besides the rounding of its ranges (_SLACK)
+        self.turn_bytes = min(capacity - _SLACK * world, TURN_BYTES)
         self.epoch = 0
+        self._call: Call | None = None  # the latest call begun
+        self._owner: int | None = None  # the thread that makes this group's calls
+        self._broken: str | None = None  # why this group's calls stopped
+        self._ticks, self._tick_at = self.segments.ticks, self.segments.tick_at
         self._reduce_headers: dict[tuple, Header] = {}  # a plain all_reduce's, by dtype, numel
         self._gather_names = ("dtype", "width", *(f"rows{r}" for r in range(self.world)),
                               "piece")
@@ -74,23 +109,63 @@ class ShmGroup:
         """Begin the group's next call with a ``header`` made already (every rank, in the
         same order)."""
         self.epoch += 1
-        return Call(self.segments, self.epoch, header, problem)
+        if self._ticks is not None:  # the watchdog's board: this rank made a call
+            self._ticks[self._tick_at] += 1
+        call = self._call = Call(self.segments, self.epoch, header, problem)
+        return call
+
+    # --- who may call, and what a failure does ----------------------------------------
+    def _enter(self) -> None:
+        """Refuse a call on a broken group, or from a thread other than the group's own."""
+        if self._broken is not None:
+            raise GroupBroken(f"shared memory: this group's calls stopped: {self._broken}; "
+                              f"make a new group")
+        thread = threading.get_ident()
+        if thread != self._owner:
+            if self._owner is not None:
+                raise RuntimeError(f"shared memory: a ShmGroup is used by one thread; thread "
+                                   f"{thread} called one that thread {self._owner} uses")
+            self._owner = thread
+
+    def _failed(self, err: BaseException) -> None:
+        """``err`` left a call on this rank: unless it is a refusal every rank reached alike
+        (the call closed, the group goes on), the group stops, and the peers are told."""
+        call = self._call
+        if self._broken is not None or (call is not None and call.refused
+                                        and call.epoch == self.epoch):
+            return
+        op = call.header.op if call is not None and call.epoch == self.epoch else "a call"
+        self._broken = (f"rank {self.rank}'s call {self.epoch} ({op}) raised "
+                        f"{type(err).__name__}: {err}")
+        self.segments.fail(self._broken)
 
     def gather_meta(self, op: str, row: Sequence[int] | None, width: int,
-                    problem: Exception | None = None) -> list[tuple[int, ...]]:
+                    problem: Exception | None = None, verify=None) -> list[tuple[int, ...]]:
         """Every rank's ``row`` (raising on every rank where any rank had a ``problem``):
-        the operators' cross-rank check, carried by one call's header."""
-        row = tuple(row) if problem is None else (0,) * width
-        call = self.call(op, [f"f{i}" for i in range(width)], row,
-                         local=[f"f{i}" for i in range(width)], problem=problem)
-        rows = call.exchange()
-        call.close()
-        return rows
+        the operators' cross-rank check, carried by one call's header. ``verify``: the
+        operator's check of the rows, asked for its error where a peer made the same
+        operation with another header (:meth:`~.calls.Call.exchange`)."""
+        self._enter()
+        try:
+            row = tuple(row) if problem is None else (0,) * width
+            call = self.call(op, [f"f{i}" for i in range(width)], row,
+                             local=[f"f{i}" for i in range(width)], problem=problem)
+            rows = call.exchange(verify)
+            call.close()
+            return rows
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def barrier(self) -> None:
-        call = self.call("barrier", (), ())
-        call.exchange()
-        call.close()
+        self._enter()
+        try:
+            call = self.call("barrier", (), ())
+            call.exchange()
+            call.close()
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     # --- all_reduce ------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, check: Carried | None = None) -> torch.Tensor:
@@ -98,18 +173,23 @@ class ShmGroup:
         turns of at most that many bytes, one call each (see ``TURN_BYTES``). ``check``:
         an operator's fields, carried in the call's header (in turns: in a call of its own
         first)."""
-        flat = tensor.view(-1)
-        size = flat.numel() * flat.element_size()
-        if size <= self.turn_bytes:
-            self._all_reduce(flat, size, check=check)
+        self._enter()
+        try:
+            flat = tensor.view(-1)
+            size = flat.numel() * flat.element_size()
+            if size <= self.turn_bytes:
+                self._all_reduce(flat, size, check=check)
+                return tensor
+            self._check_alone(check)  # in turns: the check goes first, in a call of its own
+            per_turn = max(self.world,
+                           self.turn_bytes // tensor.element_size() // self.world * self.world)
+            for lo in range(0, flat.numel(), per_turn):
+                part = flat[lo:lo + per_turn]
+                self._all_reduce(part, part.numel() * part.element_size())
             return tensor
-        self._check_alone(check)  # in turns: the check goes first, in a call of its own
-        per_turn = max(self.world,
-                       self.turn_bytes // tensor.element_size() // self.world * self.world)
-        for lo in range(0, flat.numel(), per_turn):
-            part = flat[lo:lo + per_turn]
-            self._all_reduce(part, part.numel() * part.element_size())
-        return tensor
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def reduce_computed(self, compute, out: torch.Tensor, check: Carried | None = None
                         ) -> torch.Tensor:
@@ -119,11 +199,16 @@ class ShmGroup:
         buffer. ``check``: the operator's fields, carried in the call's header;
         ``check.verify(rows)`` (every rank's values) raises where they do not agree, on
         every rank alike."""
-        flat = out.view(-1)
-        size = flat.numel() * flat.element_size()
-        assert size <= self.capacity, (size, self.capacity)
-        self._all_reduce(flat, size, compute, check)
-        return out
+        self._enter()
+        try:
+            flat = out.view(-1)
+            size = flat.numel() * flat.element_size()
+            assert size <= self.capacity, (size, self.capacity)
+            self._all_reduce(flat, size, compute, check)
+            return out
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def reduce_product(self, x: torch.Tensor, w: torch.Tensor, check: Carried | None = None,
                        transposed: bool = False) -> torch.Tensor:
@@ -132,20 +217,30 @@ class ShmGroup:
         path with nothing between the operator and its call (a decoding step makes a few
         dozen a token). ``transposed``: the product made as [N, M] (every rank alike),
         returned as the [M, N] view. The sum: a new tensor, in rank order."""
-        m, n = x.shape[0], w.shape[1]
-        call, slots = self._open(x.dtype, m * n, check)
-        mine = slots[self.rank]
-        torch.mm(x, w, out=mine.view(n, m).t() if transposed else mine.view(m, n))
-        out = self._sum_new(call, slots, check, (n, m) if transposed else (m, n))
-        return out.t() if transposed else out
+        self._enter()
+        try:
+            m, n = x.shape[0], w.shape[1]
+            call, slots = self._open(x.dtype, m * n, check)
+            mine = slots[self.rank]
+            torch.mm(x, w, out=mine.view(n, m).t() if transposed else mine.view(m, n))
+            out = self._sum_new(call, slots, check, (n, m) if transposed else (m, n))
+            return out.t() if transposed else out
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def summed(self, tensor: torch.Tensor, check: Carried | None = None) -> torch.Tensor:
         """The sum of ``tensor`` (at most ``ONE_SHOT_BYTES``) over the group, as a new
         tensor, ``tensor`` untouched: an all_reduce without the copy a caller makes to keep
         its input (an embedding's lookup, a decoding step's). In rank order, one call."""
-        call, slots = self._open(tensor.dtype, tensor.numel(), check)
-        slots[self.rank].copy_(tensor.detach().reshape(-1))  # the slot is no autograd input
-        return self._sum_new(call, slots, check, tensor.shape)
+        self._enter()
+        try:
+            call, slots = self._open(tensor.dtype, tensor.numel(), check)
+            slots[self.rank].copy_(tensor.detach().reshape(-1))  # the slot is no autograd input
+            return self._sum_new(call, slots, check, tensor.shape)
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def _open(self, dtype: torch.dtype, count: int, check: Carried | None):
         """An all_reduce's call begun (``check`` in its header, before the call's own
@@ -183,7 +278,7 @@ class ShmGroup:
         call, slots = self._open(dtype, n, check)
         slot = slots[self.rank]
         two_shot = size > ONE_SHOT_BYTES
-        bounds = _bounds(n, self.world) if two_shot else None
+        bounds = chunk_bounds(n, self.world) if two_shot else None
         if compute is not None:
             compute(slot.view(flat.shape if flat.dim() > 1 else (-1,)))
         elif two_shot:  # the peers read every chunk but this rank's own: stage only those
@@ -226,52 +321,58 @@ class ShmGroup:
         ``verify`` before the gather's own fields are. Where the largest piece is over
         ``TURN_BYTES`` (or a buffer), in turns: each rank's piece cut into as many element
         ranges, one call a range (every rank knows every piece's size: ``rows``)."""
-        width = math.prod(piece.shape[1:])  # an empty share has a width too
-        counts = [int(r) * width for r in rows]
-        turns = self._turns(max(counts, default=0) * piece.element_size())
-        if turns > 1:  # in turns: the check first, a call of its own
-            self._check_alone(check)
-            check = None
-        # a rank whose piece is not the rows it is said to hold writes nothing; every rank
-        # reads that in its header and refuses alike
-        held_wrong = piece.shape[0] != int(rows[self.rank])
-        mine, flat, starts = piece.reshape(-1), out.view(-1), offsets(counts)
-        names = self._gather_names
-        values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
-        for turn in range(turns):
-            parts = [(0, c) for c in counts] if turns == 1 else \
-                [_bounds(c, turns)[turn:turn + 2] for c in counts]
-            if check is None:
-                call, ahead = self.call("all_gather", names, values, local=("piece",)), 0
-            else:  # every field local: the operator's verdict comes first
-                call, ahead = self.begin(check.header(names, values)), len(check.names)
-                names = call.header.names
-            a, b = parts[self.rank]
-            if not held_wrong:
-                call.slot(self.rank, piece.dtype, b - a).copy_(mine if turns == 1 else mine[a:b])
-            headers = call.exchange()
-            if ahead and not call.alike:
-                try:
-                    check.verify([row[:ahead] for row in headers])
-                except (ValueError, TypeError):
-                    call.close()
-                    raise
-                call.check_fields([row[ahead:] for row in headers], names[ahead:],
-                                  ("piece",))
-            held = [row[-1] for row in headers]
-            if held != list(values[2:-1]):  # the same verdict on every rank: rows agree
+        self._enter()
+        try:
+            width = math.prod(piece.shape[1:])  # an empty share has a width too
+            counts = [int(r) * width for r in rows]
+            turns = self._turns(max(counts, default=0) * piece.element_size())
+            if turns > 1:  # in turns: the check first, a call of its own
+                self._check_alone(check)
+                check = None
+            # a rank whose piece is not the rows it is said to hold writes nothing; every rank
+            # reads that in its header and refuses alike
+            held_wrong = piece.shape[0] != int(rows[self.rank])
+            problem = None  # this rank's output, refused on every rank in the call's header
+            if not out.is_contiguous() or out.numel() != sum(counts):
+                problem = ValueError(f"all_gather: rank {self.rank}'s output is not "
+                                     f"{sum(int(r) for r in rows)} contiguous rows of {width}")
+            mine, starts = piece.reshape(-1), offsets(counts)
+            flat = out.view(-1) if problem is None else None
+            names = self._gather_names
+            values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
+            for turn in range(turns):
+                parts = [(0, c) for c in counts] if turns == 1 else \
+                    [chunk_bounds(c, turns)[turn:turn + 2] for c in counts]
+                if check is None:
+                    call, ahead = self.call("all_gather", names, values, local=("piece",),
+                                            problem=problem), 0
+                else:  # every field local: the operator's verdict comes first
+                    call = self.begin(check.header(names, values), problem)
+                    ahead, names = len(check.names), call.header.names
+                a, b = parts[self.rank]
+                if not held_wrong and problem is None:
+                    call.slot(self.rank, piece.dtype, b - a).copy_(mine if turns == 1 else mine[a:b])
+                headers = call.exchange(check and _fields_of(check))
+                if ahead and not call.alike:
+                    _judge(call, check, [row[:ahead] for row in headers])
+                    call.check_fields([row[ahead:] for row in headers], names[ahead:],
+                                      ("piece",))
+                held = [row[-1] for row in headers]
+                if held != list(values[2:-1]):  # the same verdict on every rank: rows agree
+                    raise call.refuse(ValueError(f"all_gather: the ranks expect rows "
+                                                 f"{list(rows)}, they hold {held}"))
+                if turns == 1:  # every piece whole, in rank order: one op
+                    torch.cat([call.slot(r, piece.dtype, c) for r, c in enumerate(counts)],
+                              out=flat)
+                else:
+                    for rank, (a, b) in enumerate(parts):
+                        at = starts[rank]
+                        flat[at + a:at + b].copy_(call.slot(rank, piece.dtype, b - a))
                 call.close()
-                raise ValueError(f"all_gather: the ranks expect rows {list(rows)}, they hold "
-                                 f"{held}")
-            if turns == 1:  # every piece whole, in rank order: one op
-                torch.cat([call.slot(r, piece.dtype, c) for r, c in enumerate(counts)],
-                          out=flat)
-            else:
-                for rank, (a, b) in enumerate(parts):
-                    at = starts[rank]
-                    flat[at + a:at + b].copy_(call.slot(rank, piece.dtype, b - a))
-            call.close()
-        return out
+            return out
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor,
                        rows: Sequence[int]) -> torch.Tensor:
@@ -279,46 +380,51 @@ class ShmGroup:
         Where the tensor is over ``TURN_BYTES`` (or a buffer), in turns: every rank's rows cut
         into as many element ranges, one call a range, each writing that range of every
         rank's rows."""
-        width = math.prod(tensor.shape[1:])
-        counts = [int(r) * width for r in rows]
-        segments = offsets(counts)  # where each rank's rows start in the flat tensor
-        flat = tensor.reshape(-1)
-        mine = out.view(-1) if out.is_contiguous() else None
-        turns = self._turns(tensor.numel() * tensor.element_size())
-        names = ("dtype", "width", "total", *(f"rows{r}" for r in range(self.world)))
-        values = (DTYPES[tensor.dtype], width, tensor.shape[0], *rows)
-        problem = None  # this rank's, refused on every rank in the call's header
-        if tensor.shape[0] != sum(int(r) for r in rows):
-            problem = ValueError(f"reduce_scatter: rows {list(rows)} sum to "
-                                 f"{sum(int(r) for r in rows)}, the tensor has {tensor.shape[0]}")
-        elif mine is None or mine.numel() != counts[self.rank]:
-            problem = ValueError(f"reduce_scatter: rank {self.rank}'s output is not "
-                                 f"{rows[self.rank]} contiguous rows of {width}")
-        # in place (out a view of tensor's own rows): each turn reads its own range first
-        in_place = problem is None and _shares_memory(
-            flat[segments[self.rank]:segments[self.rank + 1]], mine)
-        for turn in range(turns):
-            parts = [_bounds(c, turns)[turn:turn + 2] for c in counts]
-            sizes = [b - a for a, b in parts]
-            at = offsets(sizes)  # each rank's range, in turn, in a slot
-            call = self.call("reduce_scatter", names, values, problem=problem)
-            if call.problem is None:  # the peers read every range but this rank's own
-                slot = call.slot(self.rank, tensor.dtype, at[-1])
-                for rank, (a, b) in enumerate(parts):
-                    if rank != self.rank:
-                        slot[at[rank]:at[rank + 1]].copy_(flat[segments[rank] + a:
-                                                               segments[rank] + b])
-            call.exchange()
-            a, b = parts[self.rank]
-            own = flat[segments[self.rank] + a:segments[self.rank] + b]
-            if in_place:
-                own = own.clone()
-            _sum_into(mine[a:b], [own if r == self.rank else
-                                  call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
-                                                                     at[self.rank + 1]]
-                                  for r in range(self.world)])
-            call.close()
-        return out
+        self._enter()
+        try:
+            width = math.prod(tensor.shape[1:])
+            counts = [int(r) * width for r in rows]
+            segments = offsets(counts)  # where each rank's rows start in the flat tensor
+            flat = tensor.reshape(-1)
+            mine = out.view(-1) if out.is_contiguous() else None
+            turns = self._turns(tensor.numel() * tensor.element_size())
+            names = ("dtype", "width", "total", *(f"rows{r}" for r in range(self.world)))
+            values = (DTYPES[tensor.dtype], width, tensor.shape[0], *rows)
+            problem = None  # this rank's, refused on every rank in the call's header
+            if tensor.shape[0] != sum(int(r) for r in rows):
+                problem = ValueError(f"reduce_scatter: rows {list(rows)} sum to "
+                                     f"{sum(int(r) for r in rows)}, the tensor has {tensor.shape[0]}")
+            elif mine is None or mine.numel() != counts[self.rank]:
+                problem = ValueError(f"reduce_scatter: rank {self.rank}'s output is not "
+                                     f"{rows[self.rank]} contiguous rows of {width}")
+            # in place (out a view of tensor's own rows): each turn reads its own range first
+            in_place = problem is None and _shares_memory(
+                flat[segments[self.rank]:segments[self.rank + 1]], mine)
+            for turn in range(turns):
+                parts = [chunk_bounds(c, turns)[turn:turn + 2] for c in counts]
+                sizes = [b - a for a, b in parts]
+                at = offsets(sizes)  # each rank's range, in turn, in a slot
+                call = self.call("reduce_scatter", names, values, problem=problem)
+                if call.problem is None:  # the peers read every range but this rank's own
+                    slot = call.slot(self.rank, tensor.dtype, at[-1])
+                    for rank, (a, b) in enumerate(parts):
+                        if rank != self.rank:
+                            slot[at[rank]:at[rank + 1]].copy_(flat[segments[rank] + a:
+                                                                   segments[rank] + b])
+                call.exchange()
+                a, b = parts[self.rank]
+                own = flat[segments[self.rank] + a:segments[self.rank] + b]
+                if in_place:
+                    own = own.clone()
+                _sum_into(mine[a:b], [own if r == self.rank else
+                                      call.slot(r, tensor.dtype, at[-1])[at[self.rank]:
+                                                                         at[self.rank + 1]]
+                                      for r in range(self.world)])
+                call.close()
+            return out
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
                    in_rows: Sequence[int]) -> torch.Tensor:
@@ -329,73 +435,78 @@ class ShmGroup:
         does not, that call's headers give every rank every split, and the rows then go in
         turns: each block (sender, receiver) cut into as many element ranges, one call a
         range."""
-        width = math.prod(send.shape[1:])  # a rank that sends and gets no rows too
-        world, itemsize = self.world, send.element_size()
-        names = ("dtype", "width", *(f"to{d}" for d in range(world)),
-                 *(f"from{s}" for s in range(world)), "whole")
-        whole = send.numel() * itemsize <= self.turn_bytes
-        mine = send.reshape(-1)
-        if _shares_memory(out, send):  # in place: this rank's own block lands before the
-            mine = mine.clone()        # blocks after it are read
-        sends = offsets([int(n) * width for n in in_rows])  # each receiver's block in send
-        problem = None
-        if not out.is_contiguous():
-            problem = ValueError(f"all_to_all: rank {self.rank}'s output is not contiguous")
-        elif sends[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != out.numel():
-            problem = ValueError(f"all_to_all: rank {self.rank} sends {list(in_rows)} rows "
-                                 f"from {send.shape[0]} and receives {list(out_rows)} into "
-                                 f"{out.shape[0] if out.dim() else 0}")
-        flat = out.view(-1) if problem is None else None
-        call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
-                                               int(whole)), local=names[2:], problem=problem)
-        if whole and problem is None:  # every block but this rank's own, where its receiver
-            lo, hi = sends[self.rank], sends[self.rank + 1]  # finds it
-            slot = call.slot(self.rank, send.dtype, send.numel())
-            slot[:lo].copy_(mine[:lo])
-            slot[hi:].copy_(mine[hi:])
-        rows = call.exchange()
-        sent = [row[2:2 + world] for row in rows]        # [sender][receiver]
-        expected = [row[2 + world:2 + 2 * world] for row in rows]  # [receiver][sender]
-        wrong = [(s, r) for s in range(world) for r in range(world)
-                 if sent[s][r] != expected[r][s]]
-        if wrong:  # every rank sees every header: the same verdict everywhere
-            s, r = wrong[0]
+        self._enter()
+        try:
+            width = math.prod(send.shape[1:])  # a rank that sends and gets no rows too
+            world, itemsize = self.world, send.element_size()
+            names = ("dtype", "width", *(f"to{d}" for d in range(world)),
+                     *(f"from{s}" for s in range(world)), "whole")
+            whole = send.numel() * itemsize <= self.turn_bytes
+            mine = send.reshape(-1)
+            if _shares_memory(out, send):  # in place: this rank's own block lands before the
+                mine = mine.clone()        # blocks after it are read
+            sends = offsets([int(n) * width for n in in_rows])  # each receiver's block in send
+            problem = None
+            if not out.is_contiguous():
+                problem = ValueError(f"all_to_all: rank {self.rank}'s output is not contiguous")
+            elif sends[-1] != mine.numel() or sum(int(n) for n in out_rows) * width != out.numel():
+                problem = ValueError(f"all_to_all: rank {self.rank} sends {list(in_rows)} rows "
+                                     f"from {send.shape[0]} and receives {list(out_rows)} into "
+                                     f"{out.shape[0] if out.dim() else 0}")
+            flat = out.view(-1) if problem is None else None
+            call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
+                                                   int(whole)), local=names[2:], problem=problem)
+            if whole and problem is None:  # every block but this rank's own, where its receiver
+                lo, hi = sends[self.rank], sends[self.rank + 1]  # finds it
+                slot = call.slot(self.rank, send.dtype, send.numel())
+                slot[:lo].copy_(mine[:lo])
+                slot[hi:].copy_(mine[hi:])
+            rows = call.exchange()
+            sent = [row[2:2 + world] for row in rows]        # [sender][receiver]
+            expected = [row[2 + world:2 + 2 * world] for row in rows]  # [receiver][sender]
+            wrong = [(s, r) for s in range(world) for r in range(world)
+                     if sent[s][r] != expected[r][s]]
+            if wrong:  # every rank sees every header: the same verdict everywhere
+                s, r = wrong[0]
+                raise call.refuse(ValueError(f"all_to_all: rank {s} sends rank {r} "
+                                             f"{sent[s][r]} rows, rank {r} expects "
+                                             f"{expected[r][s]}"))
+            if all(row[-1] for row in rows):  # every send in this call
+                start = 0
+                for rank in range(world):
+                    count = sent[rank][self.rank] * width
+                    offset = sum(sent[rank][:self.rank]) * width
+                    flat[start:start + count].copy_(
+                        mine[offset:offset + count] if rank == self.rank else
+                        call.slot(rank, send.dtype, count, offset * itemsize))
+                    start += count
+                call.close()
+                return out
             call.close()
-            raise ValueError(f"all_to_all: rank {s} sends rank {r} {sent[s][r]} rows, rank {r} "
-                             f"expects {expected[r][s]}")
-        if all(row[-1] for row in rows):  # every send in this call
-            start = 0
-            for rank in range(world):
-                count = sent[rank][self.rank] * width
-                offset = sum(sent[rank][:self.rank]) * width
-                flat[start:start + count].copy_(
-                    mine[offset:offset + count] if rank == self.rank else
-                    call.slot(rank, send.dtype, count, offset * itemsize))
-                start += count
-            call.close()
+            counts = [[n * width for n in row] for row in sent]  # [sender][receiver] elements
+            turns = self._turns(max(sum(row) for row in counts) * itemsize)
+            lands = offsets([counts[s][self.rank] for s in range(world)])  # each sender's in out
+            for turn in range(turns):
+                parts = [[chunk_bounds(n, turns)[turn:turn + 2] for n in row] for row in counts]
+                call = self.call("all_to_all", ("dtype", "width", "turn"),
+                                 (DTYPES[send.dtype], width, turn))
+                at = offsets([b - a for a, b in parts[self.rank]])
+                slot = call.slot(self.rank, send.dtype, at[-1])
+                for d, (a, b) in enumerate(parts[self.rank]):
+                    if d != self.rank:  # this rank's own block goes straight to out, below
+                        slot[at[d]:at[d + 1]].copy_(mine[sends[d] + a:sends[d] + b])
+                call.exchange()
+                for s in range(world):
+                    (a, b), before = parts[s][self.rank], parts[s][:self.rank]
+                    offset = sum(y - x for x, y in before) * itemsize
+                    flat[lands[s] + a:lands[s] + b].copy_(
+                        mine[sends[s] + a:sends[s] + b] if s == self.rank else
+                        call.slot(s, send.dtype, b - a, offset))
+                call.close()
             return out
-        call.close()
-        counts = [[n * width for n in row] for row in sent]  # [sender][receiver] elements
-        turns = self._turns(max(sum(row) for row in counts) * itemsize)
-        lands = offsets([counts[s][self.rank] for s in range(world)])  # each sender's in out
-        for turn in range(turns):
-            parts = [[_bounds(n, turns)[turn:turn + 2] for n in row] for row in counts]
-            call = self.call("all_to_all", ("dtype", "width", "turn"),
-                             (DTYPES[send.dtype], width, turn))
-            at = offsets([b - a for a, b in parts[self.rank]])
-            slot = call.slot(self.rank, send.dtype, at[-1])
-            for d, (a, b) in enumerate(parts[self.rank]):
-                if d != self.rank:  # this rank's own block goes straight to out, below
-                    slot[at[d]:at[d + 1]].copy_(mine[sends[d] + a:sends[d] + b])
-            call.exchange()
-            for s in range(world):
-                (a, b), before = parts[s][self.rank], parts[s][:self.rank]
-                offset = sum(y - x for x, y in before) * itemsize
-                flat[lands[s] + a:lands[s] + b].copy_(
-                    mine[sends[s] + a:sends[s] + b] if s == self.rank else
-                    call.slot(s, send.dtype, b - a, offset))
-            call.close()
-        return out
+        except BaseException as err:
+            self._failed(err)
+            raise
 
     def _turns(self, nbytes: int) -> int:
         """Calls a message of ``nbytes`` (the largest one rank writes) takes: one up to
@@ -406,23 +517,35 @@ class ShmGroup:
         """An operator's check in a header-only call of its own, judged by its ``verify`` on
         every rank alike: for data that goes in turns."""
         if check is not None:
-            check.verify(self.gather_meta(check.op, check.values, len(check.values)))
+            rows = self.gather_meta(check.op, check.values, len(check.values))
+            _judge(self._call, check, rows)
 
 
 def _exchange(call: Call, check: Carried | None) -> None:
     """An all_reduce's headers exchanged, and the operator's ``check`` judged on every
     rank's fields (its own numel last) where the headers differ: the same rows, the same
     verdict, on every rank; the call closed where it refuses."""
-    rows = call.exchange()
+    rows = call.exchange(check and _fields_of(check))
     if check is not None and not call.alike:  # one header everywhere: nothing differs
-        try:
-            check.verify([row[:-1] for row in rows])
-        except (ValueError, TypeError):
-            call.close()
-            raise
+        _judge(call, check, [row[:-1] for row in rows])
 
 
-def _bounds(n: int, world: int) -> list[int]:
+def _fields_of(check: Carried):
+    """``check.verify`` on the check's own fields of a row that may hold more."""
+    ahead = len(check.names)
+    return lambda rows: check.verify([row[:ahead] for row in rows])
+
+
+def _judge(call: Call, check: Carried, rows: list[tuple[int, ...]]) -> None:
+    """``check.verify(rows)``: every rank judges the same rows alike, so a verdict against
+    them is a refusal (the call closed; the group goes on)."""
+    try:
+        check.verify(rows)
+    except (ValueError, TypeError) as err:
+        raise call.refuse(err) from None
+
+
+def chunk_bounds(n: int, world: int) -> list[int]:
     """The chunk boundaries of ``n`` elements over ``world`` owners (the first get one more)."""
     base, extra = divmod(n, world)
     out = [0]

@@ -4,10 +4,14 @@
   namespace: two emulated hosts on one machine are two hosts): :class:`ShmTransport`.
 - ``"gloo"`` (or NCCL on CUDA): ``torch.distributed`` itself: :class:`DistTransport`.
 - ``"auto"`` (the default; ``PLAIT_TRANSPORT`` or ``--transport`` set another): shared
-  memory where every rank of the group is on one host and it is supported here, else
-  ``torch.distributed``. The ranks agree on it (one all_gather of where each one runs),
-  and the choice and its reason are kept (``Choice``) for ``plait.parallel.applied``,
-  the benchmarks and ``-v``.
+  memory where every rank of the group is on one host, it is supported here, ``/dev/shm``
+  has room for the group's segments, and set-up finds that the ranks share it (they may
+  share a network but not ``/dev/shm``: Docker's ``--network=host`` without
+  ``--ipc=host``); else ``torch.distributed``. The ranks agree on it (one all_gather of
+  where each one runs, and set-up's own agreed verdict), and the choice and its reason
+  are kept (``Choice``) for ``plait.parallel.applied``, the benchmarks and ``-v``.
+  ``"shm"`` asked for where it cannot run is refused on every rank in one line that says
+  what to change.
 
 Both transports answer the same calls, each on contiguous tensors and in rank order:
 ``all_reduce(t)`` (in place), ``summed(t)`` (the sum as a new tensor),
@@ -52,7 +56,7 @@ class ShmTransport:
         from .collectives import ONE_SHOT_BYTES, ShmGroup
 
         self.group, self.choice = group, choice
-        self.shm = ShmGroup(group, timeout_s=timeout_s)
+        self.shm = ShmGroup(group, timeout_s=timeout_s)  # ShmUnavailable: every rank alike
         self._one_shot = ONE_SHOT_BYTES  # a product or sum up to this size: one call
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
@@ -128,7 +132,7 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
     A group across hosts with two or more of its ranks on some host takes shared memory
     inside each host and gloo between hosts for its all-reduces
     (:class:`~plait.transport.hier.HierTransport`), gloo for the rest."""
-    from .shm import host_id, supported
+    from .shm import ShmUnavailable, host_id, shm_free_bytes, supported
 
     wanted_name = wanted_name or wanted()
     backend = dist.get_backend(group)
@@ -137,14 +141,16 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
         return _choose_cuda(group, wanted_name, world)
     why_not = supported() if backend == "gloo" else f"the group runs {backend}"
     every: list = [None] * world
-    dist.all_gather_object(every, (host_id(), why_not), group=group)
-    hosts = [h for h, _ in every]
-    blocked = next((w for _, w in every if w is not None), None)
+    dist.all_gather_object(every, (host_id(), why_not, shm_free_bytes()), group=group)
+    hosts = [h for h, _, _ in every]
+    blocked = next((w for _, w, _ in every if w is not None), None)
     shared = max(hosts.count(h) for h in set(hosts))
     if world == 1:
         blocked = "one rank: nothing to move"
     elif blocked is None and shared == 1:
         blocked = f"each of the group's {world} ranks is on a host of its own"
+    elif blocked is None:
+        blocked = _room(every)
     if wanted_name == "shm" and blocked is not None:
         raise ValueError(f"--transport shm: {blocked}")
     if wanted_name == "gloo" or blocked is not None:
@@ -158,15 +164,38 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
                f"{len(set(hosts))} hosts: shared memory inside each host, gloo between hosts "
                "(all-reduces); gloo for the other collectives")
         return HierTransport(group, Choice("shm+gloo", why), hosts, timeout_s=timeout_s)
-    reason = "asked for" if wanted_name == "shm" else \
-        f"auto: all {world} ranks on one host"
-    return ShmTransport(group, Choice("shm", reason), timeout_s=timeout_s)
+    try:
+        reason = "asked for" if wanted_name == "shm" else \
+            f"auto: all {world} ranks on one host"
+        return ShmTransport(group, Choice("shm", reason), timeout_s=timeout_s)
+    except ShmUnavailable as err:  # set-up's verdict: the same on every rank
+        if wanted_name == "shm":
+            raise ValueError(f"--transport shm: {err}") from None
+        return DistTransport(group, Choice(backend, f"auto: {err}"), one_host=True)
+
+
+def _room(every: list) -> str | None:
+    """Why ``/dev/shm`` cannot hold the segments of the ranks that share it, or None
+    (``every``: each rank's host, why-not and free bytes; a host's ranks share one)."""
+    from .collectives import default_capacity
+    from .shm import segment_bytes
+
+    hosts = [h for h, _, _ in every]
+    for host in dict.fromkeys(hosts):
+        ranks = hosts.count(host)
+        free = min((f for h, _, f in every if h == host and f is not None), default=None)
+        # a host of several ranks: each makes one segment for its group on the host
+        need = ranks * segment_bytes(ranks, default_capacity(ranks))
+        if free is not None and ranks > 1 and free < need:
+            return (f"/dev/shm has {free / 2**20:.1f} MiB free, {ranks} ranks need "
+                    f"{need / 2**20:.1f} MiB: give it more (docker --shm-size, or --ipc=host)")
+    return None
 
 
 def _choose_cuda(group, wanted_name: str, world: int):
     """NCCL groups: torch's symmetric memory for all-reduces where every rank shares a host
     (``plait.transport.cuda``), NCCL otherwise and for the rest."""
-    from .cuda import SymmMemTransport, available
+    from .cuda import SymmMemTransport, SymmMemUnavailable, available
     from .shm import host_id
 
     every: list = [None] * world
@@ -181,5 +210,12 @@ def _choose_cuda(group, wanted_name: str, world: int):
     if wanted_name == "gloo" or blocked is not None:
         reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
         return DistTransport(group, Choice("nccl", reason))
-    return SymmMemTransport(group, Choice("symm_mem", f"{'asked for' if wanted_name == 'shm' else 'auto'}: all {world} ranks on one host: torch's symmetric memory for "
-                                           "all-reduces, NCCL for the rest"))
+    asked = "asked for" if wanted_name == "shm" else "auto"
+    try:
+        return SymmMemTransport(group, Choice("symm_mem", (
+            f"{asked}: all {world} ranks on one host: torch's symmetric memory for "
+            "all-reduces, NCCL for the rest")))
+    except SymmMemUnavailable as err:  # set-up failed on some rank: every rank alike
+        if wanted_name == "shm":
+            raise ValueError(f"--transport shm: torch's symmetric memory: {err}") from None
+        return DistTransport(group, Choice("nccl", f"auto: torch's symmetric memory: {err}"))
