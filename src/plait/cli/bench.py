@@ -87,6 +87,8 @@ def run_collectives(args: argparse.Namespace) -> int:
                 note=f"{p['collective']} {human_bytes(p['bytes'])}"))
     if not where.startswith("loopback (no emulated cluster:"):  # the fallback already said why
         console.print(f"[dim]{where}[/dim]")
+    for name, reason in dict.fromkeys((r["transport"], r["transport_reason"]) for r in records):
+        console.print(f"[dim]transport: {name} ({reason})[/dim]")
     link_GBps = (parse_rate(records[0]["link"]) or 0) / 8e9 if records else 0
     pieces = max((r["pieces"] for r in records), default=0)
     columns = ["collective", "size", "transport", "time (µs)", "algbw (GB/s)", "busbw (GB/s)",
