@@ -200,6 +200,38 @@ def _nccl_world_of_one():
     return dict(rel_err=rows, explain=explain(), backend=dist.get_backend())
 
 
+def _symm_mem_world_of_one():
+    """torch's symmetric memory (plait.transport.cuda) on a one-rank NCCL group: float32 and
+    bf16 through it (one-shot and two-shot sizes), float16 and an odd-length bf16 routed to
+    NCCL, a call on a side stream ordered after the last one, and no host sync in a call
+    once its (dtype, numel) is agreed (torch's sync debug mode set to error)."""
+    from plait.transport.base import Choice
+    from plait.transport.cuda import SymmMemTransport, symm_mem_path
+
+    torch.cuda.set_device(0)
+    transport = SymmMemTransport(None, Choice("symm_mem", "device check"))
+    rows = {}
+    for dtype, numel in ((torch.float32, 1000), (torch.float32, 1 << 18), (torch.bfloat16, 4096),
+                         (torch.bfloat16, 4095), (torch.float16, 4096)):
+        x = torch.randn(numel, device="cuda").to(dtype)
+        want = x.clone()
+        transport.all_reduce(x)  # agrees the signature (a host sync, once)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            transport.all_reduce(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        path = symm_mem_path(dtype, numel * x.element_size(), transport.capacity) or "symm_mem"
+        rows[f"{dtype}x{numel}"] = dict(path=path, equal=bool(torch.equal(x, want)))
+    side = torch.cuda.Stream()
+    y = torch.ones(1000, device="cuda")
+    with torch.cuda.stream(side):
+        transport.all_reduce(y)
+    torch.cuda.synchronize()
+    rows["side_stream"] = dict(path="symm_mem", equal=bool((y == 1).all()))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -260,6 +292,14 @@ def main(argv=None) -> int:
             result["nccl"] = dict(error=f"{type(err).__name__}: {str(err)[-2000:]}")
         failed += "error" in result["nccl"] or max(result["nccl"]["rel_err"].values()) > 1e-4
         print("nccl world of one:", json.dumps(result["nccl"]), flush=True)
+        try:
+            result["symm_mem"] = launch(_symm_mem_world_of_one, 1, backend="nccl",
+                                        timeout_s=60)[0]
+        except Exception as err:  # reported, not hidden
+            result["symm_mem"] = dict(error=f"{type(err).__name__}: {str(err)[-2000:]}")
+        failed += "error" in result["symm_mem"] or not all(
+            row["equal"] for row in result["symm_mem"].values())
+        print("symmetric memory, world of one:", json.dumps(result["symm_mem"]), flush=True)
     for world in (2, 3):
         timing = launch(_timing_rank, world, args=(device, args.repeats), timeout_s=300,
                         threads=2)[0]
