@@ -52,6 +52,7 @@ from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatt
 from ..ops.agree import attempt, refused
 from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
 from ..ops.shared_input import SharedInput
+from ..ops.library import compiling, group_key
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ._shard import _idle, compute_scope, mark_partial_grad, shard_of
 from .linear_base import _hooked, _ParallelLinear
@@ -77,6 +78,8 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._gather(local, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if compiling():
+            return self._traced(x)
         if not torch.is_grad_enabled() and self._kept is None and not self.sequence_parallel:
             # no backward (a decoding step): a column-parallel forward moves no bytes, so
             # it is the local GEMM alone, with no cross-rank check to make (and, with
@@ -119,6 +122,21 @@ class ColumnParallelLinear(_ParallelLinear):
             x = copy_to_region(x, self.group)
             y = self._region(lambda x: F.linear(x, weight), x)
         return self._impute(y if bias is None else y + bias, rows)
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """Under ``torch.compile``: the local GEMM after the region's entry (its backward
+        all-reduce, or the sequence's gather: registered ops). Each sibling sharing an
+        input all-reduces its own dx (autograd sums them), and no compute is timed."""
+        rows = self._rows()
+        weight, bias = self.weight, self.bias
+        if rows is not None:
+            weight = weight.index_select(0, rows)
+            bias = None if bias is None else bias.index_select(0, rows)
+        if self.sequence_parallel:
+            x = gather_for_matmul(x, self.group, self.seq_dim, self._seq_sizes(gathered=True))
+        elif self.info.world > 1:
+            x = copy_to_region(x, self.group)
+        return self._impute(F.linear(x, weight, bias), rows)
 
     shared_input = None  # a plait.ops.SharedInput, set by share_input
     siblings: tuple = ()
@@ -176,6 +194,9 @@ class RowParallelLinear(_ParallelLinear):
         return local.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if compiling():
+            y = self._traced(x)
+            return y if self.bias is None else y + self.bias
         if not torch.is_grad_enabled() and self.overlap and self._kept is None and \
                 not self.sequence_parallel and self.info.world > 1 and _idle(self.compute_timer):
             # no backward, nothing timed or slowed (a decoding step): the operator alone
@@ -189,6 +210,8 @@ class RowParallelLinear(_ParallelLinear):
         not sequence-parallel: the last pieces are); ``finish()`` gives ``forward(x)``.
         Every other path is done by the time it returns. ``chunks``: this call's pieces
         (default the layer's)."""
+        if compiling():
+            return Started(InFlight(self._traced(x), []), self.bias)
         weight = self.weight  # [N, K_r]; K_r kept only, when resized
         if self._kept is not None:
             x, weight = x.index_select(-1, self._kept), weight.index_select(1, self._kept)
@@ -216,6 +239,23 @@ class RowParallelLinear(_ParallelLinear):
             with refused(problem):  # refused on every rank, by the all-reduce's check
                 y = reduce_from_region(x if y is None else y, self.group)
         return Started(InFlight(y, []), self.bias)  # nothing left on the wire
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """Under ``torch.compile``, without the bias: the fused operator as one registered
+        op (its pieces, decision and check inside it), or the local GEMM then the plain
+        reduction (or the sequence's reduce-scatter); no compute is timed."""
+        weight = self.weight  # [N, K_r]
+        if self._kept is not None:
+            x, weight = x.index_select(-1, self._kept), weight.index_select(1, self._kept)
+        if self.info.world == 1:
+            return F.linear(x, weight)
+        if self.sequence_parallel:
+            return reduce_scatter_region(F.linear(x, weight), self.group, self.seq_dim,
+                                         self._seq_sizes(gathered=False))
+        if not self.overlap:
+            return reduce_from_region(F.linear(x, weight), self.group)
+        chunks = 0 if self.chunks == "auto" else int(self.chunks)
+        return torch.ops.plait.matmul_all_reduce(x, weight.t(), group_key(self.group), chunks)
 
     def _plain_local(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The plain path's local GEMM, once x is known to fit (a ValueError/TypeError

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .agree import attempt, check_same, dtype_code
 from .context import carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
+from .library import compiling, group_key
 from .pieces import even_sizes, offsets
 from ..transport.calls import Carried
 
@@ -259,10 +260,80 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(dy, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
+# --- under torch.compile: the same mappings on plait's registered ops (ops.library) -----
+class _CopyTraced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: str):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.ops.plait.all_reduce(dy, ctx.group), None
+
+
+class _ReduceTraced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: str):
+        return torch.ops.plait.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GatherTraced(torch.autograd.Function):
+    """All-gather along ``dim``; the backward keeps this rank's slice (``reduce_grad``:
+    reduce-scatters it, ahead of a column-parallel matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, group: str, dim: int, sizes: tuple, rank: int, reduce_grad: bool):
+        ctx.group, ctx.dim, ctx.sizes, ctx.rank, ctx.reduce_grad = \
+            group, dim, sizes, rank, reduce_grad
+        return torch.ops.plait.all_gather(x, group, dim, list(sizes))
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.reduce_grad:
+            dx = torch.ops.plait.reduce_scatter(dy, ctx.group, ctx.dim, list(ctx.sizes))
+        else:
+            dx = dy.narrow(ctx.dim, sum(ctx.sizes[:ctx.rank]), ctx.sizes[ctx.rank])
+        return dx, None, None, None, None, None
+
+
+class _ScatterTraced(torch.autograd.Function):
+    """This rank's slice (``reduce``: of the sum over ranks) along ``dim``; the backward
+    all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group: str, dim: int, sizes: tuple, rank: int, reduce: bool):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        if reduce:
+            return torch.ops.plait.reduce_scatter(x, group, dim, list(sizes))
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.ops.plait.all_gather(dy.contiguous(), ctx.group, ctx.dim,
+                                          list(ctx.sizes)), None, None, None, None, None
+
+
+def _traced_sizes(x: torch.Tensor, dim: int, sizes, group, split: bool) -> tuple:
+    """Every rank's length along ``dim`` at trace time: given, or even (a split), or this
+    rank's own repeated (a gather of equal shares; the op checks it when it runs)."""
+    if sizes is not None:
+        return tuple(int(s) for s in sizes)
+    if split:
+        return tuple(even_sizes(x.shape[dim], _world(group)))
+    return (x.shape[dim],) * _world(group)
+
+
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity; the backward all-reduces (entry of a tensor-parallel region, replicated x)."""
     if _world(group) == 1:
         return x
+    if compiling():
+        return _CopyTraced.apply(x, group_key(group))
     if torch.is_grad_enabled():  # the backward's all-reduce is agreed here
         _agreed("copy_to_region", x, group, None, None, split=False, needs_grad=x.requires_grad)
     return _Copy.apply(x, group)
@@ -273,6 +344,8 @@ def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     world = _world(group)
     if world == 1:
         return x
+    if compiling():
+        return _ReduceTraced.apply(x, group_key(group))
     check = _carried("reduce_from_region", x, group, None, None, split=False, world=world)
     if check is None:
         _agreed("reduce_from_region", x, group, None, None, split=False)
@@ -287,6 +360,10 @@ def scatter_to_region(x: torch.Tensor, group=None, dim: int = 0,
     every rank gets the whole (replicated) gradient."""
     if _world(group) == 1:
         return x
+    if compiling():
+        d = dim % x.dim()
+        return _ScatterTraced.apply(x, group_key(group), d, _traced_sizes(x, d, sizes, group, True),
+                                    dist.get_rank(group), False)
     if torch.is_grad_enabled():  # the backward's gather is agreed here
         sizes = _agreed("scatter_to_region", x, group, dim, sizes, split=True,
                         needs_grad=x.requires_grad)
@@ -302,6 +379,11 @@ def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
     world = _world(group)
     if world == 1:
         return x
+    if compiling():
+        d = dim % x.dim()
+        return _GatherTraced.apply(x, group_key(group), d,
+                                   _traced_sizes(x, d, sizes, group, False),
+                                   dist.get_rank(group), False)
     check = None if sizes is None else \
         _carried("gather_from_region", x, group, dim, sizes, split=False, world=world)
     if check is None:  # sizes found by the check: it comes first
@@ -319,6 +401,11 @@ def gather_for_matmul(x: torch.Tensor, group=None, dim: int = 0,
     reduce-scatters (each rank's gradient is a partial sum over its column shard)."""
     if _world(group) == 1:
         return x
+    if compiling():
+        d = dim % x.dim()
+        return _GatherTraced.apply(x, group_key(group), d,
+                                   _traced_sizes(x, d, sizes, group, False),
+                                   dist.get_rank(group), True)
     sizes = _agreed("gather_for_matmul", x, group, dim, sizes, split=False,
                     needs_grad=torch.is_grad_enabled() and x.requires_grad)
     return _Gather.apply(x, group, dim % x.dim(), sizes, True)
@@ -329,6 +416,10 @@ def reduce_scatter_region(x: torch.Tensor, group=None, dim: int = 0,
     """Sum over ranks and keep this rank's slice of ``dim``; the backward all-gathers."""
     if _world(group) == 1:
         return x
+    if compiling():
+        d = dim % x.dim()
+        return _ScatterTraced.apply(x, group_key(group), d, _traced_sizes(x, d, sizes, group, True),
+                                    dist.get_rank(group), True)
     sizes = _agreed("reduce_scatter_region", x, group, dim, sizes, split=True,
                     needs_grad=torch.is_grad_enabled() and x.requires_grad)
     return _ReduceScatter.apply(x, group, dim % x.dim(), sizes)
