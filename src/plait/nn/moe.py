@@ -30,13 +30,16 @@ The single-device twin is any module with ``router`` (nn.Linear, no bias),
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.agree import attempt, raise_together
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
-from ..ops.pieces import as_rows
+from ..ops.library import compiling, register_opaque
+from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
@@ -120,13 +123,18 @@ class MoE(nn.Module):
                 weights, experts = route_top_k(self.router(x2), self.top_k)
                 return experts_reference(x2, weights, experts, self.w1, self.w2).view(x.shape)
         x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [T, H]
+        x2_rows = x2.shape[0] if isinstance(x2, torch.Tensor) else 0
         if self.replicated_input:
             x2 = scatter_to_region(x2, self.group, 0)  # [T_r, H]: this rank's share
-        # the fused ops interleave the expert GEMMs and the wire, and the small count exchange
-        # sits between routing and dispatch: the whole expert-parallel step is one scope
-        out = straggled(self._expert_parallel, x2)
+        if compiling():  # the token counts are data: routing and dispatch run as one op
+            out = torch.ops.plait.opaque([x2, self.router.weight, self.w1, self.w2],
+                                         _opaque_key(self))
+        else:
+            # the fused ops interleave the expert GEMMs and the wire, and the small count
+            # exchange sits between routing and dispatch: the whole step is one scope
+            out = straggled(self._expert_parallel, x2)
         if self.replicated_input:
-            out = gather_from_region(out, self.group, 0)
+            out = gather_from_region(out, self.group, 0, even_sizes(x2_rows, self.info.world))
         return out.view(x.shape)
 
     def _check(self, x) -> None:
@@ -140,12 +148,17 @@ class MoE(nn.Module):
         if x.dtype != self.w1.dtype:
             raise TypeError(f"{name}: x is {x.dtype}, the experts {self.w1.dtype}")
 
-    def _expert_parallel(self, x2: torch.Tensor) -> torch.Tensor:
+    def _expert_parallel(self, x2: torch.Tensor, router: torch.Tensor | None = None,
+                         w1: torch.Tensor | None = None, w2: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+        router = self.router.weight if router is None else router
+        w1 = self.w1 if w1 is None else w1
+        w2 = self.w2 if w2 is None else w2
         _, problem = attempt(lambda: self._check(x2))
         if problem is not None:  # join the count exchange, which refuses it on every rank
             self._counts(torch.zeros(self.num_experts, dtype=torch.int64,
                                      device=self.w1.device), problem)
-        weights, experts = route_top_k(self.router(x2), self.top_k)  # [T, k] each
+        weights, experts = route_top_k(F.linear(x2, router), self.top_k)  # [T, k] each
         flat = experts.reshape(-1)                                     # [T·k]
         order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
         token = order // self.top_k
@@ -153,9 +166,9 @@ class MoE(nn.Module):
         x_send = x2.index_select(0, token)                            # [T·k, H], (rank, expert)
         send, recv = self._counts(counts)
         chunks = self.chunks if self.overlap else 1
-        h = all_to_all_matmul(x_send, self.w1, send, recv, self.group, chunks=chunks)
+        h = all_to_all_matmul(x_send, w1, send, recv, self.group, chunks=chunks)
         h = F.gelu(h)                                                 # [T_recv, F]
-        y = matmul_all_to_all(h, self.w2, send, recv, self.group, chunks=chunks)  # [T·k, H]
+        y = matmul_all_to_all(h, w2, send, recv, self.group, chunks=chunks)  # [T·k, H]
         y = y * weights.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(x2).index_add(0, token, y)
 
@@ -190,6 +203,14 @@ class MoE(nn.Module):
         return (f"H={self.hidden}, F={self.ffn}, experts={self.num_experts}, k={self.top_k}, "
                 f"plan={list(self.plan.sizes)} experts, {'fused' if self.overlap else 'plain'}"
                 f"{', replicated_input' if self.replicated_input else ''}")
+
+
+@torch.compiler.assume_constant_result
+def _opaque_key(layer: MoE) -> str:
+    """The key of ``layer``'s routing and dispatch as one registered op (plait.ops.library)."""
+    ref = weakref.ref(layer)
+    return register_opaque(f"moe-{id(layer)}", lambda *t: ref()._expert_parallel(*t),
+                           lambda x, *rest: torch.empty_like(x))
 
 
 def _init_full(hidden: int, ffn: int, experts: int, seed: int, dtype):

@@ -17,6 +17,8 @@ all_reduce(x, g)            Σ_ranks x                           —
 all_gather(x, g, dim, s)    concatenate every rank's x on dim   —
 reduce_scatter(x, g, d, s)  Σ_ranks x, this rank's rows of d    —
 matmul_all_reduce(x, w, g)  Σ_ranks x_r @ w_r  ([..., N])       dx = dy wᵀ, dw = xᵀ dy
+opaque(tensors, key)        a registered eager function         the function again,
+                            (an expert-parallel dispatch)       differentiated
 ==========================  ==================================  ======================
 
 ``g``: a group's key (:func:`group_key`); ``s``: every rank's length along ``dim``.
@@ -30,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["group_key", "group_of", "compiling"]
+__all__ = ["group_key", "group_of", "compiling", "register_opaque"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
 
@@ -131,3 +133,80 @@ def _mar_backward(ctx, dy):
 
 
 matmul_all_reduce.register_autograd(_mar_backward, setup_context=_mar_setup)
+
+
+# --- an eager region as one op --------------------------------------------------------
+# What holds data-dependent control flow (an expert-parallel dispatch: token counts known
+# only when the router has run, the all-to-all splits they give) runs as one opaque op:
+# its function, registered under a key, runs eagerly (its collectives and checks inside);
+# its backward runs the function again with autograd on (the activations recomputed, as
+# activation checkpointing does) and differentiates it: the same gradients as eager.
+_OPAQUE: dict[str, tuple] = {}
+
+
+def register_opaque(key: str, fn, like) -> str:
+    """Run ``fn(*tensors)`` as ``torch.ops.plait.opaque(tensors, key)`` under compilation;
+    ``like(*tensors)``: an empty tensor of its output's shape and dtype. ``key``."""
+    _OPAQUE[key] = (fn, like)
+    return key
+
+
+@torch.library.custom_op("plait::opaque", mutates_args=())
+def opaque(inputs: list[torch.Tensor], key: str) -> torch.Tensor:
+    fn, _ = _OPAQUE[key]
+    with torch.no_grad():
+        out = fn(*inputs)
+    return out.clone() if any(out.data_ptr() == t.data_ptr() for t in inputs) else \
+        out.contiguous()
+
+
+@opaque.register_fake
+def _(inputs: list[torch.Tensor], key: str) -> torch.Tensor:
+    return _OPAQUE[key][1](*inputs)
+
+
+@torch.library.custom_op("plait::opaque_backward", mutates_args=())
+def opaque_backward(inputs: list[torch.Tensor], dy: torch.Tensor, key: str
+                    ) -> list[torch.Tensor]:
+    fn, _ = _OPAQUE[key]
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    with _autograd_on(), torch.enable_grad():
+        out = fn(*leaves)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, dy, allow_unused=True))
+    result = []
+    for t in leaves:
+        g = next(grads) if t.requires_grad else None
+        result.append(torch.zeros_like(t) if g is None else g.contiguous())
+    return result
+
+
+@opaque_backward.register_fake
+def _(inputs: list[torch.Tensor], dy: torch.Tensor, key: str) -> list[torch.Tensor]:
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+
+
+def _autograd_on():
+    """Autograd's dispatch keys back on inside an op's implementation (a custom op runs below
+    autograd), so a function can be differentiated there."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in (C.DispatchKey.AutogradFunctionality, C.DispatchKey.AutogradOther,
+                C.DispatchKey.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+def _opaque_setup(ctx, inputs, output) -> None:
+    tensors, key = inputs
+    ctx.key = key
+    ctx.floating = [t.is_floating_point() for t in tensors]
+    ctx.save_for_backward(*tensors)
+
+
+def _opaque_grad(ctx, dy):
+    grads = torch.ops.plait.opaque_backward(list(ctx.saved_tensors), dy, ctx.key)
+    return [g if f else None for g, f in zip(grads, ctx.floating)], None
+
+
+opaque.register_autograd(_opaque_grad, setup_context=_opaque_setup)

@@ -29,11 +29,15 @@ the outputs are summed, as experts split by their FFN dim are.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
+from ..ops.library import compiling, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
+from ..ops.pieces import even_sizes
 from ..ops.regions import (copy_to_region, gather_from_region, reduce_from_region,
                            scatter_to_region)
 from ..plan import ShardPlan
@@ -76,15 +80,29 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if hidden_states.shape[0] < self.info.world:  # a rank would have no tokens to send
+        weights = (self.gate_up_proj, self.down_proj)
+        few = hidden_states.shape[0] < self.info.world  # a rank would have no tokens to send
+        if compiling():  # the token counts are data: the dispatch runs as one op
+            if few:
+                return torch.ops.plait.opaque([hidden_states, top_k_index, top_k_weights,
+                                               *weights], _opaque_key(self, "few"))
+        elif few:
             return self._few_tokens(hidden_states, top_k_index, top_k_weights)
         x = scatter_to_region(hidden_states, self.group, 0)          # [T_r, H]
         w = scatter_to_region(top_k_weights, self.group, 0)          # [T_r, k]
         idx = _own_rows(top_k_index, self.info)                      # [T_r, k]
-        out = straggled(lambda x: self._dispatch_combine(x, idx, w), x)
-        return gather_from_region(out, self.group, 0)                # [T, H]
+        if compiling():
+            out = torch.ops.plait.opaque([x, idx, w, *weights], _opaque_key(self, "dispatch"))
+        else:
+            out = straggled(lambda x: self._dispatch_combine(x, idx, w), x)
+        shares = even_sizes(hidden_states.shape[0], self.info.world)  # as scattered
+        return gather_from_region(out, self.group, 0, shares)        # [T, H]
 
-    def _dispatch_combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+    def _dispatch_combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                          gate_up: torch.Tensor | None = None,
+                          down: torch.Tensor | None = None):
+        gate_up = self.gate_up_proj if gate_up is None else gate_up
+        down = self.down_proj if down is None else down
         k = idx.shape[-1]
         flat = idx.reshape(-1)                                        # [T_r·k]
         order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
@@ -92,18 +110,22 @@ class ExpertParallelExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)   # [E]
         send, recv = self._counts(counts)
         x_send = x.index_select(0, token)                             # [T_r·k, H]
-        h = all_to_all_matmul(x_send, self._in_out(self.gate_up_proj), send, recv,
+        h = all_to_all_matmul(x_send, self._in_out(gate_up), send, recv,
                               self.group, chunks=self.chunks)         # [T_recv, 2F]
         h = self._apply_gate(h)                                       # [T_recv, F]
-        y = matmul_all_to_all(h, self._in_out(self.down_proj), send, recv, self.group,
+        y = matmul_all_to_all(h, self._in_out(down), send, recv, self.group,
                               chunks=self.chunks)                     # [T_r·k, H]
         y = y * w.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         return torch.zeros_like(x).index_add(0, token, y)
 
-    def _few_tokens(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    def _few_tokens(self, hidden_states, top_k_index, top_k_weights,
+                    gate_up: torch.Tensor | None = None,
+                    down: torch.Tensor | None = None) -> torch.Tensor:
         """Fewer tokens than ranks (decoding one sequence on 3 ranks): every rank runs its own
         experts on every token routed to them, and the outputs are summed (all-reduce); the
         tokens' and weights' gradients are summed back the same way."""
+        gate_up = self.gate_up_proj if gate_up is None else gate_up
+        down = self.down_proj if down is None else down
         x = copy_to_region(hidden_states, self.group)                 # [T, H]
         w = copy_to_region(top_k_weights.to(x.dtype), self.group)     # [T, k]
         mine = self.plan.slice_of(self.info.rank)
@@ -113,8 +135,8 @@ class ExpertParallelExperts(nn.Module):
                 if not mine.start <= e < mine.stop:
                     continue
                 rows = (top_k_index[:, slot] == e).nonzero().squeeze(1)
-                h = self._apply_gate(x[rows] @ self._in_out(self.gate_up_proj)[e - mine.start])
-                y = h @ self._in_out(self.down_proj)[e - mine.start]
+                h = self._apply_gate(x[rows] @ self._in_out(gate_up)[e - mine.start])
+                y = h @ self._in_out(down)[e - mine.start]
                 out = out.index_add(0, rows, y * w[rows, slot, None])
         return reduce_from_region(out, self.group)
 
@@ -146,6 +168,17 @@ class ExpertParallelExperts(nn.Module):
         return (f"experts={self.num_experts}, H={self.hidden}, F={self.ffn}, "
                 f"plan={list(self.plan.sizes)} experts, "
                 f"{'fused' if self.overlap else 'plain'}")
+
+
+@torch.compiler.assume_constant_result
+def _opaque_key(layer: ExpertParallelExperts, part: str) -> str:
+    """The key of ``layer``'s ``part`` ("dispatch": the experts between scatter and gather;
+    "few": fewer tokens than ranks) as one registered op (``plait.ops.library``)."""
+    ref = weakref.ref(layer)
+    run = {"dispatch": lambda *t: ref()._dispatch_combine(*t),
+           "few": lambda *t: ref()._few_tokens(*t)}[part]
+    return register_opaque(f"experts-{part}-{id(layer)}", run,
+                           lambda x, *rest: torch.empty_like(x))
 
 
 def _own_rows(t: torch.Tensor, info: GroupInfo) -> torch.Tensor:

@@ -55,7 +55,7 @@ GEMM_K = 512
 def split(total: int, pieces: int) -> list[int]:
     """``total`` rows in ``pieces`` near-equal parts (larger ones first), none empty."""
     pieces = max(1, min(pieces, total)) if total else 1
-    base, extra = divmod(total, pieces)
+    base, extra = total // pieces, total % pieces  # not divmod: a traced length is symbolic
     return [base + (1 if i < extra else 0) for i in range(pieces)]
 
 
