@@ -35,7 +35,7 @@ ROWS = [
      "--transport shm: each of the 2 ranks is on a host of its own", ()),
     ("bench-ops-shm-one-rank", ["bench", "ops", "--transport", "shm", "--ranks", "1", "--quick"],
      "--transport shm: one rank has nothing to move", ()),
-    ("generate-shm-one-rank", ["generate", "--transport", "shm", "--ranks", "1", "--prompt", "1 2"],
+    ("generate-shm-one-rank", ["generate", "--transport", "shm", "--ranks", "1", "--prompt-ids", "1 2"],
      "--transport shm: one rank has nothing to move", ()),
     ("train-slow-file-missing", ["train", "--slow-file", "nosuch.json"], "nosuch.json", ()),
     ("train-slow-file-not-json", ["train", "--slow-file", "taken"], "taken", ("taken",)),

@@ -8,7 +8,8 @@ import json
 
 from ..runtime.placement import run_placed
 from ..bench.report import console, print_table
-from ..training.generate import GenerateConfig, generate_rank, read_prompts
+from ..training.generate import (GenerateConfig, generate_rank, read_prompts, text_prompts,
+                                 tokenizer_of)
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_outputs, resolve_placement
 
@@ -24,7 +25,10 @@ def register(subparsers) -> None:
                     "with its KV cache; prints the new tokens and the per-token timings.")
     add_launch_args(parser)
     add_dataclass_args(parser, GenerateConfig)
-    parser.add_argument("--prompt", default=None, metavar="IDS",
+    parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                        help="a prompt as text, tokenized by the checkpoint's own tokenizer; "
+                             "the new tokens are printed as text too (repeatable: a batch)")
+    parser.add_argument("--prompt-ids", default=None, metavar="IDS",
                         help='one prompt, token ids separated by spaces (default "1 2 3 4")')
     parser.add_argument("--prompt-file", default=None, metavar="PATH",
                         help="prompts, one a line (ids separated by spaces), or a JSON list "
@@ -41,8 +45,15 @@ def register(subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    prompts = read_prompts(args.prompt, args.prompt_file)
     cfg = dataclass_from_args(GenerateConfig, args)
+    tokenizer = None
+    if args.prompt is not None:
+        if args.prompt_ids is not None or args.prompt_file is not None:
+            raise ValueError("give --prompt (text), --prompt-ids or --prompt-file, one of them")
+        tokenizer = tokenizer_of(cfg.model)
+        prompts = text_prompts(args.prompt, cfg.model, tokenizer)
+    else:
+        prompts = read_prompts(args.prompt_ids, args.prompt_file)
     cfg = GenerateConfig(**{**cfg.__dict__, "prompts": prompts})
     cfg.check()  # before any rank starts
     ranks, hosts, link = resolve_placement(args)
@@ -54,6 +65,12 @@ def run_generate(args: argparse.Namespace) -> int:
     console.print(f"[dim]{where}; transport {result['transport']}[/dim]")
     console.print(f"[dim]{(result['parallel'] or ['one rank'])[0]}[/dim]")
     for i, tokens in enumerate(result["tokens"]):
+        if tokenizer is not None:  # text in, text out
+            result.setdefault("texts", []).append(tokenizer.decode(tokens,
+                                                                   skip_special_tokens=True))
+            console.print(f"prompt {i}: {args.prompt[i]}", markup=False)
+            console.print(f"  → {result['texts'][-1]}", markup=False)
+            continue
         console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False)
         console.print(f"  → {' '.join(map(str, tokens))}", markup=False)
     if cfg.requests == "each" or cfg.split != "even":

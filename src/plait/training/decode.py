@@ -81,54 +81,127 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
+def _eos_ids(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    return [int(e) for e in eos_token_id] if isinstance(eos_token_id, (list, tuple)) \
+        else [int(eos_token_id)]
+
+
+class _Steps:
+    """A model's forwards for one decode: the prefill, then one token a step, with its KV
+    cache (transformers' dynamic cache; or, ``compiled``, a static cache of the whole
+    length and the step compiled with ``fullgraph=True``: one graph, no Python between the
+    operators, the same shapes every step). ``mask``: [B, S] (0 at left padding) or None."""
+
+    def __init__(self, model, prompt: torch.Tensor, total: int, mask, compiled: bool):
+        self.model, self.name, self.compiled = model, _cache_name(model), compiled
+        self.device, self.length = prompt.device, prompt.shape[1]
+        self.cache, self.forward = None, model
+        if compiled and mask is not None:  # the whole length's mask from the start: one shape
+            mask = torch.cat([mask, mask.new_ones(len(mask), total - mask.shape[1])], 1)
+        self.mask = mask
+        self.positions = None if mask is None else (mask.long().cumsum(-1) - 1).clamp(min=0)
+        if compiled:
+            from transformers import StaticCache
+
+            self.cache = StaticCache(config=model.config, max_cache_len=total)
+            self.forward = _compiled(model)
+
+    def _kw(self, count: int) -> dict:
+        """The keywords of a forward of the ``count`` tokens that end at ``self.length``."""
+        kw = {"use_cache": True}
+        if self.compiled:
+            kw[self.name] = self.cache
+            kw["cache_position"] = torch.arange(self.length - count, self.length,
+                                                device=self.device)
+        if self.mask is not None:
+            kw["attention_mask"] = self.mask if self.compiled else self.mask[:, :self.length]
+            kw["position_ids"] = self.positions[:, self.length - count:self.length]
+        return kw
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """The prompt's forward (not compiled: one shape a prompt); its last logits [B, V]."""
+        out = self.model(input_ids=prompt, **self._kw(prompt.shape[1]))
+        if self.cache is None:
+            self.cache = _cache_of(out)
+        return out.logits[:, -1]
+
+    def step(self, nxt: torch.Tensor) -> torch.Tensor:
+        """The forward of each row's chosen token [B]; its logits [B, V]."""
+        self.length += 1
+        if self.mask is not None and not self.compiled:  # the mask grows with the cache
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(nxt), 1)], 1)
+            self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], 1)
+        if self.compiled:
+            return self.forward(input_ids=nxt[:, None], **self._kw(1)).logits[:, -1]
+        out = self.model(input_ids=nxt[:, None], **{self.name: self.cache}, **self._kw(1))
+        self.cache = _cache_of(out)
+        return out.logits[:, -1]
+
+
+_COMPILED: dict[int, object] = {}
+
+
+def _compiled(model):
+    """``model`` compiled once (``fullgraph=True``): later decodes reuse its graphs."""
+    if id(model) not in _COMPILED:
+        _COMPILED[id(model)] = torch.compile(model, fullgraph=True)
+    return _COMPILED[id(model)]
+
+
 @torch.no_grad()
 def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = False,
            temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-           eos_token_id: int | None = None,
-           attention_mask: torch.Tensor | None = None, on_step=None) -> Decoded:
+           eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+           attention_mask: torch.Tensor | None = None, on_step=None,
+           compiled: bool = False, cache_len: int | None = None) -> Decoded:
     """``max_new_tokens`` tokens after ``prompt`` ([B, S] ids), one forward a token; see the
-    module doc. Stops early once every row has produced ``eos_token_id``.
-    ``attention_mask`` ([B, S], 0 at padding): prompts of different lengths, padded on the
-    left; each row's positions count its own tokens only. ``on_step()``: called after each
-    token's forward (every rank; a speed monitor's exchange), outside the timed step."""
+    module doc. As transformers' ``generate`` does: a row that has produced an
+    ``eos_token_id`` (one id or several) is finished, and its later tokens are
+    ``pad_token_id`` (default: the first EOS id) while the other rows go on; decoding ends
+    once every row has finished. ``attention_mask`` ([B, S], 0 at padding): prompts of
+    different lengths, padded on the left; each row's positions count its own tokens
+    only. ``on_step()``: called after each token's forward (every rank; a speed monitor's
+    exchange), outside the timed step. ``compiled``: a static KV cache and the step
+    compiled (:class:`_Steps`); the first decode of a model pays the compilation, and a
+    decode whose batch or ``cache_len`` (the static cache's positions, default prompt +
+    ``max_new_tokens``) differs from every earlier one's compiles again."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if sample and not temperature > 0:
         raise ValueError(f"temperature must be above 0, got {temperature}")
     device = prompt.device
     generator = torch.Generator().manual_seed(seed) if sample else None
-    tokens, steps = prompt, []
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
-    masked = {}
-    if attention_mask is not None:
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        masked = {"attention_mask": attention_mask, "position_ids": positions}
+    eos = _eos_ids(eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
+    stops = torch.tensor(eos, device=device)
+    steps, chosen = [], []
+    live = torch.ones(prompt.shape[0], dtype=torch.bool, device=device)
+    total = prompt.shape[1] + max_new_tokens if cache_len is None else cache_len
+    if total < prompt.shape[1] + max_new_tokens:
+        raise ValueError(f"cache_len {total} holds fewer positions than the prompt's "
+                         f"{prompt.shape[1]} and {max_new_tokens} new tokens")
+    runner = _Steps(model, prompt, total, attention_mask, compiled)
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True, **masked)
-    nxt = _choose(out.logits[:, -1], sample, temperature, top_k, generator)
+    logits = runner.prefill(prompt)
+    nxt = _choose(logits, sample, temperature, top_k, generator)
     _sync(device)
     ttft = time.perf_counter() - start
-    name = _cache_name(model)
-    cache = _cache_of(out)
     if on_step is not None:
         on_step()
-    for _ in range(max_new_tokens - 1):
-        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
-            if bool(done.all()):
-                return Decoded(tokens, ttft, steps)
-        if masked:
-            masked = {"attention_mask": torch.cat([masked["attention_mask"],
-                                                   masked["attention_mask"].new_ones(len(nxt), 1)], 1),
-                      "position_ids": masked["position_ids"][:, -1:] + 1}
+    for i in range(max_new_tokens):
+        if eos:
+            nxt = torch.where(live, nxt, torch.full_like(nxt, pad))  # finished rows: padding
+            live &= ~torch.isin(nxt, stops)
+        chosen.append(nxt)
+        if i == max_new_tokens - 1 or (eos and not bool(live.any())):
+            break
         start = time.perf_counter()
-        out = model(input_ids=nxt[:, None], use_cache=True, **{name: cache}, **masked)
-        nxt = _choose(out.logits[:, -1], sample, temperature, top_k, generator)
-        cache = _cache_of(out)
+        nxt = _choose(runner.step(nxt), sample, temperature, top_k, generator)
         _sync(device)
         steps.append(time.perf_counter() - start)
         if on_step is not None:
             on_step()
-    return Decoded(torch.cat([tokens, nxt[:, None]], dim=1), ttft, steps)
+    return Decoded(torch.cat([prompt, torch.stack(chosen, dim=1)], dim=1), ttft, steps)

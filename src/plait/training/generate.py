@@ -22,7 +22,8 @@ import torch
 from ..runtime.fields import help_meta as _h
 from ..runtime.straggler import once_per_rank
 
-__all__ = ["GenerateConfig", "MODELS", "build_model", "generate_rank", "read_prompts"]
+__all__ = ["GenerateConfig", "MODELS", "build_model", "generate_rank", "read_prompts",
+           "stopping", "text_prompts", "tokenizer_of"]
 
 MODELS = ("hf-llama", "hf-mixtral")
 
@@ -44,6 +45,12 @@ class GenerateConfig:
     top_k: int | None = field(default=None, metadata=_h(
         "sample among the k most likely tokens (default: all)"))
     seed: int = field(default=0, metadata=_h("the weights' seed, and sampling's"))
+    eos_id: int | None = field(default=None, metadata=_h(
+        "end a row at this token id, padding it while the others go on (default: the "
+        "model's generation config's eos_token_id, as transformers' generate)"))
+    compile: bool = field(default=False, metadata=_h(
+        "decode with a static KV cache and the step compiled (torch.compile, fullgraph): "
+        "the first tokens pay the compilation"))
     requests: str = field(default="batch", metadata=_h(
         "batch: every prompt in one batch; each: every prompt a request of its own, decoded "
         "in turn (serving)"))
@@ -124,11 +131,43 @@ class GenerateConfig:
                              f"{vocab - 1})")
 
 
+def tokenizer_of(model: str):
+    """The tokenizer saved beside a checkpoint directory's model, or None (a model plait
+    builds from a config, or a checkpoint saved without one)."""
+    if model in MODELS:
+        return None
+    folder = Path(model)
+    if not any((folder / name).is_file() for name in
+               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {model}: its tokenizer does not load: "
+                         f"{str(err).splitlines()[0]}") from None
+
+
+def text_prompts(texts, model: str, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """``--prompt``'s texts as token ids (its tokenizer's); refused in one line where the
+    model has none."""
+    if tokenizer is None:
+        where = "a model built from a config" if model in MODELS else model
+        raise ValueError(f"--prompt takes text, and {where} has no tokenizer (save one beside "
+                         "the model with tokenizer.save_pretrained); give token ids with "
+                         "--prompt-ids")
+    rows = tuple(tuple(tokenizer(text)["input_ids"]) for text in texts)
+    if any(not row for row in rows):
+        raise ValueError("--prompt: a text that gives no tokens")
+    return rows
+
+
 def read_prompts(text: str | None, path: str | None) -> tuple[tuple[int, ...], ...]:
-    """Prompts from ``--prompt`` ("1 2 3") or ``--prompt-file`` (one prompt a line, ids by
-    spaces or commas; or a JSON list of lists); a ValueError naming the line."""
+    """Prompts from ``--prompt-ids`` ("1 2 3") or ``--prompt-file`` (one prompt a line, ids
+    by spaces or commas; or a JSON list of lists); a ValueError naming the line."""
     if text is not None and path is not None:
-        raise ValueError("give --prompt or --prompt-file, not both")
+        raise ValueError("give --prompt-ids or --prompt-file, not both")
     if path is not None:
         file = Path(path)
         if not file.is_file():
@@ -147,7 +186,7 @@ def read_prompts(text: str | None, path: str | None) -> tuple[tuple[int, ...], .
             raise ValueError(f"--prompt-file {path}: no prompt in it")
         return tuple(_ids(ln, f"--prompt-file {path} line {i + 1}")
                      for i, ln in enumerate(lines))
-    return (_ids(text if text is not None else "1 2 3 4", "--prompt"),)
+    return (_ids(text if text is not None else "1 2 3 4", "--prompt-ids"),)
 
 
 def _ids(line: str, where: str) -> tuple[int, ...]:
@@ -184,6 +223,15 @@ def build_model(cfg) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+def stopping(model, eos_id: int | None) -> dict:
+    """``decode``'s ``eos_token_id`` and ``pad_token_id``: ``eos_id`` where given, else the
+    model's generation config's (as transformers' ``generate`` reads them)."""
+    config = getattr(model, "generation_config", None)
+    eos = eos_id if eos_id is not None else getattr(config, "eos_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    return {"eos_token_id": eos, "pad_token_id": pad}
+
+
 def _padded(prompts) -> tuple[torch.Tensor, torch.Tensor | None]:
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
@@ -215,13 +263,19 @@ def generate_rank(cfg: GenerateConfig) -> dict:
     if dist.get_world_size() > 1:  # chunks="auto"'s one-time measurement, before the clock
         get_context().calibration()  # starts: not the first token's (2.5 s of it on gloo)
     sampling = dict(sample=cfg.sample, temperature=cfg.temperature, top_k=cfg.top_k,
-                    seed=cfg.seed)
+                    seed=cfg.seed, compiled=cfg.compile, **stopping(model, cfg.eos_id))
     if cfg.requests == "each":
         batches = [(torch.tensor([p]), None) for p in cfg.prompts]
     else:
         batches = [_padded(cfg.prompts)]
     # one batch (its mask, where its prompts differ in length), or a request a prompt
     mask = batches[0][1] if len(batches) == 1 else None
+    if cfg.compile:  # the compilation, before the clock starts: a decode of the same shapes
+        from .decode import decode
+
+        for ids, _ in batches[:1]:
+            decode(model, ids, 2, attention_mask=mask, compiled=True,
+                   cache_len=ids.shape[1] + cfg.max_new_tokens)
     served = serve(model, [ids for ids, _ in batches], cfg.max_new_tokens, split=cfg.split,
                    tolerance=cfg.tolerance, attention_mask=mask, **sampling)
     requests, tokens = [], []
