@@ -10,7 +10,12 @@ plan, each a *system*:
 - ``plait-plain``: the same with ``overlap=False``;
 - ``pytorch-tp``: ``parallelize_module`` with the same plan in PyTorch's styles
   (DTensor: the KV heads must divide over the ranks);
-- ``one-process``: the whole model on rank 0, the other ranks waiting;
+- ``one-process``: the whole model on rank 0, the other ranks waiting, on as many threads
+  as the ranks use cores (``threads`` in its records: 2 on 2 ranks of a thread each; on
+  emulated hosts, what rank 0's host can run): the process a user would run instead;
+- ``one-process-compiled`` and ``plait-compiled`` (``--compile``): the same decoding with a
+  static KV cache and the step compiled (``torch.compile``, ``fullgraph=True``), as users
+  who decode run it; compiled before the clock starts;
 - ``plait-gather-checks`` (asked for with ``--systems``): ``plait`` with every cross-rank
   check a gloo all_gather of its own before its data call (``PLAIT_CHECKS=gather``), as
   before the shared-memory transport carried them in its headers: what that saves a step.
@@ -45,7 +50,9 @@ __all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "check_slow", "kernel
            "run_decode_bench", "summarize"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp", "one-process", "plait-speed",
-           "plait-gather-checks")
+           "plait-gather-checks", "one-process-compiled", "plait-compiled")
+COMPILED = ("one-process-compiled", "plait-compiled")
+ALONE = ("one-process", "one-process-compiled")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 
 
@@ -71,6 +78,9 @@ class DecodeBenchConfig:
         "how --slow RANK:F makes a rank F × slower: sleep (F − 1 × each split layer's compute "
         "time) or kernel (its host's CPU budget ÷ F, a cgroup cpu quota; needs --hosts equal "
         "to --ranks; --host-cpu is the full budget, default 1 core)"))
+    compile: bool = field(default=False, metadata=_h(
+        "also run one-process-compiled and plait-compiled: a static KV cache and the step "
+        "compiled (torch.compile, fullgraph), as decoding users run it"))
     rounds: int = field(default=3, metadata=_h("rounds: every system decodes once a round"))
     seed: int = field(default=0, metadata=_h("weights' and prompts' seed"))
     extra: dict = field(default_factory=dict, metadata={"help": None})  # where it ran
@@ -94,6 +104,9 @@ class DecodeBenchConfig:
             raise ValueError(f"--split must be even or speed, got {self.split!r}")
         if self.split == "speed" and "plait-speed" not in self.systems:
             object.__setattr__(self, "systems", (*self.systems, "plait-speed"))
+        if self.compile:
+            more = tuple(s for s in COMPILED if s not in self.systems)
+            object.__setattr__(self, "systems", (*self.systems, *more))
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch-sizes must be at least 1 each, got {self.batch_sizes}")
         if self.n_head % self.n_kv_head or self.n_embd % self.n_head:
@@ -132,8 +145,8 @@ def _systems(cfg: DecodeBenchConfig, ref) -> dict:
     world = dist.get_world_size()
     out, why = {}, {}
     for name in cfg.systems:
-        if name == "one-process":
-            out[name] = ref
+        if name in ALONE:
+            out[name] = ref if name == "one-process" else copy.deepcopy(ref)
         elif name == "pytorch-tp":
             if cfg.n_kv_head % world:
                 why[name] = f"DTensor splits {cfg.n_kv_head} KV heads evenly only: not over {world}"
@@ -147,6 +160,24 @@ def _systems(cfg: DecodeBenchConfig, ref) -> dict:
         else:
             out[name] = parallelize(copy.deepcopy(ref), "auto", overlap=name != "plait-plain")
     return out, why
+
+
+def baseline_threads() -> int:
+    """The threads one process gets to stand against the ranks: every core they use (a
+    thread a rank), no more than rank 0 can run on: its CPUs, and its emulated host's CPU
+    budget where it has one."""
+    import math
+    import os
+
+    cores = dist.get_world_size() * torch.get_num_threads()
+    cores = min(cores, len(os.sched_getaffinity(0)))
+    from ..runtime.cgroup import cpu_budget
+
+    host = getattr(rank_context(), "host", None)
+    budget = cpu_budget(host.cgroup) if host is not None and host.cgroup else None
+    if budget:
+        cores = min(cores, max(1, math.ceil(budget)))
+    return cores
 
 
 def _checks(system: str) -> str:
@@ -166,22 +197,29 @@ def _speed_split(cfg: DecodeBenchConfig, model, prompt, speeds=None) -> dict:
                                                 split_by_speed(model, speeds).items()}}
 
 
-def _timed(model, prompt, cfg: DecodeBenchConfig, alone: bool, checks: str = "carried"):
-    """One decode on every rank (``alone``: rank 0 only, the others wait): tokens, the
-    prefill's and every step's seconds (this rank's). ``checks``: how the operators check
-    across ranks meanwhile (``OpsContext.checks``)."""
+def _timed(model, prompt, cfg: DecodeBenchConfig, system: str, threads: int = 1,
+           cache_len: int | None = None):
+    """One decode of ``system`` on every rank (one process: rank 0 alone on ``threads``
+    threads, the others wait): tokens, the prefill's and every step's seconds (this
+    rank's). How the operators check across ranks meanwhile (``OpsContext.checks``):
+    ``plait-gather-checks``'s gather, else carried."""
     from ..ops import get_context
 
+    alone = system in ALONE
     if alone and dist.get_rank() != 0:
         dist.barrier()
         return None, 0.0, [0.0] * (cfg.new_tokens - 1)
     ctx = None if alone else get_context()
     saved = None if ctx is None else ctx.checks
     if ctx is not None:
-        ctx.checks = checks
+        ctx.checks = _checks(system)
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads if alone else own)
     try:
-        out = decode(model, prompt, cfg.new_tokens)
+        out = decode(model, prompt, cfg.new_tokens, compiled=system in COMPILED,
+                     cache_len=cache_len or prompt.shape[1] + cfg.new_tokens)
     finally:
+        torch.set_num_threads(own)
         if ctx is not None:
             ctx.checks = saved
     if alone:
@@ -196,6 +234,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
+    threads = baseline_threads()
     ref = _llama(cfg)
     models, why = _systems(cfg, ref)
     transport = transport_of(None).choice
@@ -208,15 +247,15 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
         capacity = _capacity(cfg, models, prompt) if "plait" in models else None
         split = None if "plait-speed" not in models else _speed_split(
             cfg, models["plait-speed"], prompt, None if capacity is None else capacity["speeds"])
-        for name in names:  # warm-up: first calls allocate, the operators decide
+        for name in names:  # warm-up: first calls allocate, the operators decide, the
+            # compiled systems compile (the same batch and cache length as the timed runs)
             _timed(models[name], prompt[:, :4], DecodeBenchConfig(**{**_fields(cfg),
                                                                      "new_tokens": 2}),
-                   name == "one-process", _checks(name))
+                   name, threads, cache_len=prompt.shape[1] + cfg.new_tokens)
         seen = {name: {"steps": [], "ttft": [], "tokens": None} for name in names}
         for i in range(cfg.rounds):
             for name in balanced_round(names, i):
-                tokens, ttft, steps = _timed(models[name], prompt, cfg, name == "one-process",
-                                             _checks(name))
+                tokens, ttft, steps = _timed(models[name], prompt, cfg, name, threads)
                 agreed = agreed_max([ttft, *steps])
                 seen[name]["ttft"].append(agreed[0])
                 seen[name]["steps"] += agreed[1:]
@@ -229,15 +268,17 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
             tokens = seen[name]["tokens"]
             records.append({
                 "system": name, "batch": batch, "world_size": world,
-                "ranks_used": 1 if name == "one-process" else world, **figures,
+                "ranks_used": 1 if name in ALONE else world,
+                "threads": threads if name in ALONE else world * torch.get_num_threads(),
+                "compiled": name in COMPILED, **figures,
                 "ttft_ms": statistics.median(seen[name]["ttft"]) * 1e3,
                 "same_tokens": None if reference is None or tokens is None
                 else bool(torch.equal(tokens, reference)),
-                "transport": {"one-process": "–", "pytorch-tp": dist.get_backend()}.get(
-                    name, transport.name),
-                "transport_reason": {"one-process": "one rank: nothing to communicate",
-                                     "pytorch-tp": "DTensor: the process group's backend"}.get(
-                    name, transport.reason), "steps": len(steps),
+                "transport": "–" if name in ALONE else dist.get_backend()
+                if name == "pytorch-tp" else transport.name,
+                "transport_reason": "one rank: nothing to communicate" if name in ALONE else
+                "DTensor: the process group's backend" if name == "pytorch-tp" else
+                transport.reason, "steps": len(steps),
                 "new_tokens": cfg.new_tokens, "link": rank_context().link, **cfg.extra})
             if name == "plait-speed" and split is not None:
                 records[-1]["split"] = split

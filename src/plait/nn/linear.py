@@ -52,7 +52,8 @@ from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatt
 from ..ops.agree import attempt, refused
 from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
 from ..ops.shared_input import SharedInput
-from ..ops.library import compiling, group_key
+from ..ops.library import compiling
+from ..ops.library import matmul_all_reduce as traced_matmul_all_reduce
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ._shard import _idle, compute_scope, mark_partial_grad, shard_of
 from .linear_base import _hooked, _ParallelLinear
@@ -254,8 +255,7 @@ class RowParallelLinear(_ParallelLinear):
                                          self._seq_sizes(gathered=False))
         if not self.overlap:
             return reduce_from_region(F.linear(x, weight), self.group)
-        chunks = 0 if self.chunks == "auto" else int(self.chunks)
-        return torch.ops.plait.matmul_all_reduce(x, weight.t(), group_key(self.group), chunks)
+        return traced_matmul_all_reduce(x, weight.t(), self.group, self.chunks)
 
     def _plain_local(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The plain path's local GEMM, once x is known to fit (a ValueError/TypeError

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..ops.agree import attempt, raise_together
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
-from ..ops.library import compiling, register_opaque
+from ..ops.library import compiling, opaque, register_opaque
 from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
@@ -127,7 +127,7 @@ class MoE(nn.Module):
         if self.replicated_input:
             x2 = scatter_to_region(x2, self.group, 0)  # [T_r, H]: this rank's share
         if compiling():  # the token counts are data: routing and dispatch run as one op
-            out = torch.ops.plait.opaque([x2, self.router.weight, self.w1, self.w2],
+            out = opaque([x2, self.router.weight, self.w1, self.w2],
                                          _opaque_key(self))
         else:
             # the fused ops interleave the expert GEMMs and the wire, and the small count

@@ -6,9 +6,11 @@ Each op is functional (a new tensor out, its inputs untouched) with a fake imple
 that gives the output's shape, so a graph holds it as one node; its real implementation
 is plait's eager code, run when the graph runs: the transport, the fused schedule and
 its decision (fused or not, pieces), and the cross-rank check all happen inside the op,
-per call, exactly as in eager mode (the same numbers). The regions' autograd (what each
-op's backward moves) is :mod:`plait.ops.regions`'s, written with these ops under
-compilation, so AOTAutograd traces it into the backward graph.
+per call, exactly as in eager mode (the same numbers). The ops are defined with
+``torch.library.Library`` and one Python kernel each, not ``custom_op``, whose wrappers
+cost a call about 20 µs more here; their autograd is a ``torch.autograd.Function``
+around them (here, and :mod:`plait.ops.regions`'s mappings), which dynamo traces and
+AOTAutograd turns into the backward graph.
 
 ==========================  ==================================  ======================
 op                          forward                             backward (in regions)
@@ -32,7 +34,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["group_key", "group_of", "compiling", "register_opaque"]
+__all__ = ["group_key", "group_of", "compiling", "register_opaque", "opaque",
+           "matmul_all_reduce"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
 
@@ -56,44 +59,46 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-@torch.library.custom_op("plait::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+_LIB = torch.library.Library("plait", "DEF")
+
+
+def _define(schema: str, kernel, fake) -> None:
+    """Op ``plait::<schema>``: ``kernel`` its implementation on every device, ``fake`` its
+    output's shape under tracing."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"plait::{name}", fake, lib=_LIB)
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     from .context import transport_of
 
     out = transport_of(group_of(group)).summed(x.contiguous())
     return out.clone() if out.data_ptr() == x.data_ptr() else out
 
 
-@all_reduce.register_fake
-def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("plait::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, group: str, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
     from .regions import gather_from_region
 
     with torch.no_grad():  # contiguous, as the fake says (a gather along dim > 0 is a view)
         return gather_from_region(x, group_of(group), dim, list(sizes)).contiguous()
 
 
-@all_gather.register_fake
-def _(x: torch.Tensor, group: str, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+def _gathered_like(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = sum(sizes)
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("plait::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, group: str, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
     from .regions import reduce_scatter_region
 
     with torch.no_grad():
         return reduce_scatter_region(x, group_of(group), dim, list(sizes)).contiguous()
 
 
-@reduce_scatter.register_fake
-def _(x: torch.Tensor, group: str, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+def _scattered_like(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
     import torch.distributed as dist
 
     shape = list(x.shape)
@@ -101,38 +106,50 @@ def _(x: torch.Tensor, group: str, dim: int, sizes: Sequence[int]) -> torch.Tens
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("plait::matmul_all_reduce", mutates_args=())
-def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group: str, chunks: int
-                      ) -> torch.Tensor:
-    """Σ_ranks x_r @ w_r through plait's fused operator (``chunks`` 0: ``"auto"``)."""
+def _matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group: str, chunks: int
+                       ) -> torch.Tensor:
+    """Σ_ranks x_r @ w_r through plait's fused operator (``chunks`` 0: ``"auto"``);
+    contiguous (a GEMV's product may be a transposed buffer)."""
     from .matmul_all_reduce import matmul_all_reduce as fused
 
-    with torch.no_grad():  # contiguous (a GEMV's product may be a transposed buffer)
-        return fused(x, w, group_of(group), chunks="auto" if chunks == 0 else chunks).contiguous()
+    with torch.no_grad():
+        out = fused(x, w, group_of(group), chunks="auto" if chunks == 0 else chunks)
+    return out.contiguous()
 
 
-@matmul_all_reduce.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, group: str, chunks: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], w.shape[1])
+_define("all_reduce(Tensor x, str group) -> Tensor", _all_reduce,
+        lambda x, group: torch.empty_like(x, memory_format=torch.contiguous_format))
+_define("all_gather(Tensor x, str group, int dim, int[] sizes) -> Tensor", _all_gather,
+        _gathered_like)
+_define("reduce_scatter(Tensor x, str group, int dim, int[] sizes) -> Tensor",
+        _reduce_scatter, _scattered_like)
+_define("matmul_all_reduce(Tensor x, Tensor w, str group, int chunks) -> Tensor",
+        _matmul_all_reduce, lambda x, w, group, chunks: x.new_empty(*x.shape[:-1], w.shape[1]))
 
 
-def _mar_setup(ctx, inputs, output) -> None:
-    x, w, _, _ = inputs
-    ctx.save_for_backward(x, w)
-
-
-def _mar_backward(ctx, dy):
+class _MatmulAllReduce(torch.autograd.Function):
     """dy is replicated (every rank computed the same loss from the sum): each rank's
-    gradients are its own, no bytes move."""
-    x, w = ctx.saved_tensors
-    dx = dy @ w.t() if ctx.needs_input_grad[0] else None
-    dw = None
-    if ctx.needs_input_grad[1]:
-        dw = x.reshape(-1, x.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
-    return dx, dw, None, None
+    gradients are its own, and no bytes move."""
+
+    @staticmethod
+    def forward(ctx, x, w, group: str, chunks: int):
+        ctx.save_for_backward(x, w)
+        return torch.ops.plait.matmul_all_reduce(x, w, group, chunks)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = x.reshape(-1, x.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
+        return dx, dw, None, None
 
 
-matmul_all_reduce.register_autograd(_mar_backward, setup_context=_mar_setup)
+def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group, chunks) -> torch.Tensor:
+    """``plait::matmul_all_reduce`` with its gradient (for traced code; ``chunks`` an int
+    or ``"auto"``)."""
+    return _MatmulAllReduce.apply(x, w, group_key(group), 0 if chunks == "auto" else int(chunks))
 
 
 # --- an eager region as one op --------------------------------------------------------
@@ -145,30 +162,22 @@ _OPAQUE: dict[str, tuple] = {}
 
 
 def register_opaque(key: str, fn, like) -> str:
-    """Run ``fn(*tensors)`` as ``torch.ops.plait.opaque(tensors, key)`` under compilation;
-    ``like(*tensors)``: an empty tensor of its output's shape and dtype. ``key``."""
+    """Run ``fn(*tensors)`` as ``opaque(tensors, key)`` under compilation; ``like(*tensors)``:
+    an empty tensor of its output's shape and dtype. ``key``."""
     _OPAQUE[key] = (fn, like)
     return key
 
 
-@torch.library.custom_op("plait::opaque", mutates_args=())
-def opaque(inputs: list[torch.Tensor], key: str) -> torch.Tensor:
-    fn, _ = _OPAQUE[key]
+def _opaque(inputs: list[torch.Tensor], key: str) -> torch.Tensor:
     with torch.no_grad():
-        out = fn(*inputs)
+        out = _OPAQUE[key][0](*inputs)
     return out.clone() if any(out.data_ptr() == t.data_ptr() for t in inputs) else \
         out.contiguous()
 
 
-@opaque.register_fake
-def _(inputs: list[torch.Tensor], key: str) -> torch.Tensor:
-    return _OPAQUE[key][1](*inputs)
-
-
-@torch.library.custom_op("plait::opaque_backward", mutates_args=())
-def opaque_backward(inputs: list[torch.Tensor], dy: torch.Tensor, key: str
-                    ) -> list[torch.Tensor]:
-    fn, _ = _OPAQUE[key]
+def _opaque_backward(inputs: list[torch.Tensor], dy: torch.Tensor, key: str
+                     ) -> list[torch.Tensor]:
+    fn = _OPAQUE[key][0]
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     with _autograd_on(), torch.enable_grad():
         out = fn(*leaves)
@@ -181,13 +190,8 @@ def opaque_backward(inputs: list[torch.Tensor], dy: torch.Tensor, key: str
     return result
 
 
-@opaque_backward.register_fake
-def _(inputs: list[torch.Tensor], dy: torch.Tensor, key: str) -> list[torch.Tensor]:
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-
-
 def _autograd_on():
-    """Autograd's dispatch keys back on inside an op's implementation (a custom op runs below
+    """Autograd's dispatch keys back on inside an op's kernel (a kernel runs below
     autograd), so a function can be differentiated there."""
     C = torch._C
     exclude = C._dispatch_tls_local_exclude_set()
@@ -197,16 +201,27 @@ def _autograd_on():
     return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
 
 
-def _opaque_setup(ctx, inputs, output) -> None:
-    tensors, key = inputs
-    ctx.key = key
-    ctx.floating = [t.is_floating_point() for t in tensors]
-    ctx.save_for_backward(*tensors)
+_define("opaque(Tensor[] inputs, str key) -> Tensor", _opaque,
+        lambda inputs, key: _OPAQUE[key][1](*inputs))
+_define("opaque_backward(Tensor[] inputs, Tensor dy, str key) -> Tensor[]", _opaque_backward,
+        lambda inputs, dy, key: [torch.empty_like(t, memory_format=torch.contiguous_format)
+                                 for t in inputs])
 
 
-def _opaque_grad(ctx, dy):
-    grads = torch.ops.plait.opaque_backward(list(ctx.saved_tensors), dy, ctx.key)
-    return [g if f else None for g, f in zip(grads, ctx.floating)], None
+class _Opaque(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, key: str, *tensors):
+        ctx.key = key
+        ctx.floating = [t.is_floating_point() for t in tensors]
+        ctx.save_for_backward(*tensors)
+        return torch.ops.plait.opaque(list(tensors), key)
+
+    @staticmethod
+    def backward(ctx, dy):
+        grads = torch.ops.plait.opaque_backward(list(ctx.saved_tensors), dy, ctx.key)
+        return (None, *[g if f else None for g, f in zip(grads, ctx.floating)])
 
 
-opaque.register_autograd(_opaque_grad, setup_context=_opaque_setup)
+def opaque(tensors: list[torch.Tensor], key: str) -> torch.Tensor:
+    """``plait::opaque`` with its gradient (the function registered under ``key``)."""
+    return _Opaque.apply(key, *tensors)

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
-from ..ops.library import compiling, register_opaque
+from ..ops.library import compiling, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
 from ..ops.regions import (copy_to_region, gather_from_region, reduce_from_region,
@@ -84,7 +84,7 @@ class ExpertParallelExperts(nn.Module):
         few = hidden_states.shape[0] < self.info.world  # a rank would have no tokens to send
         if compiling():  # the token counts are data: the dispatch runs as one op
             if few:
-                return torch.ops.plait.opaque([hidden_states, top_k_index, top_k_weights,
+                return opaque([hidden_states, top_k_index, top_k_weights,
                                                *weights], _opaque_key(self, "few"))
         elif few:
             return self._few_tokens(hidden_states, top_k_index, top_k_weights)
@@ -92,7 +92,7 @@ class ExpertParallelExperts(nn.Module):
         w = scatter_to_region(top_k_weights, self.group, 0)          # [T_r, k]
         idx = _own_rows(top_k_index, self.info)                      # [T_r, k]
         if compiling():
-            out = torch.ops.plait.opaque([x, idx, w, *weights], _opaque_key(self, "dispatch"))
+            out = opaque([x, idx, w, *weights], _opaque_key(self, "dispatch"))
         else:
             out = straggled(lambda x: self._dispatch_combine(x, idx, w), x)
         shares = even_sizes(hidden_states.shape[0], self.info.world)  # as scattered
