@@ -320,13 +320,13 @@ def sim_table(res: Results) -> str:
 # ---------------------------------------------------------------------------- bench tp
 
 
-def tp_table(res: Results) -> str:
-    name = "bench-tp-quick"
+def tp_table(res: Results, name: str = "bench-tp-quick") -> str:
     runs = res.runs(name)
     if not runs:
         return provenance(name, runs)
     out = [provenance(name, runs)]
-    for part, ref, unit in (("gpt", "pytorch-tp", "tokens/s"), ("dlrm", "torchrec", "samples/s")):
+    for part, ref, unit in (("gpt", "pytorch-tp", "tokens/s"), ("hf-llama", "pytorch-tp", "tokens/s"),
+                            ("dlrm", "torchrec", "samples/s")):
         recs0 = [x for x in runs[0].data["records"] if x.get("part", "gpt") == part]
         skipped = [x for x in recs0 if x.get("skipped")]
         if skipped:
@@ -347,9 +347,10 @@ def tp_table(res: Results) -> str:
             diff = figures(runs, lambda r: rec(r)["max_loss_diff"])
             rows.append([rec0["system"], each(step, ".1f"), each(rate, ",.0f"), each(speed, ".2f"),
                          med(speed, ".2f"), each(diff, ".1e" if any(diff) else "g")])
-        if part == "gpt":
+        if part in ("gpt", "hf-llama"):
             m = recs0[0]["model"]
-            title = (f"GPT {m['n_layer']} × {m['n_embd']}, {m['n_head']} heads, batch "
+            kind = "GPT" if part == "gpt" else "transformers Llama"
+            title = (f"{kind} {m['n_layer']} × {m['n_embd']}, {m['n_head']} heads, batch "
                      f"{m['batch_size']} × {m['seq_len']}")
             wire = figures(runs, lambda r: rec(r)["t_comm_link_s"] * 1e3)
             note = (f"The all-reduces alone take {med(wire, '.0f')} ms a step at the link rate: "
@@ -794,6 +795,7 @@ def decode_table(res: Results, name: str) -> str:
             vs = x["ms_per_token"] / one[x["batch"]] if x["batch"] in one else None
             split = x.get("split", {}).get("sizes")
             rows.append([str(r.k), x["system"], str(x["batch"]), str(x["ranks_used"]),
+                         str(x.get("threads", "–")),
                          x["transport"], f"{x['ms_per_token']:.2f}", f"{x['p99_ms']:.2f}",
                          f"{x['ttft_ms']:.1f}", f"{x['tokens_per_s']:,.0f}",
                          fmt(vs, ".2f") + ("×" if vs is not None else ""),
@@ -804,12 +806,15 @@ def decode_table(res: Results, name: str) -> str:
                          {True: "yes", False: "**no**", None: "–"}[x["same_tokens"]]])
     c = runs[0].data["meta"]
     caption = (f"Where: {c.get('where', '–')}. Per-token latency: the median over every "
-               "round's decoding steps, a step taking as long as its slowest rank; × one "
-               "process: against the whole model on one rank in the same run; × ideal: "
+               "round's decoding steps, a step taking as long as its slowest rank; threads: "
+               "in all (one process: as many as the ranks use cores); × one process: against "
+               "the whole model on one rank (eager) in the same run; -compiled: a static KV "
+               "cache and the step compiled; × ideal: "
                "against the capacity ideal (the even split's step less its slowest rank's "
                "compute in the split layers, plus all that work at the ranks' summed "
                "speeds).")
-    head = ["run", "system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
+    head = ["run", "system", "batch", "ranks", "threads", "transport", "ms / token", "p99 ms",
+            "TTFT ms",
             "tokens/s", "× one process", "× ideal", "split (KV groups / MLP columns)",
             "same tokens"]
     return provenance(name, runs) + "\n\n" + caption + "\n\n" + table(head, rows)
@@ -824,11 +829,12 @@ def _shm_4k(r):
 
 
 def _decode_b1(r):
-    """(plait, one-process) ms per token at batch 1."""
+    """(plait-compiled, one-process-compiled) ms per token at batch 1 (the process on every
+    core the ranks use)."""
     def t(name):
         return next(x["ms_per_token"] for x in r.data["records"] if x.get("batch") == 1
                     and x["system"] == name)
-    return (t("plait"), t("one-process"))
+    return (t("plait-compiled"), t("one-process-compiled"))
 
 
 # (what, results folder, how to read a run's figure, format, where the full table is); a
@@ -878,9 +884,9 @@ HEADLINE = [
      "bench-load", _load_peak(2), ".2f", "GB", "loading.md#memory-measured-plait-bench-load"),
     ("2 ranks on one host: a 4 KiB all_reduce on shared memory vs gloo (loopback TCP)",
      "bench-collectives-shm", _shm_4k, ".1f", "µs", "transport.md#figures"),
-    ("Decoding a transformers Llama (4 × 512, batch 1, KV cache) on 2 ranks of one host vs "
-     "one process, same tokens", "bench-decode", _decode_b1, ".2f", "ms/token",
-     "decoding.md#figures"),
+    ("Decoding a transformers Llama (4 × 512, batch 1, static KV cache, compiled) on 2 ranks "
+     "of one host vs one process on both cores, compiled alike, same tokens", "bench-decode",
+     _decode_b1, ".2f", "ms/token", "decoding.md#figures"),
     ("Emulated link: all_reduce bus bandwidth / link rate, 16 MiB",
      "bench-collectives-quick", _collective_share, ".0%", "", "benchmarks.md#collectives-plait-bench-collectives"),
     ("Model: median error against this machine's measurements",
@@ -938,6 +944,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "simulate-h100-16k": sim_table,
     "simulate-validate": validate_table,
     "bench-tp-quick": tp_table,
+    "bench-tp-hf-llama-compile": lambda res: tp_table(res, "bench-tp-hf-llama-compile"),
     "bench-hetero-quick": hetero_table,
     **{name: (lambda res, name=name: hetero_table(res, name)) for name in (
         "bench-hetero", "bench-hetero-kernel", "bench-hetero-graded", "bench-hetero-graded-kernel",
@@ -949,7 +956,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-collectives-shm": shm_collectives_table,
     "bench-ops-shm": shm_ops_table,
     **{name: (lambda res, name=name: decode_table(res, name)) for name in (
-        "bench-decode", "bench-decode-3", "bench-decode-slow")},
+        "bench-decode", "bench-decode-3", "bench-decode-slow", "bench-decode-hosts")},
     "headline": headline_table,
 }
 

@@ -64,7 +64,12 @@ COMMANDS=(
   "bench-ops-shm|bench ops --ranks 2 --transport shm,gloo --quick --no-progress --json {json}"
   # decoding a transformers Llama 4 x 512 (8 heads over 4 KV heads) with its KV cache: 2 ranks
   # at batch 1 and 16, 3 ranks (uneven heads), and a host at half its CPU budget (issue 40)
-  "bench-decode|bench decode --ranks 2 --batch-sizes 1,16 --no-progress --json {json}"
+  # against one process on both cores, eager and compiled (issue 49): a Llama 4 x 512, 8 heads
+  # over 4 KV heads, vocabulary 2048; and two emulated hosts of one core each against one
+  # such host alone, both compiled
+  "bench-decode|bench decode --ranks 2 --batch-sizes 1,8 --vocab-size 2048 --compile --no-progress --json {json}"
+  "bench-decode-hosts|bench decode --hosts 2 --link 10gbit --host-cpu 1,1 --batch-sizes 1,8 --vocab-size 2048 --systems plait,one-process --compile --no-progress --json {json}"
+  "bench-tp-hf-llama-compile|bench tp --model hf-llama --hosts 2 --link 1gbit --quick --compile --no-progress --json {json}"
   "bench-decode-3|bench decode --ranks 3 --batch-sizes 1 --no-progress --json {json}"
   # 3 hosts, host 2 at half the others' CPU budget (a cgroup quota): the split by the speeds
   # measured at batch 64 against the even split and the capacity ideal, in one run

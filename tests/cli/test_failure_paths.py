@@ -307,6 +307,7 @@ ZERO_MEANS = {  # flags whose 0 is a setting, not a mistake
     "--pieces": "0: no in-flight pieces timed",
     "--spike-at": "a step index: the spike may start at step 0",
     "--max-restarts": "torchrun's own meaning: no restart, the first failure ends the run",
+    "--eos-id": "a token id: 0 is one",
 }
 NOT_COUNTS = {"--seed": "a seed, not a count: torch takes any 64-bit integer"}
 GAPS: dict = {}  # refused nowhere yet: strict xfails, to turn into passes where the fix lands

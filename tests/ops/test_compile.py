@@ -13,7 +13,9 @@ into sub-groups, Mixtral's and the MoE-GPT's uneven experts), float64:
   transformers' models; plait's re-read the sequence), gives the single process's
   tokens;
 - ``torch._dynamo.explain`` counts 0 graph breaks in a parallel Llama's training step
-  and decoding step (54 and 31 before the ops were registered).
+  and decoding step (54 and 31 before the ops were registered), and plait's decode loop,
+  compiled, makes 64 tokens at batch 4 and at batch 3 (one bucket) without compiling
+  again after its warm-up, batch 3's tokens those of eager decoding.
 """
 
 from __future__ import annotations
@@ -147,16 +149,28 @@ def _families(families: tuple, decoded: tuple):
 
 
 def _explained():
-    """torch._dynamo.explain's count for a Llama's training step and decoding step."""
+    """torch._dynamo.explain's count for a Llama's training step and decoding step; then
+    plait's decode loop compiled: warmed up at batch 4, 64 tokens at batch 4 and at batch 3
+    (the same bucket) under ``fail_on_recompile``, and batch 3's tokens eager."""
+    from plait.training.decode import decode
+
     single, ids, _ = _build("llama")
     model = _parallel("llama", single)
     train = _breaks(lambda t: _loss("llama", model, t), ids)
     with torch.no_grad():
-        return train, _decode_breaks("llama", model, ids)
+        breaks = _decode_breaks("llama", model, ids)
+    torch._dynamo.reset()
+    prompts = torch.randint(3, 100, (4, 6), generator=torch.Generator().manual_seed(2))
+    length = prompts.shape[1] + 64
+    decode(model, prompts, 2, compiled=True, cache_len=length)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        decode(model, prompts, 64, compiled=True)
+        three = decode(model, prompts[:3], 64, compiled=True, cache_len=length).tokens
+    return train, breaks, torch.equal(three, decode(model, prompts[:3], 64).tokens)
 
 
-def test_a_parallel_llama_has_no_graph_break():
-    assert run_ranks(_explained, 2, timeout_s=300) == [(0, 0)] * 2
+def test_a_parallel_llama_has_no_graph_break_and_decodes_without_recompiling():
+    assert run_ranks(_explained, 2, timeout_s=300) == [(0, 0, True)] * 2
 
 
 # every family on 2 ranks; on 3 (2 cores: slower to trace) the ones whose split differs there
@@ -173,3 +187,33 @@ def test_every_family_compiles_whole_and_exact(world):
         for family, row in seen.items():
             assert row["vs_eager"] < 1e-12 and row["vs_single"] < TOL, (family, row)
             assert row.get("tokens") == row.get("tokens_single"), (family, row)
+
+
+def _operators():
+    """Each matmul operator called directly (a systems engineer's own model), compiled with
+    fullgraph and eager, forward and the inputs' gradients: the largest difference."""
+    import torch.distributed as dist
+
+    from plait.ops import (all_gather_matmul, column_parallel_matmul, matmul_all_reduce,
+                           matmul_reduce_scatter)
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 4, 8, dtype=torch.float64, generator=g)
+    w = torch.randn(8, 5, dtype=torch.float64, generator=g)
+
+    def model(x, w):
+        return (matmul_all_reduce(x, w).sum() + column_parallel_matmul(x, w).sum()
+                + (all_gather_matmul(x, w, dim=0) ** 2).sum()
+                + (matmul_reduce_scatter(x, w, dim=0) ** 2).sum())
+    out = []
+    for fn in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(a, b)
+        loss.backward()
+        out.append((loss.detach(), a.grad, b.grad))
+    return max(float((p - q).abs().max()) for p, q in zip(*out))
+
+
+def test_the_operators_called_directly_compile_whole():
+    assert all(err < 1e-12 for err in run_ranks(_operators, 2, timeout_s=300))

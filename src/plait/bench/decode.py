@@ -327,6 +327,13 @@ def summarize(records: list[dict]) -> dict:
         one, torch_tp = by.get(("one-process", batch)), by.get(("pytorch-tp", batch))
         if one is not None and system != "one-process":
             out[f"{system}_b{batch}_vs_one_process"] = r["ms_per_token"] / one["ms_per_token"]
+        compiled = by.get(("one-process-compiled", batch))
+        if compiled is not None and system == "plait-compiled":
+            out[f"{system}_b{batch}_vs_one_process_compiled"] = \
+                r["ms_per_token"] / compiled["ms_per_token"]
+        eager = by.get(("plait", batch))
+        if eager is not None and system == "plait-compiled":
+            out[f"{system}_b{batch}_vs_plait"] = r["ms_per_token"] / eager["ms_per_token"]
         if torch_tp is not None and system.startswith("plait"):
             out[f"{system}_b{batch}_vs_pytorch_tp"] = r["ms_per_token"] / torch_tp["ms_per_token"]
         even = by.get(("plait", batch))
@@ -337,6 +344,13 @@ def summarize(records: list[dict]) -> dict:
         if "ratio_to_ideal" in r:
             out[f"{system}_b{batch}_ratio_to_ideal"] = r["ratio_to_ideal"]
     out["all_same_tokens"] = all(r["same_tokens"] in (True, None) for r in by.values())
+    slower = [f"{system} is {r['ms_per_token'] / base['ms_per_token']:.2f} × {name}'s time a "
+              f"token at batch {batch}" for (system, batch), r in by.items()
+              if system.startswith("plait") for name in ALONE
+              if (base := by.get((name, batch))) is not None
+              and r["ms_per_token"] > base["ms_per_token"]]
+    if slower:  # where plait loses to the process a user would run instead, said in words
+        out["slower_than_one_process"] = slower
     return out
 
 

@@ -62,6 +62,7 @@ __all__ = ["TPBenchConfig", "SYSTEMS", "DP_SYSTEMS", "QUICK_TP", "bench_tp", "ru
            "parallelize_torch_tp", "heads_contiguous_qkv", "summarize_tp"]
 
 SYSTEMS = ("plait", "plait-plain", "pytorch-tp")
+COMPILED = ("plait-compiled", "pytorch-tp-compiled")  # --compile: the two under torch.compile
 DP_SYSTEMS = ("plait", "plait-plain")  # under --dp above 1
 MODELS = ("gpt", "hf-llama")
 # per model where they differ: the GPT bench's sizes; the Llama of issue 23 (4 layers of
@@ -89,7 +90,10 @@ class TPBenchConfig:
     """The model, the data and the steps; each field's help is its CLI flag's help."""
 
     systems: tuple[str, ...] = field(default=SYSTEMS, metadata=_h(
-        "what to train: " + ", ".join(SYSTEMS)))
+        "what to train: " + ", ".join(SYSTEMS + COMPILED)))
+    compile: bool = field(default=False, metadata=_h(
+        "hf-llama: also train plait-compiled and pytorch-tp-compiled, the same models under "
+        "torch.compile (inductor; compiled in the warm-up steps)"))
     model: str = field(default="gpt", metadata=_h(
         "gpt (plait's GPT) or hf-llama (a transformers LlamaForCausalLM from a config, "
         "grouped-query attention, no download; needs plait[hf])"))
@@ -141,9 +145,15 @@ class TPBenchConfig:
         for name, value in SIZES[self.model].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        unknown = [s for s in self.systems if s not in SYSTEMS]
+        unknown = [s for s in self.systems if s not in SYSTEMS + COMPILED]
         if unknown or not self.systems:
-            raise ValueError(f"--systems {list(self.systems)}: choose from {list(SYSTEMS)}")
+            raise ValueError(f"--systems {list(self.systems)}: choose from "
+                             f"{list(SYSTEMS + COMPILED)}")
+        if self.compile or set(self.systems) & set(COMPILED):
+            if self.model != "hf-llama":
+                raise ValueError("--compile trains the transformers Llama: give --model hf-llama")
+            more = tuple(s for s in COMPILED if s not in self.systems) if self.compile else ()
+            object.__setattr__(self, "systems", (*self.systems, *more))
         sizes = {k: getattr(self, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd",
                                                "seq_len", "batch_size", "steps",
                                                "compare_steps")}
@@ -287,6 +297,8 @@ def parallelize_torch_tp(model: GPT, world: int | None = None) -> GPT:
 # --- one rank -----------------------------------------------------------------
 
 def _build(system: str, cfg: TPBenchConfig, vocab_size: int) -> nn.Module:
+    if system in COMPILED:  # the same model, compiled (the first steps compile it)
+        return torch.compile(_build(system.removesuffix("-compiled"), cfg, vocab_size))
     if cfg.model == "hf-llama":
         return tp_hf.build_hf(system, cfg, vocab_size)
     device = rank_context().topology.device
@@ -328,7 +340,8 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
     t_step = median(step_s[cfg.warmup:])
     tokens = cfg.batch_size * cfg.seq_len
     ctx, world = rank_context(), dist.get_world_size()
-    wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size, name) if cfg.model == "hf-llama"
+    wire = (tp_hf.hf_wire(cfg, world, ctx.link, vocab_size, name.removesuffix("-compiled"))
+            if cfg.model == "hf-llama"
             else _wire(cfg, world, ctx.link))
     model = tp_hf.model_info(cfg, vocab_size)
     return {"system": name, "part": cfg.model, "t_step_s": t_step,
@@ -339,8 +352,15 @@ def _record(name: str, cfg: TPBenchConfig, losses: dict, step_s: list[float],
             "tokens_per_step": tokens, "world_size": world, "model": model,
             "microbatches": cfg.microbatches if name == "plait" and cfg.model == "gpt" else 1,
             "optimizer": cfg.optimizer, "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
-            "note": (tp_hf.NOTES if cfg.model == "hf-llama" else NOTES)[name],
+            "note": _note(name, cfg),
             "link": ctx.link, "backend": ctx.topology.backend, **cfg.extra}
+
+
+def _note(name: str, cfg: TPBenchConfig) -> str:
+    notes = tp_hf.NOTES if cfg.model == "hf-llama" else NOTES
+    if name in COMPILED:
+        return notes[name.removesuffix("-compiled")] + "; the model under torch.compile (inductor)"
+    return notes[name]
 
 
 def _wire(cfg: TPBenchConfig, world: int, link: str) -> dict:
@@ -444,6 +464,12 @@ def summarize_tp(records: list[dict]) -> dict:
         out["plait_plain_speedup_vs_pytorch_tp"] = by["plait-plain"]["speedup_vs_pytorch_tp"]
     if "plait" in by and "plait-plain" in by:
         out["fusion_speedup"] = by["plait-plain"]["t_step_s"] / by["plait"]["t_step_s"]
+    if "plait-compiled" in by:  # compiled plait's step over eager plait's and compiled DTensor's
+        step = by["plait-compiled"]["t_step_s"]
+        for other in ("plait", "pytorch-tp-compiled"):
+            if other in by:
+                out[f"plait_compiled_over_{other.replace('-', '_')}"] = step / by[other]["t_step_s"]
+        out["plait_compiled_max_loss_diff"] = by["plait-compiled"]["max_loss_diff"]
     return out
 
 

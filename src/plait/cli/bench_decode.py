@@ -69,8 +69,9 @@ def run_decode(args: argparse.Namespace) -> int:
                 ["system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
                  "tokens/s", "× one process", "ideal ms (× ideal)", "same tokens"], rows,
                 caption="median over every round's steps (a step: the slowest rank's); "
-                        "one-process: the whole model on one rank (× one process: ms / token "
-                        "over its, at that batch); TTFT: the prompt's forward "
+                        "one-process: the whole model on one rank, on as many threads as the "
+                        "ranks use cores (× one process: ms / token over its, at that batch); "
+                        "-compiled: a static KV cache, the step compiled; TTFT: the prompt's forward "
                         "to the first token (median over rounds); ideal: the even split's step "
                         "less its slowest rank's compute in the split layers, plus all their "
                         "work at the ranks' summed speeds (plait.training.split.decode_ideal)")
@@ -91,7 +92,9 @@ def run_decode(args: argparse.Namespace) -> int:
                   "ideal" + ("; plait_bBATCH_check_saving_ms (not a ratio): the ms a token "
                              "plait-gather-checks takes over plait, what carrying the checks "
                              "in the data calls saves" if saving else "") + "[/dim]")
-    print_summary(summary, ".3f")
+    print_summary({k: v for k, v in summary.items() if k != "slower_than_one_process"}, ".3f")
+    for line in summary.get("slower_than_one_process", []):  # said in words, not buried
+        console.print(f"[yellow]slower than one process: {line}[/yellow]")
     if args.json:
         write_json(args.json, records, {"command": "bench decode", "where": where,
                                         "summary": summary})

@@ -47,6 +47,8 @@ from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
 from ..transport.calls import Carried
+from .library import compiling
+from .library import matmul_all_reduce as traced_matmul_all_reduce
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
            "GEMV_ROWS"]
@@ -261,7 +263,11 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="a
     a row-parallel layer passes it): the weight gradient is then deferred to run under
     the backward's next fused collective and added to ``p.grad``
     (:mod:`plait.ops.deferred`), instead of being returned through autograd.
+    Under ``torch.compile``: one registered op (``plait::matmul_all_reduce``), the pieces,
+    decision and check inside it; its weight gradient through autograd.
     """
+    if compiling():
+        return traced_matmul_all_reduce(x, w, group, chunks)
     return matmul_all_reduce_start(x, w, group, chunks=chunks, ctx=ctx,
                                    wgrad_into=wgrad_into).wait()
 
@@ -375,8 +381,14 @@ def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chun
     check is made here, its small gather travelling under the local GEMM, so the
     backward's all-reduce starts without one; it includes whether x needs a gradient,
     so a rank whose x does not (and will skip that all-reduce) is refused everywhere.
-    Under ``torch.no_grad()`` nothing crosses ranks: local checks only.
+    Under ``torch.no_grad()`` nothing crosses ranks: local checks only. Under
+    ``torch.compile``: the local GEMM after ``copy_to_region`` (its backward all-reduce a
+    registered op).
     """
+    if compiling():
+        from .regions import copy_to_region
+
+        return copy_to_region(x, group) @ w
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
     agreed = None

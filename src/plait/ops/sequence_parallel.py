@@ -50,6 +50,7 @@ from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
 from .pieces import (DTYPE_CODES, as_rows, check_float, check_sizes, even_sizes, offsets,
                      tapered)
+from .library import compiling
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -205,8 +206,15 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0
     """``all_gather(x, dim) @ w``, multiplying each gathered piece as it arrives.
 
     ``x`` may have any rank; it is gathered along ``dim`` and multiplied on its
-    last dim. ``sizes``: every rank's length along ``dim`` (default: as found).
+    last dim. ``sizes``: every rank's length along ``dim`` (default: as found; under
+    ``torch.compile``, equal, which the gather checks when it runs). Under
+    ``torch.compile``: the gather (a registered op, its backward a reduce-scatter), then
+    the GEMM.
     """
+    if compiling():
+        from .regions import gather_for_matmul
+
+        return gather_for_matmul(x, group, dim, sizes) @ w
     ctx = ctx or get_context(group)
     op = "all_gather_matmul"
     view = {}
@@ -348,8 +356,13 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, dim: int
                           ctx: OpsContext | None = None) -> torch.Tensor:
     """``reduce_scatter(x @ w, dim)``, each piece's partial sums on the wire as soon as computed.
 
-    ``sizes``: every rank's share of ``dim`` of the output (default: even).
+    ``sizes``: every rank's share of ``dim`` of the output (default: even). Under
+    ``torch.compile``: the GEMM, then the reduce-scatter (a registered op).
     """
+    if compiling():
+        from .regions import reduce_scatter_region
+
+        return reduce_scatter_region(x @ w, group, dim, sizes)
     ctx = ctx or get_context(group)
     op, world = "matmul_reduce_scatter", dist.get_world_size(group)
     view = {}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["decode", "Decoded", "step_figures"]
+__all__ = ["decode", "Decoded", "step_figures", "bucket"]
 
 
 @dataclass
@@ -88,18 +88,28 @@ def _eos_ids(eos_token_id) -> list[int]:
         else [int(eos_token_id)]
 
 
+def bucket(batch: int) -> int:
+    """The batch a compiled step runs: the next power of two (a batch of 3 runs as 4), so a
+    batch size within a bucket reuses its graph instead of compiling again."""
+    return 1 << (max(1, batch) - 1).bit_length()
+
+
 class _Steps:
     """A model's forwards for one decode: the prefill, then one token a step, with its KV
     cache (transformers' dynamic cache; or, ``compiled``, a static cache of the whole
     length and the step compiled with ``fullgraph=True``: one graph, no Python between the
-    operators, the same shapes every step). ``mask``: [B, S] (0 at left padding) or None."""
+    operators, the same shapes every step, the rows padded to their :func:`bucket` with
+    copies of the first and their logits dropped). ``mask``: [B, S] (0 at left padding)."""
 
     def __init__(self, model, prompt: torch.Tensor, total: int, mask, compiled: bool):
         self.model, self.name, self.compiled = model, _cache_name(model), compiled
         self.device, self.length = prompt.device, prompt.shape[1]
         self.cache, self.forward = None, model
+        self.rows = len(prompt)
+        self.pad = bucket(self.rows) - self.rows if compiled else 0
         if compiled and mask is not None:  # the whole length's mask from the start: one shape
             mask = torch.cat([mask, mask.new_ones(len(mask), total - mask.shape[1])], 1)
+        mask = self._padded(mask)
         self.mask = mask
         self.positions = None if mask is None else (mask.long().cumsum(-1) - 1).clamp(min=0)
         if compiled:
@@ -107,6 +117,12 @@ class _Steps:
 
             self.cache = StaticCache(config=model.config, max_cache_len=total)
             self.forward = _compiled(model)
+
+    def _padded(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """``rows`` [B, ...] with the bucket's padding rows (copies of the first)."""
+        if rows is None or not self.pad:
+            return rows
+        return torch.cat([rows, rows[:1].expand(self.pad, *rows.shape[1:])])
 
     def _kw(self, count: int) -> dict:
         """The keywords of a forward of the ``count`` tokens that end at ``self.length``."""
@@ -122,10 +138,10 @@ class _Steps:
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's forward (not compiled: one shape a prompt); its last logits [B, V]."""
-        out = self.model(input_ids=prompt, **self._kw(prompt.shape[1]))
+        out = self.model(input_ids=self._padded(prompt), **self._kw(prompt.shape[1]))
         if self.cache is None:
             self.cache = _cache_of(out)
-        return out.logits[:, -1]
+        return out.logits[:self.rows, -1]
 
     def step(self, nxt: torch.Tensor) -> torch.Tensor:
         """The forward of each row's chosen token [B]; its logits [B, V]."""
@@ -134,7 +150,8 @@ class _Steps:
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(nxt), 1)], 1)
             self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], 1)
         if self.compiled:
-            return self.forward(input_ids=nxt[:, None], **self._kw(1)).logits[:, -1]
+            ids = self._padded(nxt[:, None])
+            return self.forward(input_ids=ids, **self._kw(1)).logits[:self.rows, -1]
         out = self.model(input_ids=nxt[:, None], **{self.name: self.cache}, **self._kw(1))
         self.cache = _cache_of(out)
         return out.logits[:, -1]

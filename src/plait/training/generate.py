@@ -77,6 +77,8 @@ class GenerateConfig:
             raise ValueError(f"--temperature must be above 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ValueError(f"--eos-id must be a token id (0 or more), got {self.eos_id}")
         if not self.prompts or any(len(p) == 0 for p in self.prompts):
             raise ValueError("every prompt needs at least one token id")
         from .serve import SPLITS
@@ -125,6 +127,9 @@ class GenerateConfig:
             raise ValueError(f"a {longest}-token prompt and --max-new-tokens "
                              f"{self.max_new_tokens} need {longest + self.max_new_tokens} "
                              f"positions; the model has {positions}")
+        if self.eos_id is not None and self.eos_id >= vocab:
+            raise ValueError(f"--eos-id {self.eos_id} is outside the vocabulary (0 to "
+                             f"{vocab - 1})")
         bad = sorted({t for p in self.prompts for t in p if not 0 <= t < vocab})
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0 to "
@@ -199,6 +204,11 @@ def _ids(line: str, where: str) -> tuple[int, ...]:
                          "separated by spaces)") from None
 
 
+# random weights have no end-of-sequence token (the config classes' defaults, 1 and 2, are a
+# tokenizer's): a built model decodes every token asked for, unless --eos-id names one
+_NO_SPECIAL = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
 def build_model(cfg) -> torch.nn.Module:
     """The single-device model from its config, seeded (``cfg`` has the config fields)."""
     if cfg.model == "hf-mixtral":
@@ -209,7 +219,7 @@ def build_model(cfg) -> torch.nn.Module:
                                num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                                num_key_value_heads=cfg.n_kv_head, num_local_experts=4,
                                num_experts_per_tok=2, max_position_embeddings=cfg.max_positions,
-                               experts_implementation="eager")
+                               experts_implementation="eager", **_NO_SPECIAL)
         torch.manual_seed(cfg.seed)
         return MixtralForCausalLM(config).eval()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -218,7 +228,7 @@ def build_model(cfg) -> torch.nn.Module:
                          intermediate_size=cfg.n_embd * 11 // 4, num_hidden_layers=cfg.n_layer,
                          num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
                          max_position_embeddings=cfg.max_positions, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa", **_NO_SPECIAL)
     torch.manual_seed(cfg.seed)
     return LlamaForCausalLM(config).eval()
 
