@@ -50,10 +50,9 @@ import torch.nn.functional as F
 
 from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
 from ..ops.agree import attempt, refused
-from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start
+from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start, traced_matmul_all_reduce
 from ..ops.shared_input import SharedInput
 from ..ops.library import compiling
-from ..ops.library import matmul_all_reduce as traced_matmul_all_reduce
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ._shard import _idle, compute_scope, mark_partial_grad, shard_of
 from .linear_base import _hooked, _ParallelLinear

@@ -13,12 +13,15 @@ around them (here, and :mod:`plait.ops.regions`'s mappings), which dynamo traces
 AOTAutograd turns into the backward graph.
 
 ==========================  ==================================  ======================
-op                          forward                             backward (in regions)
+op (defined in)             forward                             backward
 ==========================  ==================================  ======================
-all_reduce(x, g)            Σ_ranks x                           —
-all_gather(x, g, dim, s)    concatenate every rank's x on dim   —
-reduce_scatter(x, g, d, s)  Σ_ranks x, this rank's rows of d    —
+all_reduce(x, g) (here)     Σ_ranks x                           regions' mappings
+all_gather(x, g, dim, s)    concatenate every rank's x on dim   regions' mappings
+  (regions)
+reduce_scatter(x, g, d, s)  Σ_ranks x, this rank's rows of d    regions' mappings
+  (regions)
 matmul_all_reduce(x, w, g)  Σ_ranks x_r @ w_r  ([..., N])       dx = dy wᵀ, dw = xᵀ dy
+  (matmul_all_reduce)
 opaque(tensors, key)        a registered eager function         the function again,
                             (an expert-parallel dispatch)       differentiated
 ==========================  ==================================  ======================
@@ -34,8 +37,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["group_key", "group_of", "compiling", "register_opaque", "opaque",
-           "matmul_all_reduce"]
+__all__ = ["group_key", "group_of", "compiling", "define", "register_opaque", "opaque"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
 
@@ -62,7 +64,7 @@ def compiling() -> bool:
 _LIB = torch.library.Library("plait", "DEF")
 
 
-def _define(schema: str, kernel, fake) -> None:
+def define(schema: str, kernel, fake) -> None:
     """Op ``plait::<schema>``: ``kernel`` its implementation on every device, ``fake`` its
     output's shape under tracing."""
     name = schema.split("(", 1)[0]
@@ -78,78 +80,8 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return out.clone() if out.data_ptr() == x.data_ptr() else out
 
 
-def _all_gather(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
-    from .regions import gather_from_region
-
-    with torch.no_grad():  # contiguous, as the fake says (a gather along dim > 0 is a view)
-        return gather_from_region(x, group_of(group), dim, list(sizes)).contiguous()
-
-
-def _gathered_like(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = sum(sizes)
-    return x.new_empty(shape)
-
-
-def _reduce_scatter(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
-    from .regions import reduce_scatter_region
-
-    with torch.no_grad():
-        return reduce_scatter_region(x, group_of(group), dim, list(sizes)).contiguous()
-
-
-def _scattered_like(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
-    import torch.distributed as dist
-
-    shape = list(x.shape)
-    shape[dim] = sizes[dist.get_rank(group_of(group))]
-    return x.new_empty(shape)
-
-
-def _matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group: str, chunks: int
-                       ) -> torch.Tensor:
-    """Σ_ranks x_r @ w_r through plait's fused operator (``chunks`` 0: ``"auto"``);
-    contiguous (a GEMV's product may be a transposed buffer)."""
-    from .matmul_all_reduce import matmul_all_reduce as fused
-
-    with torch.no_grad():
-        out = fused(x, w, group_of(group), chunks="auto" if chunks == 0 else chunks)
-    return out.contiguous()
-
-
-_define("all_reduce(Tensor x, str group) -> Tensor", _all_reduce,
+define("all_reduce(Tensor x, str group) -> Tensor", _all_reduce,
         lambda x, group: torch.empty_like(x, memory_format=torch.contiguous_format))
-_define("all_gather(Tensor x, str group, int dim, int[] sizes) -> Tensor", _all_gather,
-        _gathered_like)
-_define("reduce_scatter(Tensor x, str group, int dim, int[] sizes) -> Tensor",
-        _reduce_scatter, _scattered_like)
-_define("matmul_all_reduce(Tensor x, Tensor w, str group, int chunks) -> Tensor",
-        _matmul_all_reduce, lambda x, w, group, chunks: x.new_empty(*x.shape[:-1], w.shape[1]))
-
-
-class _MatmulAllReduce(torch.autograd.Function):
-    """dy is replicated (every rank computed the same loss from the sum): each rank's
-    gradients are its own, and no bytes move."""
-
-    @staticmethod
-    def forward(ctx, x, w, group: str, chunks: int):
-        ctx.save_for_backward(x, w)
-        return torch.ops.plait.matmul_all_reduce(x, w, group, chunks)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = x.reshape(-1, x.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
-        return dx, dw, None, None
-
-
-def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group, chunks) -> torch.Tensor:
-    """``plait::matmul_all_reduce`` with its gradient (for traced code; ``chunks`` an int
-    or ``"auto"``)."""
-    return _MatmulAllReduce.apply(x, w, group_key(group), 0 if chunks == "auto" else int(chunks))
 
 
 # --- an eager region as one op --------------------------------------------------------
@@ -201,9 +133,9 @@ def _autograd_on():
     return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
 
 
-_define("opaque(Tensor[] inputs, str key) -> Tensor", _opaque,
+define("opaque(Tensor[] inputs, str key) -> Tensor", _opaque,
         lambda inputs, key: _OPAQUE[key][1](*inputs))
-_define("opaque_backward(Tensor[] inputs, Tensor dy, str key) -> Tensor[]", _opaque_backward,
+define("opaque_backward(Tensor[] inputs, Tensor dy, str key) -> Tensor[]", _opaque_backward,
         lambda inputs, dy, key: [torch.empty_like(t, memory_format=torch.contiguous_format)
                                  for t in inputs])
 

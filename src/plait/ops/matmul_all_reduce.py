@@ -47,11 +47,10 @@ from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
 from ..transport.calls import Carried
-from .library import compiling
-from .library import matmul_all_reduce as traced_matmul_all_reduce
+from .library import compiling, define, group_key, group_of
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
-           "GEMV_ROWS"]
+           "GEMV_ROWS", "traced_matmul_all_reduce"]
 
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
 OP = "matmul_all_reduce"
@@ -401,3 +400,41 @@ def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chun
         _local_row("column_parallel_matmul", x2, w, chunks)  # no backward all-reduce
     out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx, agreed)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
+
+
+# --- under torch.compile: one registered op (plait.ops.library) ------------------------
+def _registered(x: torch.Tensor, w: torch.Tensor, group: str, chunks: int) -> torch.Tensor:
+    """The op's kernel: Σ_ranks x_r @ w_r through the fused operator (``chunks`` 0:
+    ``"auto"``); contiguous (a GEMV's product may be a transposed buffer)."""
+    with torch.no_grad():
+        out = matmul_all_reduce(x, w, group_of(group), chunks="auto" if chunks == 0 else chunks)
+    return out.contiguous()
+
+
+define("matmul_all_reduce(Tensor x, Tensor w, str group, int chunks) -> Tensor", _registered,
+       lambda x, w, group, chunks: x.new_empty(*x.shape[:-1], w.shape[1]))
+
+
+class _Traced(torch.autograd.Function):
+    """dy is replicated (every rank computed the same loss from the sum): each rank's
+    gradients are its own, and no bytes move."""
+
+    @staticmethod
+    def forward(ctx, x, w, group: str, chunks: int):
+        ctx.save_for_backward(x, w)
+        return torch.ops.plait.matmul_all_reduce(x, w, group, chunks)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = x.reshape(-1, x.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
+        return dx, dw, None, None
+
+
+def traced_matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group, chunks) -> torch.Tensor:
+    """``plait::matmul_all_reduce`` with its gradient, for traced code (``chunks`` an int or
+    ``"auto"``)."""
+    return _Traced.apply(x, w, group_key(group), 0 if chunks == "auto" else int(chunks))

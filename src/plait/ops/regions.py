@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .agree import attempt, check_same, dtype_code
 from .context import carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
-from .library import compiling, group_key
+from .library import compiling, define, group_key, group_of
 from .pieces import even_sizes, offsets
 from ..transport.calls import Carried
 
@@ -423,3 +423,32 @@ def reduce_scatter_region(x: torch.Tensor, group=None, dim: int = 0,
     sizes = _agreed("reduce_scatter_region", x, group, dim, sizes, split=True,
                     needs_grad=torch.is_grad_enabled() and x.requires_grad)
     return _ReduceScatter.apply(x, group, dim % x.dim(), sizes)
+
+
+# --- the registered ops the traced mappings above call (plait.ops.library) ------------
+def _gathered(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
+    with torch.no_grad():  # contiguous, as the fake says (a gather along dim > 0 is a view)
+        return gather_from_region(x, group_of(group), dim, list(sizes)).contiguous()
+
+
+def _gathered_like(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = sum(sizes)
+    return x.new_empty(shape)
+
+
+def _scattered(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reduce_scatter_region(x, group_of(group), dim, list(sizes)).contiguous()
+
+
+def _scattered_like(x: torch.Tensor, group: str, dim: int, sizes: list[int]) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = sizes[dist.get_rank(group_of(group))]
+    return x.new_empty(shape)
+
+
+define("all_gather(Tensor x, str group, int dim, int[] sizes) -> Tensor", _gathered,
+       _gathered_like)
+define("reduce_scatter(Tensor x, str group, int dim, int[] sizes) -> Tensor", _scattered,
+       _scattered_like)
