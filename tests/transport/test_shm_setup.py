@@ -76,9 +76,9 @@ def test_ranks_that_do_not_share_dev_shm_take_gloo_and_say_why(world):
 def test_a_dev_shm_too_small_takes_gloo_and_says_its_size():
     for seen in run_ranks(_choices, 2, None, "3m", timeout_s=FAST):
         name, reason = seen["auto"]
-        assert name == "gloo" and "/dev/shm has 3.0 MiB free" in reason, seen
+        assert name == "gloo" and "/dev/shm has 3.00 MiB free" in reason, seen
         kind, text = seen["shm"]
-        assert kind == "refused" and "/dev/shm has 3.0 MiB free" in text, seen
+        assert kind == "refused" and "/dev/shm has 3.00 MiB free" in text, seen
         assert "--shm-size" in text and seen["left"] == []
 
 
@@ -116,5 +116,5 @@ def test_segments_that_do_not_fit_a_shared_dev_shm_are_refused_on_every_rank():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     verdicts, left = proc.stdout.strip().splitlines()[-2:]
-    assert "cannot hold a 2.0 MiB segment" in verdicts and "--shm-size" in verdicts, verdicts
+    assert "cannot hold a 2.00 MiB segment" in verdicts and "--shm-size" in verdicts, verdicts
     assert verdicts.count("cannot hold") == 2 and left == "[]", (verdicts, left)

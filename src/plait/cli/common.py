@@ -179,8 +179,8 @@ def _check_shm_room(ranks: int, hosts: int) -> None:
     need = ranks * segment_bytes(per_host, default_capacity(per_host))
     free = shm_free_bytes()
     if free is not None and free < need:
-        raise ValueError(f"--transport shm: {SHM_DIR} has {free / 2**20:.1f} MiB free, "
-                         f"{ranks} ranks need {need / 2**20:.1f} MiB: give it more (docker "
+        raise ValueError(f"--transport shm: {SHM_DIR} has {free / 2**20:.2f} MiB free, "
+                         f"{ranks} ranks need {need / 2**20:.2f} MiB: give it more (docker "
                          f"--shm-size, or --ipc=host) or use --transport gloo")
 
 

@@ -290,8 +290,11 @@ def get_context(group=None) -> OpsContext:
         checks = _sibling(group)
         transport = choose(group, timeout_s=_timeout(group).total_seconds())
         _CONTEXTS[group] = OpsContext(group=group, checks_group=checks, transport=transport)
-        if dist.get_rank(group) == 0:
-            log.info("transport: %s (%s)", transport.choice.name, transport.choice.reason)
+        if dist.get_rank(group) == 0:  # a fallback the user can fix is said on the terminal
+            fixable = transport.choice.reason.startswith("auto: ") and \
+                "/dev/shm" in transport.choice.reason
+            log.log(logging.WARNING if fixable else logging.INFO, "transport: %s (%s)",
+                    transport.choice.name, transport.choice.reason)
         prioritize_group(group)  # a new group's gloo threads, ahead of compute for a core
         if checks is not None:
             prioritize_group(checks)

@@ -187,8 +187,8 @@ def _room(every: list) -> str | None:
         # a host of several ranks: each makes one segment for its group on the host
         need = ranks * segment_bytes(ranks, default_capacity(ranks))
         if free is not None and ranks > 1 and free < need:
-            return (f"/dev/shm has {free / 2**20:.1f} MiB free, {ranks} ranks need "
-                    f"{need / 2**20:.1f} MiB: give it more (docker --shm-size, or --ipc=host)")
+            return (f"/dev/shm has {free / 2**20:.2f} MiB free, {ranks} ranks need "
+                    f"{need / 2**20:.2f} MiB: give it more (docker --shm-size, or --ipc=host)")
     return None
 
 

@@ -472,8 +472,8 @@ def _make(path: str, layout: Layout, token: bytes, rank: int
     except OSError as err:
         os.close(fd)
         free = shm_free_bytes()
-        have = "" if free is None else f"; it has {free / 2**20:.1f} MiB free"
-        return None, (f"{SHM_DIR} cannot hold a {layout.size / 2**20:.1f} MiB segment a rank "
+        have = "" if free is None else f"; it has {free / 2**20:.2f} MiB free"
+        return None, (f"{SHM_DIR} cannot hold a {layout.size / 2**20:.2f} MiB segment a rank "
                       f"({err.strerror}{have}): give it more (docker --shm-size, or "
                       f"--ipc=host) or use --transport gloo")
     peer = _map(rank, fd, layout)
