@@ -125,8 +125,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
         """Under ``torch.compile``: the local GEMM after the region's entry (its backward
-        all-reduce, or the sequence's gather: registered ops). Each sibling sharing an
-        input all-reduces its own dx (autograd sums them), and no compute is timed."""
+        all-reduce, shared by the siblings reading one input; or the sequence's gather:
+        registered ops); no compute is timed."""
         rows = self._rows()
         weight, bias = self.weight, self.bias
         if rows is not None:
@@ -135,8 +135,23 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             x = gather_for_matmul(x, self.group, self.seq_dim, self._seq_sizes(gathered=True))
         elif self.info.world > 1:
-            x = copy_to_region(x, self.group)
+            x = self._entered(x)
         return self._impute(F.linear(x, weight, bias), rows)
+
+    def _entered(self, x: torch.Tensor) -> torch.Tensor:
+        """``copy_to_region(x)`` once for the siblings that read one input (q/k/v; gate/up):
+        their input gradients meet in one all-reduce, as eager plait's shared input has them
+        (one a layer, not three). The last sibling drops what it kept: nothing is held
+        between calls, and the traced graph sees the same empty slot every call."""
+        shared = self.shared_input
+        if shared is None:
+            return copy_to_region(x, self.group)
+        if shared.traced_in is not x:
+            shared.traced_in, shared.traced_out = x, copy_to_region(x, self.group)
+        out = shared.traced_out
+        if self is self.siblings[-1]:
+            shared.traced_in = shared.traced_out = None
+        return out
 
     shared_input = None  # a plait.ops.SharedInput, set by share_input
     siblings: tuple = ()

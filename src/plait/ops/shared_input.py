@@ -247,9 +247,13 @@ class SharedInput:
         self._wrap = _Wrap(torch.empty(0))
         self._outs: _Outputs | None = None  # the last ``linear`` GEMM's untaken outputs
         self.wraps = 0  # inputs wrapped so far: one backward all-reduce each
+        # under torch.compile, the siblings' one copy_to_region of their input, kept from the
+        # first sibling's call to the last's (nn.linear.ColumnParallelLinear._entered)
+        self.traced_in = self.traced_out = None
 
     def __getstate__(self) -> dict:  # torch.save(model): the wrap is one forward's, not state
-        return {**self.__dict__, "_wrap": None, "_outs": None}
+        return {**self.__dict__, "_wrap": None, "_outs": None, "traced_in": None,
+                "traced_out": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _wrap=_Wrap(torch.empty(0)), _outs=None)
