@@ -12,6 +12,8 @@ into sub-groups, Mixtral's and the MoE-GPT's uneven experts), float64:
 - decoding greedily, the step compiled with ``fullgraph=True`` (a static KV cache for
   transformers' models; plait's re-read the sequence), gives the single process's
   tokens;
+- plait's DLRM (tables over the ranks) and the matmul operators called directly compile
+  with ``fullgraph=True`` and equal eager within 1e-12;
 - ``torch._dynamo.explain`` counts 0 graph breaks in a parallel Llama's training step
   and decoding step (54 and 31 before the ops were registered), and plait's decode loop,
   compiled, makes 64 tokens at batch 4 and at batch 3 (one bucket) without compiling
@@ -176,12 +178,41 @@ def _explained():
 CASES = {2: ((*HF, *OWN), ("llama", "mixtral", "gpt")), 3: (("llama", "mixtral", "moe"), ("llama",))}
 
 
+def _dlrm():
+    """plait's DLRM (tables split over the ranks, ``embedding_all_to_all``) compiled with
+    fullgraph against eager: the largest difference of the loss and any gradient."""
+    from plait.models import DLRM, DLRMConfig
+    from plait.parallel import apply_tp
+
+    cfg = DLRMConfig(dense_features=5, table_sizes=(13, 7, 9, 4), embedding_dim=4,
+                     bottom=(8,), top=(8,))
+    torch.manual_seed(0)
+    ref = DLRM(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    dense = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    indices, offsets = [], []
+    for n in cfg.table_sizes:
+        lengths = torch.randint(1, 4, (6,), generator=g)
+        offsets.append(torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]))
+        indices.append(torch.randint(0, n, (int(lengths.sum()),), generator=g))
+    labels = torch.randint(0, 2, (6,), generator=g).double()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    eager, traced = apply_tp(copy.deepcopy(ref)), apply_tp(copy.deepcopy(ref))
+    losses = [bce(m(dense, indices, offsets), labels) for m in
+              (eager, torch.compile(traced, backend="aot_eager", fullgraph=True))]
+    for loss in losses:
+        loss.backward()
+    a, b = _grads(eager), _grads(traced)
+    return max([abs(float(losses[0] - losses[1]))] +
+               [float((a[k] - b[k]).abs().max()) for k in a])
+
+
 def _all(world: int):
     """One launch a world size (compiling is the cost): the families; on 2 ranks also the
     Llama's explain and decode loop, and the operators called directly."""
     out = {"families": _families(*CASES[world])}
     if world == 2:
-        out["explained"], out["operators"] = _explained(), _operators()
+        out["explained"], out["operators"], out["dlrm"] = _explained(), _operators(), _dlrm()
     return out
 
 
@@ -197,6 +228,7 @@ def test_every_family_compiles_whole_and_exact(world):
             # 0 breaks in a Llama's training and decoding steps; no recompile in its loop
             assert seen["explained"] == (0, 0, True), seen["explained"]
             assert seen["operators"] < 1e-12  # the operators called directly
+            assert seen["dlrm"] < 1e-12  # plait's DLRM: its tables' all-to-all one op
 
 
 def _operators():

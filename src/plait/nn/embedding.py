@@ -22,6 +22,7 @@ The single-device twin is any module holding ``bags``, an ``nn.ModuleList`` of
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -30,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.agree import attempt, refused
+from ..ops.library import compiling, opaque, register_opaque
 from ..ops.embedding import embedding_all_to_all
 from ..ops.pieces import even_sizes
 from ..plan import ShardPlan
@@ -110,6 +112,12 @@ class ShardedEmbeddingBag(nn.Module):
             with compute_scope(weights[0].device):
                 return torch.stack([F.embedding_bag(indices[t], w, offsets[t], mode=self.mode)
                                     for t, w in zip(self.owned, weights)], dim=1)
+        if compiling():  # the bags' lengths are data: pooling and all-to-all as one op
+            self._check_tables(indices, offsets)  # at tracing (the op checks the rest)
+            mine = [indices[t] for t in self.owned]
+            bags = [offsets[t] for t in self.owned]
+            sizes = self._shares(bags[0].shape[0]) if batch_sizes is None else list(batch_sizes)
+            return opaque([*weights, *mine, *bags], _opaque_key(self, tuple(sizes)))
         # a bad count raised here would leave the other ranks in the operator's check:
         # its check refuses it on every rank instead
         _, problem = attempt(lambda: self._check_tables(indices, offsets))
@@ -119,8 +127,12 @@ class ShardedEmbeddingBag(nn.Module):
         batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
         sizes = self._shares(batch) if batch_sizes is None else list(batch_sizes)
         with compute_scope(weights[0].device), refused(problem):  # pooling and wire interleaved
-            return embedding_all_to_all(weights, mine, bags, self.group, batch_sizes=sizes,
-                                        mode=self.mode, chunks=self.chunks if self.overlap else 1)
+            return self._exchanged(weights, mine, bags, sizes)
+
+    def _exchanged(self, weights, mine, bags, sizes) -> torch.Tensor:
+        """The fused pooling and all-to-all: every table's bags → this rank's rows."""
+        return embedding_all_to_all(weights, mine, bags, self.group, batch_sizes=sizes,
+                                    mode=self.mode, chunks=self.chunks if self.overlap else 1)
 
     def _check_tables(self, indices, offsets) -> None:
         if not isinstance(indices, (list, tuple)) or not isinstance(offsets, (list, tuple)) \
@@ -184,6 +196,22 @@ class ShardedEmbeddingBag(nn.Module):
         return (f"tables={len(self.num_embeddings)}, D={self.embedding_dim}, "
                 f"plan={list(self.plan.sizes)} tables, owned={list(self.owned)}, "
                 f"mode={self.mode}, {'fused' if self.overlap else 'plain'}")
+
+
+@torch.compiler.assume_constant_result
+def _opaque_key(layer: ShardedEmbeddingBag, sizes: tuple) -> str:
+    """The key of ``layer``'s pooling and all-to-all at batch shares ``sizes`` as one
+    registered op (``plait.ops.library.opaque``): its inputs are the owned tables' weights,
+    then their indices, then their offsets."""
+    ref, owned = weakref.ref(layer), len(layer.owned)
+
+    def run(*t):
+        return ref()._exchanged(list(t[:owned]), list(t[owned:2 * owned]), list(t[2 * owned:]),
+                                list(sizes))
+
+    def like(*t):
+        return t[0].new_empty(sizes[layer.info.rank], len(layer.num_embeddings), t[0].shape[1])
+    return register_opaque(f"embedding-{id(layer)}-{sizes}", run, like)
 
 
 def _count(seq) -> str:
