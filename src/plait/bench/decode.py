@@ -216,7 +216,7 @@ def _timed(model, prompt, cfg: DecodeBenchConfig, system: str, threads: int = 1,
     own = torch.get_num_threads()
     torch.set_num_threads(threads if alone else own)
     try:
-        out = decode(model, prompt, cfg.new_tokens, compiled=system in COMPILED,
+        out = decode(model, prompt, cfg.new_tokens, compiled=system in COMPILED, eos_token_id=None,
                      cache_len=cache_len or prompt.shape[1] + cfg.new_tokens)
     finally:
         torch.set_num_threads(own)

@@ -57,7 +57,8 @@ def run_decode(args: argparse.Namespace) -> int:
     console.print(f"[dim]{where}[/dim]")
     timed = [r for r in records if "batch" in r]
     alone = {r["batch"]: r["ms_per_token"] for r in timed if r["system"] == "one-process"}
-    rows = [[r["system"], str(r["batch"]), str(r["ranks_used"]), r["transport"],
+    rows = [[r["system"], str(r["batch"]), str(r["ranks_used"]), str(r["threads"]),
+             r["transport"],
              f"{r['ms_per_token']:.2f}", f"{r['p99_ms']:.2f}", f"{r['ttft_ms']:.1f}",
              f"{r['tokens_per_s']:,.0f}",
              f"{r['ms_per_token'] / alone[r['batch']]:.2f}×" if r["batch"] in alone else "–",
@@ -66,11 +67,13 @@ def run_decode(args: argparse.Namespace) -> int:
     print_table(f"decoding a Llama {cfg.n_layer} × {cfg.n_embd} ({cfg.n_head} heads over "
                 f"{cfg.n_kv_head} KV heads) on {ranks} ranks: {cfg.new_tokens} tokens after "
                 f"{cfg.prompt_len}",
-                ["system", "batch", "ranks", "transport", "ms / token", "p99 ms", "TTFT ms",
+                ["system", "batch", "ranks", "threads", "transport", "ms / token", "p99 ms",
+                 "TTFT ms",
                  "tokens/s", "× one process", "ideal ms (× ideal)", "same tokens"], rows,
                 caption="median over every round's steps (a step: the slowest rank's); "
-                        "one-process: the whole model on one rank, on as many threads as the "
-                        "ranks use cores (× one process: ms / token over its, at that batch); "
+                        "threads: in all; one-process: the whole model on one rank, on as many "
+                        "threads as the ranks use cores (× one process: ms / token over its, at "
+                        "that batch); "
                         "-compiled: a static KV cache, the step compiled; TTFT: the prompt's forward "
                         "to the first token (median over rounds); ideal: the even split's step "
                         "less its slowest rank's compute in the split layers, plus all their "
@@ -95,6 +98,10 @@ def run_decode(args: argparse.Namespace) -> int:
     print_summary({k: v for k, v in summary.items() if k != "slower_than_one_process"}, ".3f")
     for line in summary.get("slower_than_one_process", []):  # said in words, not buried
         console.print(f"[yellow]slower than one process: {line}[/yellow]")
+    if cfg.rounds < 3:
+        console.print(f"[dim]{cfg.rounds} round{'s' if cfg.rounds != 1 else ''}: ratios within "
+                      "about 15 % of 1 swing either way between runs on a shared machine; "
+                      "use --rounds 3 or more, and two runs[/dim]")
     if args.json:
         write_json(args.json, records, {"command": "bench decode", "where": where,
                                         "summary": summary})

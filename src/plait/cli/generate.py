@@ -8,8 +8,8 @@ import json
 
 from ..runtime.placement import run_placed
 from ..bench.report import console, print_table
-from ..training.generate import (GenerateConfig, generate_rank, read_prompts, text_prompts,
-                                 tokenizer_of)
+from ..training.generate import (MODELS, GenerateConfig, generate_rank, read_prompts,
+                                 text_prompts, tokenizer_of)
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_outputs, resolve_placement
 
@@ -21,8 +21,10 @@ def register(subparsers) -> None:
         "generate", help="decode prompts with a transformers model, tensor-parallel",
         description="Builds a transformers causal LM from a config (random weights, no "
                     "download) or loads a checkpoint directory (each rank its shards), makes "
-                    "it tensor-parallel by its own plan and decodes the prompts (token ids) "
-                    "with its KV cache; prints the new tokens and the per-token timings.")
+                    "it tensor-parallel by its own plan and decodes the prompts (text through "
+                    "the checkpoint's tokenizer, or token ids) with its KV cache, each row "
+                    "ending at the model's EOS; prints the new tokens and the per-token "
+                    "timings.")
     add_launch_args(parser)
     add_dataclass_args(parser, GenerateConfig)
     parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
@@ -63,16 +65,28 @@ def run_generate(args: argparse.Namespace) -> int:
     result, where = run_placed(_one, cfg, ranks=ranks, hosts=hosts, link=link,
                                timeout_s=args.timeout, slow=list(getattr(args, "slow_specs", ())))
     console.print(f"[dim]{where}; transport {result['transport']}[/dim]")
+    if result.get("compile_s") is not None:
+        console.print(f"[dim]compiled in {result['compile_s']:.1f} s, before the clock started"
+                      "[/dim]")
     console.print(f"[dim]{(result['parallel'] or ['one rank'])[0]}[/dim]")
+    eos = result.get("eos_token_id")
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     for i, tokens in enumerate(result["tokens"]):
+        ended = next((k + 1 for k, t in enumerate(tokens) if t in stops), None)
+        if ended is not None:  # said, not only padded
+            result.setdefault("ended_at", {})[i] = ended
         if tokenizer is not None:  # text in, text out
             result.setdefault("texts", []).append(tokenizer.decode(tokens,
                                                                    skip_special_tokens=True))
             console.print(f"prompt {i}: {args.prompt[i]}", markup=False)
             console.print(f"  → {result['texts'][-1]}", markup=False)
+            if ended is not None:
+                console.print(f"  [dim](ended at its EOS after {ended} tokens)[/dim]")
             continue
         console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False)
-        console.print(f"  → {' '.join(map(str, tokens))}", markup=False)
+        console.print(f"  → {' '.join(map(str, tokens[:ended]))}", markup=False)
+        if ended is not None:
+            console.print(f"  [dim](ended at its EOS after {ended} tokens)[/dim]")
     if cfg.requests == "each" or cfg.split != "even":
         print_table(f"requests in turn, split {cfg.split}",
                     ["request", "ms / token", "TTFT (ms)", "split", "speeds after",
@@ -89,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
                             f"the predicted gain is --tolerance {cfg.tolerance:.0%} or more); "
                             "–: nothing decided (the last request, or --split even/speed)")
     count = len(prompts)
-    print_table(f"{cfg.max_new_tokens} tokens × {count} prompt{'s' if count != 1 else ''} on "
+    print_table(f"up to {cfg.max_new_tokens} tokens × {count} prompt{'s' if count != 1 else ''} on "
                 f"{ranks} rank{'s' if ranks != 1 else ''}",
                 ["TTFT (ms)", "ms / token", "p99 (ms)", "tokens/s"],
                 [[f"{result['ttft_ms']:.1f}", f"{result['ms_per_token']:.2f}",
@@ -99,8 +113,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             where_ran = {"ranks": ranks, "hosts": hosts, "link": link, "slow": list(args.slow)}
-            json.dump({"config": {**{k: v for k, v in cfg.__dict__.items() if k != "extra"},
-                                  **where_ran}, **result}, f, indent=1)
+            built = cfg.model in MODELS  # a checkpoint's sizes are its own, not these flags
+            sizes = ("n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size", "max_positions")
+            json.dump({"config": {**{k: v for k, v in cfg.__dict__.items() if k != "extra"
+                                     and (built or k not in sizes)}, **where_ran}, **result},
+                      f, indent=1)
         console.print(f"wrote {args.json}")
     return 0
 

@@ -85,6 +85,9 @@ def _rank_main(rank: int, world_size: int, fn: Callable, args: tuple, kwargs: di
         if host.cgroup is not None:  # the host's CPU budget, before any of fn's work
             join_cgroup(host.cgroup)
         os.environ.update(env)
+        # torch.compile's kernels compiled in this process, not a pool of workers: the ranks
+        # already fill the cores, and the pool's semaphores outlived it ("leaked semaphore")
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
             _log_debug_to_stderr(rank)
         # every rank of a launch shares this machine's cores, whatever host it emulates

@@ -170,14 +170,16 @@ def _compiled(model):
 @torch.no_grad()
 def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = False,
            temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-           eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+           eos_token_id: int | list[int] | None | str = "model",
+           pad_token_id: int | None | str = "model",
            attention_mask: torch.Tensor | None = None, on_step=None,
            compiled: bool = False, cache_len: int | None = None) -> Decoded:
     """``max_new_tokens`` tokens after ``prompt`` ([B, S] ids), one forward a token; see the
     module doc. As transformers' ``generate`` does: a row that has produced an
-    ``eos_token_id`` (one id or several) is finished, and its later tokens are
-    ``pad_token_id`` (default: the first EOS id) while the other rows go on; decoding ends
-    once every row has finished. ``attention_mask`` ([B, S], 0 at padding): prompts of
+    ``eos_token_id`` (one id or several; ``"model"``, the default: the model's generation
+    config's; None: none) is finished, and its later tokens are ``pad_token_id`` (``"model"``:
+    the generation config's, else the first EOS id) while the other rows go on; decoding
+    ends once every row has finished. ``attention_mask`` ([B, S], 0 at padding): prompts of
     different lengths, padded on the left; each row's positions count its own tokens
     only. ``on_step()``: called after each token's forward (every rank; a speed monitor's
     exchange), outside the timed step. ``compiled``: a static KV cache and the step
@@ -190,6 +192,11 @@ def decode(model, prompt: torch.Tensor, max_new_tokens: int, *, sample: bool = F
         raise ValueError(f"temperature must be above 0, got {temperature}")
     device = prompt.device
     generator = torch.Generator().manual_seed(seed) if sample else None
+    config = getattr(model, "generation_config", None)
+    if eos_token_id == "model":
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if pad_token_id == "model":
+        pad_token_id = getattr(config, "pad_token_id", None)
     eos = _eos_ids(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     stops = torch.tensor(eos, device=device)

@@ -49,8 +49,8 @@ class GenerateConfig:
         "end a row at this token id, padding it while the others go on (default: the "
         "model's generation config's eos_token_id, as transformers' generate)"))
     compile: bool = field(default=False, metadata=_h(
-        "decode with a static KV cache and the step compiled (torch.compile, fullgraph): "
-        "the first tokens pay the compilation"))
+        "decode with a static KV cache and the step compiled (torch.compile, fullgraph); "
+        "compiled before the clock starts, its seconds printed"))
     requests: str = field(default="batch", metadata=_h(
         "batch: every prompt in one batch; each: every prompt a request of its own, decoded "
         "in turn (serving)"))
@@ -280,12 +280,17 @@ def generate_rank(cfg: GenerateConfig) -> dict:
         batches = [_padded(cfg.prompts)]
     # one batch (its mask, where its prompts differ in length), or a request a prompt
     mask = batches[0][1] if len(batches) == 1 else None
+    compile_s = None
     if cfg.compile:  # the compilation, before the clock starts: a decode of the same shapes
+        import time
+
         from .decode import decode
 
+        started = time.perf_counter()
         for ids, _ in batches[:1]:
             decode(model, ids, 2, attention_mask=mask, compiled=True,
                    cache_len=ids.shape[1] + cfg.max_new_tokens)
+        compile_s = time.perf_counter() - started
     served = serve(model, [ids for ids, _ in batches], cfg.max_new_tokens, split=cfg.split,
                    tolerance=cfg.tolerance, attention_mask=mask, **sampling)
     requests, tokens = [], []
@@ -305,6 +310,7 @@ def generate_rank(cfg: GenerateConfig) -> dict:
             "p99_ms": max(r["p99_ms"] for r in requests),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in requests),
             "world_size": dist.get_world_size(), "parallel": applied(model)[:1],
+            "compile_s": compile_s, "eos_token_id": sampling["eos_token_id"],
             "transport": transport_of(None).choice.name,
             "transport_reason": transport_of(None).choice.reason, "paths": explain(),
             "checks": get_context().checks if dist.get_world_size() > 1 else None}

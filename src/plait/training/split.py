@@ -47,7 +47,7 @@ def measure_speeds(model, prompt: torch.Tensor, steps: int = 8):
         seen.append(monitor.compute_s)
 
     try:
-        decode(model, prompt, steps + 1, on_step=on_step)
+        decode(model, prompt, steps + 1, on_step=on_step, eos_token_id=None)  # every step
     finally:
         for layer in layers:
             layer.compute_timer = None
