@@ -12,7 +12,8 @@ into sub-groups, Mixtral's and the MoE-GPT's uneven experts), float64:
 - decoding greedily, the step compiled with ``fullgraph=True`` (a static KV cache for
   transformers' models; plait's re-read the sequence), gives the single process's
   tokens;
-- plait's DLRM (tables over the ranks) and the matmul operators called directly compile
+- plait's DLRM (tables over the ranks) and every operator called directly (the matmul ones,
+  MoE dispatch and combine, the embedding all-to-all) compile
   with ``fullgraph=True`` and equal eager within 1e-12;
 - ``torch._dynamo.explain`` counts 0 graph breaks in a parallel Llama's training step
   and decoding step (54 and 31 before the ops were registered), and plait's decode loop,
@@ -232,11 +233,12 @@ def test_every_family_compiles_whole_and_exact(world):
 
 
 def _operators():
-    """Each matmul operator called directly (a systems engineer's own model), compiled with
+    """Every operator called directly (a systems engineer's own model), compiled with
     fullgraph and eager, forward and the inputs' gradients: the largest difference."""
     import torch.distributed as dist
 
-    from plait.ops import (all_gather_matmul, column_parallel_matmul, matmul_all_reduce,
+    from plait.ops import (all_gather_matmul, all_to_all_matmul, column_parallel_matmul,
+                           embedding_all_to_all, matmul_all_reduce, matmul_all_to_all,
                            matmul_reduce_scatter)
 
     rank = dist.get_rank()
@@ -248,11 +250,31 @@ def _operators():
         return (matmul_all_reduce(x, w).sum() + column_parallel_matmul(x, w).sum()
                 + (all_gather_matmul(x, w, dim=0) ** 2).sum()
                 + (matmul_reduce_scatter(x, w, dim=0) ** 2).sum())
+    # MoE dispatch and combine (uneven counts: rank r sends rank d's expert e r+d+e rows)
+    # and an embedding all-to-all (rank r owns r+1 tables), on the same ranks
+    world = dist.get_world_size()
+    send = [[rank + d + e for e in range(2)] for d in range(world)]
+    recv = [[s + rank + e for e in range(2)] for s in range(world)]
+    xm = torch.randn(sum(map(sum, send)), 8, dtype=torch.float64, generator=g)
+    w1 = torch.randn(2, 8, 3, dtype=torch.float64, generator=g)
+    w2 = torch.randn(2, 3, 8, dtype=torch.float64, generator=g)
+    tables = [torch.randn(7, 4, dtype=torch.float64, generator=g) for _ in range(rank + 1)]
+    index = [torch.randint(0, 7, (9,), generator=g) for _ in tables]
+    bags = [torch.tensor([0, 2, 2, 5, 6, 8]) for _ in tables]  # a global batch of 6 bags
+
+    def model(x, w, xm, w1, w2, *tables):
+        y = all_to_all_matmul(xm, w1, send, recv, chunks=2)
+        pooled = embedding_all_to_all(list(tables), index, bags, mode="mean")
+        return (matmul_all_reduce(x, w).sum() + column_parallel_matmul(x, w).sum()
+                + (all_gather_matmul(x, w, dim=0) ** 2).sum()
+                + (matmul_reduce_scatter(x, w, dim=0) ** 2).sum()
+                + (matmul_all_to_all(y.tanh(), w2, send, recv) ** 2).sum()
+                + (pooled ** 2).sum())
     out = []
     for fn in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
-        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = fn(a, b)
+        inputs = [t.clone().requires_grad_() for t in (x, w, xm, w1, w2, *tables)]
+        loss = fn(*inputs)
         loss.backward()
-        out.append((loss.detach(), a.grad, b.grad))
+        out.append((loss.detach(), *[t.grad for t in inputs]))
     return max(float((p - q).abs().max()) for p, q in zip(*out))
 

@@ -57,6 +57,7 @@ from .agree import attempt, check_chunks, check_same, chunks_code
 from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
+from .library import compiling, group_key, group_of, opaque, opaque_key
 from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, row_parts
 
 __all__ = ["embedding_all_to_all"]
@@ -373,8 +374,16 @@ def embedding_all_to_all(tables: Sequence[torch.Tensor], indices: Sequence[torch
     ``batch_sizes``: every rank's slice of the batch (default: even). ``mode``:
     "sum" or "mean". ``chunks``: "auto" (the cost model picks, or falls back and
     records why: ``plait.ops.explain``) or a piece count; 1 is the plain path.
-    Every rank must call it, with tables that all require grad or none.
+    Every rank must call it, with tables that all require grad or none. Under
+    ``torch.compile``: one registered op (``plait::opaque``) running this eagerly, the
+    batch shares fixed in the graph, the group's own context.
     """
+    if compiling():
+        n = len(tables)
+        shares = None if batch_sizes is None else tuple(int(b) for b in batch_sizes)
+        return opaque([*tables, *indices, *offsets],
+                      opaque_key("embedding_all_to_all", _direct, _direct_like, n, shares,
+                                 group_key(group), mode, chunks))
     ctx = ctx or get_context(group)
     op = "embedding_all_to_all"
     plan = _plan(op, tables, indices, offsets, group, batch_sizes, mode, chunks, ctx)
@@ -383,3 +392,20 @@ def embedding_all_to_all(tables: Sequence[torch.Tensor], indices: Sequence[torch
         flops=0.0, wire_bytes=wire, memory_bytes=flops * tables[0].element_size()))
     out = _EmbeddingAllToAll.apply(plan, decision, chunks, group, ctx, *tables)
     return out.transpose(0, 1)
+
+
+# --- called directly under torch.compile: one opaque op (plait.ops.library) --------------
+def _direct(*args) -> torch.Tensor:
+    *t, n, shares, group, mode, chunks = args
+    return embedding_all_to_all(t[:n], t[n:2 * n], t[2 * n:], group_of(group),
+                                batch_sizes=shares, mode=mode, chunks=chunks)
+
+
+def _direct_like(*args) -> torch.Tensor:
+    """[B_r, T, D]: this rank's share of the batch (the bags' count), every rank's tables
+    (a count only the run knows: a size the graph leaves open)."""
+    *t, n, shares, group, mode, chunks = args
+    g = group_of(group)
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    rows = shares[rank] if shares else even_sizes(t[2 * n].shape[0], world)[rank]
+    return t[0].new_empty(rows, torch.library.get_ctx().new_dynamic_size(), t[0].shape[1])

@@ -37,7 +37,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["group_key", "group_of", "compiling", "define", "register_opaque", "opaque"]
+__all__ = ["group_key", "group_of", "compiling", "define", "register_opaque", "opaque",
+           "opaque_key"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
 
@@ -97,6 +98,18 @@ def register_opaque(key: str, fn, like) -> str:
     """Run ``fn(*tensors)`` as ``opaque(tensors, key)`` under compilation; ``like(*tensors)``:
     an empty tensor of its output's shape and dtype. ``key``."""
     _OPAQUE[key] = (fn, like)
+    return key
+
+
+@torch.compiler.assume_constant_result
+def opaque_key(name: str, fn, like, *consts) -> str:
+    """The key of ``fn(*tensors, *consts)`` as one opaque op (an operator called directly
+    under compilation, its plain-Python arguments ``consts`` fixed in the graph: hashable
+    values such as tuples of counts and a group's key); ``like(*tensors, *consts)``: an
+    empty tensor of its output's shape. Registered once per distinct ``consts``."""
+    key = f"{name}{consts!r}"
+    if key not in _OPAQUE:
+        register_opaque(key, lambda *t: fn(*t, *consts), lambda *t: like(*t, *consts))
     return key
 
 

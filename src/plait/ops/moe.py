@@ -59,6 +59,7 @@ from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .agree import attempt, check_chunks, check_same, chunks_code
 from .exchange import start_all_to_all
+from .library import compiling, group_key, group_of, opaque, opaque_key
 from .pieces import DTYPE_CODES, check_float, offsets, row_parts
 
 __all__ = ["all_to_all_matmul", "matmul_all_to_all"]
@@ -423,8 +424,14 @@ def all_to_all_matmul(x: torch.Tensor, w: torch.Tensor, send_counts, recv_counts
     rows go to rank d's expert e; ``recv_counts[s][e]`` rows arrive from rank s for
     local expert e of ``w`` [E, H, F]. Returns [T_recv, F], rows by (source, expert).
     ``chunks``: "auto" (cost model, see ``plait.ops.explain``) or a piece count; 1 is
-    the plain path (all_to_all, then the GEMMs).
+    the plain path (all_to_all, then the GEMMs). Under ``torch.compile``: one registered
+    op (``plait::opaque``) running this eagerly, the counts fixed in the graph (new counts
+    compile again) and the group's own context.
     """
+    if compiling():  # one op, the counts fixed in the graph (Python ints)
+        return opaque([x, w], opaque_key("all_to_all_matmul", _direct, _direct_like,
+                                         _fixed(send_counts), _fixed(recv_counts),
+                                         group_key(group), chunks, False))
     ctx = ctx or get_context(group)
     op = "all_to_all_matmul"
     routes = _plan(op, x, w, send_counts, recv_counts, group, chunks, ctx, combine=False)
@@ -438,10 +445,34 @@ def matmul_all_to_all(y: torch.Tensor, w: torch.Tensor, send_counts, recv_counts
 
     ``y`` [T_recv, F], rows by (source, expert) as ``all_to_all_matmul`` returns them;
     ``w`` [E, F, H]; the counts are the dispatch's (same meaning). Returns
-    [T_send, H] in the dispatch input's row order.
+    [T_send, H] in the dispatch input's row order. Under ``torch.compile``: as
+    ``all_to_all_matmul``.
     """
+    if compiling():  # one op, the counts fixed in the graph (Python ints)
+        return opaque([y, w], opaque_key("matmul_all_to_all", _direct, _direct_like,
+                                         _fixed(send_counts), _fixed(recv_counts),
+                                         group_key(group), chunks, True))
     ctx = ctx or get_context(group)
     op = "matmul_all_to_all"
     routes = _plan(op, y, w, send_counts, recv_counts, group, chunks, ctx, combine=True)
     decision = _decide(ctx, op, chunks, routes, w.shape[1], w.shape[2], y.element_size(), True)
     return _MatmulAllToAll.apply(y, w, routes, decision, chunks, group, ctx)
+
+
+# --- called directly under torch.compile: one opaque op (plait.ops.library) --------------
+def _fixed(counts) -> tuple:
+    """Counts as nested tuples of ints (what a graph can hold as constants)."""
+    return tuple(tuple(int(c) for c in row) for row in counts)
+
+
+def _direct(t: torch.Tensor, w: torch.Tensor, send: tuple, recv: tuple, group: str, chunks,
+            combine: bool) -> torch.Tensor:
+    fn = matmul_all_to_all if combine else all_to_all_matmul
+    return fn(t, w, [list(r) for r in send], [list(r) for r in recv], group_of(group),
+              chunks=chunks)
+
+
+def _direct_like(t: torch.Tensor, w: torch.Tensor, send: tuple, recv: tuple, group: str,
+                 chunks, combine: bool) -> torch.Tensor:
+    rows = sum(map(sum, send if combine else recv))
+    return t.new_empty(rows, w.shape[2])
