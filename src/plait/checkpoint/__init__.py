@@ -27,7 +27,7 @@ reading torch 2.13's DCP source:
 - DCP's checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
   ``__get_tensor_shard__``), the hooks DTensor itself implements. Chosen: a
   :class:`~plait.checkpoint.pieces.Pieces` lists each contiguous slice as its own chunk
-  with its true global offsets (from :mod:`plait.checkpoint.layout`, which follows how
+  with its true global offsets (from :mod:`plait.parallel.layout`, which follows how
   each plait layer cuts its weights), and DCP's own resharding reads the overlaps on
   load. The default planners only look such hooks up on tensors, so two small planner
   subclasses add the lookup (``lookup_object`` / ``lookup_tensor``).

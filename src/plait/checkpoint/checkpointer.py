@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import store
-from .layout import module_plans
+from ..parallel.layout import module_plans
 from .pieces import LoadPlanner, SavePlanner, Staged
 from .replicas import unwrap
 from .state import (apply, destinations, model_shapes, model_tensors, optimizer_index,

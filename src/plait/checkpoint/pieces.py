@@ -2,7 +2,7 @@
 
 :class:`Pieces` implements DCP's checkpointable protocol (``__create_write_items__``,
 ``__create_chunk_list__``, ``__get_tensor_shard__``, the one DTensor implements): it
-writes one chunk per written piece of its :class:`~plait.checkpoint.layout.Layout`,
+writes one chunk per written piece of its :class:`~plait.parallel.layout.Layout`,
 with the piece's global offsets, and on load asks for every piece it holds, wherever
 the saved chunks lie; DCP's resharding reads the overlaps. DCP's default planners only
 hand a *tensor* to ``__get_tensor_shard__``, so :class:`SavePlanner` and
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from .layout import Layout
+from ..parallel.layout import Layout
 
 __all__ = ["Pieces", "SavePlanner", "LoadPlanner", "Staged"]
 

@@ -8,7 +8,7 @@ Two wraps from :func:`plait.parallel.data_parallel`, two ways to hold the model:
   made ``zeros_like`` it, is a ``DTensor`` on the 1-D dp mesh with placement ``Shard(0)``:
   dp rank d holds rows ``[d · c, min((d + 1) · c, n))`` of the tensor plait's tp layer
   holds (``c = ceil(n / dp)``, ``torch.chunk``'s split). Its pieces are plait's tp pieces
-  cut to those rows (:func:`~plait.checkpoint.layout.rows_of`), so each dp rank writes
+  cut to those rows (:func:`~plait.parallel.layout.rows_of`), so each dp rank writes
   its own part and no box is written twice.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .layout import Layout, rows_of
+from ..parallel.layout import Layout, rows_of
 
 __all__ = ["unwrap", "local", "dp_layout", "is_dtensor"]
 

@@ -5,7 +5,7 @@
     load_shards(model, "path/to/save_pretrained_dir")    # each piece read from its file
 
 Where each of a rank's tensors sits in the full tensor is what plait's DCP checkpoints
-write and read (:func:`plait.checkpoint.layout.model_layouts`: pieces along one dim); the
+write and read (:func:`plait.parallel.layout.model_layouts`: pieces along one dim); the
 loader asks the source (:mod:`plait.checkpoint.sources`) for exactly those pieces, so a rank
 reads its share and nothing else, with one tensor's file mapped at a time (what the mapping
 keeps resident is that tensor's pages, at most). Tensors no plan splits are read whole.
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from .hf_names import Unsupported, named_sources
-from .layout import Layout, model_layouts
+from ..parallel.layout import Layout, model_layouts
 from .sources import CheckpointFileError, SafetensorsDir, StateDictSource
 
 __all__ = ["load_shards", "CheckpointFileError"]

@@ -3,7 +3,7 @@
 A *source* answers ``shape(name)`` and ``read(name, dim, start, length)``: rows
 ``[start, start + length)`` of dim ``dim`` of the full tensor ``name`` (``dim`` None: all
 of it), and nothing else. :func:`plait.checkpoint.shards.load_shards` asks it for exactly
-the pieces a rank holds (:mod:`plait.checkpoint.layout`), so a rank reads only its share.
+the pieces a rank holds (:mod:`plait.parallel.layout`), so a rank reads only its share.
 
 - :class:`SafetensorsDir`: a transformers checkpoint directory (``save_pretrained``: one
   ``model.safetensors``, or shards and ``model.safetensors.index.json``), read with

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .layout import Layout, global_shapes, model_layouts
+from ..parallel.layout import Layout, global_shapes, model_layouts
 from .pieces import Pieces
 from .replicas import dp_layout, is_dtensor, local, unwrap
 

@@ -31,6 +31,7 @@ from .agreed import agree, describe
 from .data import DP_KINDS, data_parallel
 from .dims import Dim, find_dims, resolve_plan_for
 from .experts import ExpertParallelExperts
+from .full_state import take_shares
 from .layers import (CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn,
                      shard_local_params, sum_tail_grad)
 from .probe import Verdict, verify
@@ -111,6 +112,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     agree(mine, problem, group)
     built = run.build()
     run.swap(built)
+    # model.load_state_dict(full) (and DCP's full-state-dict load) takes this rank's shares
+    model.register_load_state_dict_pre_hook(take_shares)
     # the operators' context is made on first use, collectively; made here, eagerly, a
     # model compiled (torch.compile) before its first step does not trace its making
     get_context(group)

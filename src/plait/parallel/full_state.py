@@ -1,6 +1,12 @@
-"""``full_state_dict(model)``: the plain model's state_dict from a parallel one, every sharded
+"""Full state dicts in and out of a parallel model.
+
+``full_state_dict(model)``: the plain model's state_dict from a parallel one, every sharded
 tensor gathered, whatever made it parallel (plait's layers, ``plait.parallelize``'s extra
-layers, FSDP2 or DDP around them)."""
+layers, FSDP2 or DDP around them). ``take_shares``: the reverse, a ``load_state_dict``
+pre-hook that ``plait.parallelize`` puts on the model, so ``model.load_state_dict(full)``
+and DCP's ``set_model_state_dict(model, full, options=StateDictOptions(
+full_state_dict=True, broadcast_from_rank0=True))`` (which ends in ``load_state_dict``)
+give each rank its share of every full tensor, as torchtitan users load one."""
 
 from __future__ import annotations
 
@@ -13,8 +19,9 @@ from ..nn import PLAIT_LAYERS
 from .data import unsharded
 from .experts import ExpertParallelExperts
 from .layers import VocabParallelEmbedding
+from .layout import Layout, model_layouts
 
-__all__ = ["full_state_dict"]
+__all__ = ["full_state_dict", "take_shares"]
 
 
 def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -64,3 +71,37 @@ def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Te
 
 def _sharded(module: nn.Module) -> bool:
     return isinstance(module, PLAIT_LAYERS + (VocabParallelEmbedding, ExpertParallelExperts))
+
+
+def take_shares(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` pre-hook: each full-sized tensor of a sharded parameter or buffer
+    in ``state_dict`` is replaced by this rank's share of it (its pieces, as plait's DCP
+    checkpoints place them: :mod:`plait.parallel.layout`); a tensor of this rank's own
+    shape (a parallel model's own ``state_dict``) is left as it is, and any other shape to
+    ``load_state_dict``'s own size check. Into a model still on the meta device it refuses
+    (``assign`` would put new parameters in place of plait's, their gradient hooks lost):
+    ``plait.checkpoint.materialize(model, device)`` first, as torchtitan's ``to_empty``."""
+    local = module.state_dict(keep_vars=True)
+    for key, layout in model_layouts(module).items():
+        full = state_dict.get(prefix + key)
+        mine = local.get(key)
+        if not torch.is_tensor(full) or mine is None or full.shape == mine.shape \
+                or tuple(full.shape) != tuple(layout.global_shape):
+            continue
+        if mine.is_meta:
+            raise ValueError(f"{prefix + key}: loading a full state dict into a parallel model "
+                             "on the meta device would replace plait's parameters (and their "
+                             "gradient hooks); call plait.checkpoint.materialize(model, "
+                             "'cpu') first")
+        state_dict[prefix + key] = _share(full, layout, mine)
+
+
+def _share(full: torch.Tensor, layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    """This rank's share of ``full``: its pieces along ``layout.dim``, in local order."""
+    out = full.new_empty(like.shape)
+    for offsets, sizes, local in layout.boxes(written=False):
+        piece = full.narrow(layout.dim, offsets[layout.dim], sizes[layout.dim])
+        if layout.rows is not None:
+            piece = piece.narrow(0, layout.rows[0], layout.rows[1])
+        out.narrow(layout.dim, local, sizes[layout.dim]).copy_(piece)
+    return out

@@ -33,7 +33,7 @@ import tempfile
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, Loaded, SeededStream, latest, rng_state, set_rng_state
-from ..checkpoint.layout import module_plans
+from ..parallel.layout import module_plans
 from ..checkpoint.replicas import unwrap
 from .components import Checkpointing
 
