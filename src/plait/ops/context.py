@@ -137,8 +137,8 @@ class OpsContext:
         ``work``: the busiest rank's compute and wire bytes, as :mod:`plait.perf.pieces`
         prices them; ``rows``: the most pieces allowed.
         """
-        if chunks == "auto" and getattr(self.transport, "name", None) == "shm":
-            return self._record(self._on_shm(op))  # first: a decoding step's every call
+        if chunks == "auto" and not self.mover().pieces_overlap:
+            return self._record(self._on_own_core(op))  # first: a decoding step's every call
         world = dist.get_world_size(self.group)
         if world == 1:
             return self._record(Decision(op, "fallback", 1, "one rank: nothing to communicate"))
@@ -151,7 +151,7 @@ class OpsContext:
                 why = "chunks=1 asked for" if chunks == 1 else f"only {rows} rows to split"
                 return self._record(Decision(op, "fallback", 1, why))
             return self._record(Decision(op, "fused", n, f"chunks={chunks} asked for"))
-        if getattr(self.transport, "one_host", False) and self._loopback_measured():
+        if self.mover().one_host and self._loopback_measured():
             # gloo between ranks of one host: loopback TCP, whose copies the cores that
             # compute make; measured on 2 ranks of this machine, pieces lost up to 1.5x
             # (bench ops --transport gloo). A saved profile is taken at its word instead.
@@ -182,13 +182,13 @@ class OpsContext:
             self._plans[key] = plan
         return plan, problem
 
-    def _on_shm(self, op: str) -> Decision:
-        """``chunks="auto"`` on shared memory: the plain path. On a CPU the rank's own core
-        moves the bytes, so a piece's transfer cannot run beside the next piece's compute,
-        and pieces only add calls (made once per operator: a decoding step asks often)."""
-        made = self._auto_made.get((op, "shm"))
+    def _on_own_core(self, op: str) -> Decision:
+        """``chunks="auto"`` where the rank's own core moves the bytes (shared memory): the
+        plain path. A piece's transfer cannot run beside the next piece's compute, and
+        pieces only add calls (made once per operator: a decoding step asks often)."""
+        made = self._auto_made.get((op, "own core"))
         if made is None:
-            made = self._auto_made[op, "shm"] = Decision(
+            made = self._auto_made[op, "own core"] = Decision(
                 op, "fallback", 1, "auto: shared memory moves the bytes on the rank's own "
                 "core; pieces would not overlap them")
         return made
@@ -241,9 +241,9 @@ class OpsContext:
         asks for its error where a peer carries the same check in a data call (a header of
         another width) and refuses the call either way; elsewhere unused (the operator
         verifies the rows it gets)."""
-        if carries_checks(self) and width <= self.transport.shm.header_words:
+        if carries_checks(self) and width <= self.transport.header_words:
             # the check rides in a slot header (sized for any operator's on this group)
-            rows = self.transport.shm.gather_meta(op, row, width, problem, verify)
+            rows = self.transport.gather_meta(op, row, width, problem, verify)
             return lambda: rows
         group = self.group if self.checks_group is None else self.checks_group
         done = start_gather_checked(op, group, problem, row, width)
@@ -273,9 +273,9 @@ def signature(op: str, *tensors) -> tuple | None:
 
 
 def carries_checks(ctx: "OpsContext") -> bool:
-    """Whether ``ctx``'s checks ride in their data calls' headers (shared memory, and not
-    ``checks="gather"``)."""
-    return ctx.checks == "carried" and getattr(ctx.mover(), "name", None) == "shm"
+    """Whether ``ctx``'s checks ride in their data calls' headers (a transport that carries
+    them, and not ``checks="gather"``)."""
+    return ctx.checks == "carried" and ctx.mover().carries_checks
 
 
 _CONTEXTS: dict[object, OpsContext] = {}

@@ -141,12 +141,12 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
         # row is the same bytes either way (a decoding step's: five tensor views saved a call)
         flip = transposed and 1 < m <= GEMV_ROWS
         mover = transport_of(group)
-        if hasattr(mover, "matmul_all_reduce") and meanwhile is None:  # done when it returns
-            # shared memory: the product is made in the slot its peers read, up to a turn
-            # (the compute region around the product alone: waiting for a peer is not this
-            # rank's compute)
-            region = piece if current_region() is not None else None  # None: nothing to enter
-            return mover.matmul_all_reduce(x2, w, region=region, check=check, transposed=flip)
+        if mover.lends_slots and meanwhile is None:  # done when it returns
+            # shared memory: the product is made in the slot its peers read (the compute
+            # region around the product alone: waiting for a peer is not this rank's compute)
+            out = mover.reduce_computed(_product(x2, w, flip), (n, m) if flip else (m, n), x2,
+                                        check=check)
+            return out.t() if flip else out
         if flip and in_flight is None:
             buf = x2.new_empty(n, m)
             with piece():
@@ -168,6 +168,22 @@ def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
             torch.matmul(x2[lo:hi], w, out=out[lo:hi])
         works.append(transport_of(group).all_reduce(out[lo:hi], async_op=True))
     return _waited(out, works, meanwhile, in_flight)
+
+
+def _product(x2: torch.Tensor, w: torch.Tensor, flip: bool):
+    """``fill(out)``: ``x2 @ w`` into ``out`` ([N, M] and written as its transpose where
+    ``flip``), inside the compute region where one is open (nothing to enter otherwise: a
+    decoding step)."""
+    timed = current_region() is not None
+
+    def fill(out: torch.Tensor) -> None:
+        target = out.t() if flip else out
+        if timed:
+            with piece():
+                torch.mm(x2, w, out=target)
+        else:
+            torch.mm(x2, w, out=target)
+    return fill
 
 
 def _waited(out: torch.Tensor, works, meanwhile, in_flight: list | None = None) -> torch.Tensor:

@@ -210,9 +210,9 @@ class _Copy(torch.autograd.Function):
 
 
 def _reduced(x: torch.Tensor, group, check=None) -> torch.Tensor:
-    mover = transport_of(group)
-    # shared memory carries the check in the data call's header; elsewhere it ran already
-    return mover.summed(x) if check is None else mover.summed(x, check=check)
+    # a transport that carries checks has this one in the data call's header; elsewhere
+    # (check None) it ran already
+    return transport_of(group).summed(x, check=check)
 
 
 class _Reduce(torch.autograd.Function):

@@ -1,6 +1,7 @@
-"""What every transport is made of: the choice and its reason, a call's finished handle, and
-the transport over ``torch.distributed`` itself (gloo on CPU, NCCL on CUDA), which the
-others fall back on for what they do not carry."""
+"""What every transport is made of: the contract :mod:`plait.ops` calls (:class:`Transport`),
+the choice and its reason, a call's finished handle, and the transport over
+``torch.distributed`` itself (gloo on CPU, NCCL on CUDA), which the others fall back on for
+what they do not carry."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from ..runtime.compat import all_gather_into
 
-__all__ = ["Choice", "DistTransport", "Done"]
+__all__ = ["Choice", "DistTransport", "Done", "Transport"]
 
 
 @dataclass(frozen=True)
@@ -31,29 +32,93 @@ class Done:
         return True
 
 
-class DistTransport:
-    """``torch.distributed`` on ``group`` (gloo on CPU, NCCL on CUDA). ``one_host``: every
-    rank of the group runs on one host (gloo then moves bytes over loopback TCP: copies
-    made by the same cores that compute)."""
+class Transport:
+    """What :mod:`plait.ops` asks of a transport: the collectives on ``group`` and what they
+    can do beyond moving bytes, as attributes ops reads instead of a transport's name.
+
+    - ``lends_slots``: ``reduce_computed`` gives ``fill`` the buffer the peers read (shared
+      memory), so a product is made where it is summed, one copy less; elsewhere ``fill``
+      writes a new tensor that is then all-reduced.
+    - ``carries_checks``: an operator's cross-rank check (:class:`~.calls.Carried`) rides in
+      the header of the call that moves its data (``check=``), and ``gather_meta`` carries
+      a check of its own of up to ``header_words`` words; elsewhere the checks are gathered
+      on a sibling group before the data moves, and ``check`` is always None.
+    - ``pieces_overlap``: a piece's transfer can run beside the next piece's compute (a
+      NIC, a copy engine, gloo's own threads); False where the rank's own core moves the
+      bytes (shared memory), so ``chunks="auto"`` takes the plain path.
+    - ``one_host``: every rank of the group runs on one host.
+
+    Every call is collective (every rank of the group makes it, in the same order); with
+    ``async_op`` it returns a handle with ``wait()``, else None."""
+
+    lends_slots = False
+    carries_checks = False
+    pieces_overlap = True
+    header_words = 0
 
     def __init__(self, group, choice: Choice, *, one_host: bool = False):
         self.group, self.choice = group, choice
         self.name = choice.name
         self.one_host = one_host
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
+        """``tensor`` = its sum over the group, in place."""
+        raise NotImplementedError
 
-    def summed(self, tensor: torch.Tensor) -> torch.Tensor:
+    def summed(self, tensor: torch.Tensor, check=None) -> torch.Tensor:
         """The sum of ``tensor`` over the group as a new tensor (``tensor`` untouched)."""
         out = tensor.contiguous().clone()
-        self.all_reduce(out)
+        self.all_reduce(out, check=check)
+        return out
+
+    def reduce_computed(self, fill, shape: Sequence[int], like: torch.Tensor,
+                        check=None) -> torch.Tensor:
+        """The sum over the group of what ``fill(out)`` writes into a contiguous ``shape``
+        tensor of ``like``'s dtype and device (``torch.mm(x, w, out=out)``): a new tensor."""
+        out = like.new_empty(tuple(shape))
+        fill(out)
+        self.all_reduce(out, check=check)
         return out
 
     def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
-                   async_op: bool = False):
+                   async_op: bool = False, check=None):
+        """``out`` = every rank's ``piece`` (``rows[r]`` rows from rank r) in rank order."""
+        raise NotImplementedError
+
+    def all_to_all(self, out: torch.Tensor, send: torch.Tensor, out_rows: Sequence[int],
+                   in_rows: Sequence[int], async_op: bool = False):
+        """``send``'s ``in_rows[d]`` rows to rank d; ``out`` their ``out_rows[s]`` from s."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, rows: Sequence[int],
+                       async_op: bool = False):
+        """``out`` = this rank's ``rows[rank]`` rows of ``tensor`` summed over the group."""
+        raise NotImplementedError
+
+    def gather_meta(self, op: str, row, width: int, problem, verify):
+        """Every rank's check ``row`` in a call of its own (``carries_checks`` only)."""
+        raise NotImplementedError(f"{self.name} carries no checks")
+
+    def _uncarried(self, check) -> None:
+        if check is not None:
+            raise ValueError(f"{self.name} carries no check in a data call: the operator "
+                             "gathers it first (Transport.carries_checks)")
+
+
+class DistTransport(Transport):
+    """``torch.distributed`` on ``group`` (gloo on CPU, NCCL on CUDA). ``one_host``: every
+    rank of the group runs on one host (gloo then moves bytes over loopback TCP: copies
+    made by the same cores that compute)."""
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
+        self._uncarried(check)
+        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, rows: Sequence[int],
+                   async_op: bool = False, check=None):
         """Equal rows: one all_gather; unequal (gloo refuses them): one all_to_all whose send
         buffer repeats the piece once per rank."""
+        self._uncarried(check)
         if len(set(rows)) == 1:
             return all_gather_into(out, piece.contiguous(), group=self.group, async_op=async_op)
         world = len(rows)

@@ -210,21 +210,17 @@ class ShmGroup:
             self._failed(err)
             raise
 
-    def reduce_product(self, x: torch.Tensor, w: torch.Tensor, check: Carried | None = None,
-                       transposed: bool = False) -> torch.Tensor:
-        """``all_reduce(x @ w)`` ([M, K] @ [K, N], a product of at most ``ONE_SHOT_BYTES``)
-        in one call, the product made in this rank's slot: ``reduce_computed``'s one-shot
-        path with nothing between the operator and its call (a decoding step makes a few
-        dozen a token). ``transposed``: the product made as [N, M] (every rank alike),
-        returned as the [M, N] view. The sum: a new tensor, in rank order."""
+    def reduce_into(self, fill, dtype: torch.dtype, shape: tuple, check: Carried | None = None
+                    ) -> torch.Tensor:
+        """The sum over ranks of what ``fill(out)`` writes into this rank's slot, viewed as
+        ``shape`` (at most ``ONE_SHOT_BYTES``; ``torch.mm(x, w, out=out)``), in one call:
+        ``reduce_computed``'s one-shot path with nothing between the operator and its call
+        (a decoding step makes a few dozen a token). The sum: a new tensor, in rank order."""
         self._enter()
         try:
-            m, n = x.shape[0], w.shape[1]
-            call, slots = self._open(x.dtype, m * n, check)
-            mine = slots[self.rank]
-            torch.mm(x, w, out=mine.view(n, m).t() if transposed else mine.view(m, n))
-            out = self._sum_new(call, slots, check, (n, m) if transposed else (m, n))
-            return out.t() if transposed else out
+            call, slots = self._open(dtype, math.prod(shape), check)
+            fill(slots[self.rank].view(shape))
+            return self._sum_new(call, slots, check, shape)
         except BaseException as err:
             self._failed(err)
             raise

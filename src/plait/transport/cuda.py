@@ -94,7 +94,8 @@ class SymmMemTransport(DistTransport):
         self._last_stream = None
         self._used = torch.cuda.Event()
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
+        self._uncarried(check)
         nbytes = tensor.numel() * tensor.element_size()
         if not tensor.is_cuda or symm_mem_path(tensor.dtype, nbytes, self.capacity):
             return super().all_reduce(tensor, async_op)

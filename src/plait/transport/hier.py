@@ -71,7 +71,8 @@ class HierTransport(DistTransport):
                 self.inside = DistTransport(self.local_group, Choice("gloo", str(err)))
                 self.inside_reason = f"gloo ({err})"
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
+        self._uncarried(check)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         if self.inside is not None:
             self.inside.all_reduce(flat)                                # 1: the host's sum

@@ -25,11 +25,12 @@ so there the call is done when it returns and the handle is already complete.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import torch
 import torch.distributed as dist
 
-from .base import Choice, DistTransport, Done
+from .base import Choice, DistTransport, Done, Transport
 
 __all__ = ["TRANSPORTS", "Choice", "choose", "DistTransport", "ShmTransport", "wanted"]
 
@@ -47,16 +48,20 @@ def wanted() -> str:
     return value
 
 
-class ShmTransport:
-    """Shared memory (:class:`~plait.transport.collectives.ShmGroup`) on ``group``."""
+class ShmTransport(Transport):
+    """Shared memory (:class:`~plait.transport.collectives.ShmGroup`) on ``group``: it lends
+    its slots, carries checks in its headers, and its own core moves the bytes."""
 
-    name = "shm"
+    lends_slots = True
+    carries_checks = True
+    pieces_overlap = False
 
     def __init__(self, group, choice: Choice, *, timeout_s: float):
         from .collectives import ONE_SHOT_BYTES, ShmGroup
 
-        self.group, self.choice = group, choice
+        super().__init__(group, choice, one_host=True)
         self.shm = ShmGroup(group, timeout_s=timeout_s)  # ShmUnavailable: every rank alike
+        self.header_words = self.shm.header_words
         self._one_shot = ONE_SHOT_BYTES  # a product or sum up to this size: one call
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
@@ -77,40 +82,27 @@ class ShmTransport:
         self.shm.all_reduce(out, check=check)
         return out
 
-    def matmul_all_reduce(self, x: torch.Tensor, w: torch.Tensor, region=None,
-                          check=None, transposed: bool = False
-                          ) -> torch.Tensor:
-        """``all_reduce(x @ w)`` with ``x @ w`` computed straight into this rank's slot
-        (where the peers read it): one copy less than computing, then reducing. With no
-        ``region``, a one-shot product goes through ``ShmGroup.reduce_product``; a product
-        over one turn (``ShmGroup.turn_bytes``) is computed, then reduced in turns.
-        ``region()``: a context entered around the product alone (the compute's timing).
-        ``check``: the operator's cross-rank check (:class:`~.calls.Carried`), carried in
-        the data's own call (its ``verify`` raises where every rank's values do not
-        agree). ``transposed``: make the product as ``[N, M]`` (a GEMV whose w is
-        column-major runs about 2x faster so on a CPU) and return it as the ``[M, N]``
-        view of that buffer."""
-        m, n = x.shape[0], w.shape[1]
-        if region is None and m * n * x.element_size() <= self._one_shot:
-            return self.shm.reduce_product(x, w, check=check, transposed=transposed)
-        held = x.new_empty(n, m) if transposed else x.new_empty(m, n)  # reduced in place
-
-        def into(buffer):
-            out = buffer.view(n, m).t() if transposed else buffer.view(m, n)
-            if region is None:  # nothing around the product (a decoding step)
-                torch.mm(x, w, out=out)
-                return
-            with region():
-                torch.mm(x, w, out=out)
-        if held.numel() * held.element_size() > self.shm.turn_bytes:
-            # over a turn: computed, then reduced in turns (the check in a call of its own
-            # first), each turn's stages in cache (one 4 MiB product reduced in its slot ran
-            # 5 % slower than this, 3 runs out of 4)
-            into(held)
+    def reduce_computed(self, fill, shape, like: torch.Tensor, check=None) -> torch.Tensor:
+        """The sum of ``fill(out)``'s terms with each rank's term written straight into its
+        slot (where the peers read it): one copy less than computing, then reducing. Up to
+        one-shot size: one call (``ShmGroup.reduce_into``); up to a turn
+        (``ShmGroup.turn_bytes``): in the slot (``ShmGroup.reduce_computed``); over a turn:
+        computed, then reduced in turns, the check in a call of its own first (each turn's
+        stages in cache: a 4 MiB product reduced in its slot ran 5 % slower)."""
+        shape = tuple(shape)
+        size = math.prod(shape) * like.element_size()
+        if size <= self._one_shot:
+            return self.shm.reduce_into(fill, like.dtype, shape, check=check)
+        held = like.new_empty(shape)  # reduced in place
+        if size > self.shm.turn_bytes:
+            fill(held)
             self.shm.all_reduce(held, check=check)
         else:
-            self.shm.reduce_computed(into, held, check=check)
-        return held.t() if transposed else held
+            self.shm.reduce_computed(lambda slot: fill(slot.view(shape)), held, check=check)
+        return held
+
+    def gather_meta(self, op: str, row, width: int, problem, verify):
+        return self.shm.gather_meta(op, row, width, problem, verify)
 
     def all_gather(self, out, piece, rows, async_op: bool = False, check=None):
         self.shm.all_gather(out, piece.contiguous(), rows, check=check)
