@@ -3,8 +3,8 @@ operators are registered ops (``torch.ops.plait.*``), so a model made by
 ``plait.parallelize`` (transformers Llama, Qwen2, Mixtral) or ``apply_tp`` (plait's GPT
 and MoE-GPT) traces as one graph.
 
-On 2 ranks every family, on 3 those whose split differs there (Llama's K/V heads copied
-into sub-groups, Mixtral's and the MoE-GPT's uneven experts), float64:
+On 2 and 3 ranks every family (on 3: Llama's K/V heads copied into sub-groups, Mixtral's
+and the MoE-GPT's uneven experts), float64:
 
 - compiled with ``fullgraph=True`` (which raises at any graph break) and ``aot_eager``
   (which keeps float64's arithmetic), the training step's loss and every parameter's
@@ -174,9 +174,9 @@ def _explained():
 
 
 
-# every family on 2 ranks; on 3 (2 cores: slower to trace) the ones whose split differs there
-# (K/V heads copied into sub-groups, uneven experts)
-CASES = {2: ((*HF, *OWN), ("llama", "mixtral", "gpt")), 3: (("llama", "mixtral", "moe"), ("llama",))}
+# every family on 2 and 3 ranks (3: K/V heads copied into sub-groups, uneven experts and
+# shares); decoding: one transformers family with a static cache, the MoE one, plait's own
+CASES = {world: ((*HF, *OWN), ("llama", "mixtral", "gpt")) for world in (2, 3)}
 
 
 def _dlrm():
