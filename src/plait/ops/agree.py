@@ -22,26 +22,11 @@ import torch.distributed as dist
 
 from ..runtime.compat import all_gather_into
 from ..runtime.progress import mark
-from .pieces import DTYPE_CODES
+from ..transport.calls import dtype_code, dtype_named
 
 __all__ = ["attempt", "refused", "check_chunks", "chunks_code", "check_same", "dtype_code",
            "gather_checked",
            "start_gather_checked", "meta_device", "raise_together"]
-
-# the fused operators' float dtypes keep their codes; a plain collective may carry any other
-_OTHER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                 torch.complex64, torch.complex128)
-_DTYPES = {**{code: dtype for dtype, code in DTYPE_CODES.items()},
-           **{100 + i: dtype for i, dtype in enumerate(_OTHER_DTYPES)}}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """``dtype`` as one integer for the cross-rank check (named again in its messages)."""
-    if dtype in DTYPE_CODES:
-        return DTYPE_CODES[dtype]
-    if dtype in _OTHER_DTYPES:
-        return 100 + _OTHER_DTYPES.index(dtype)
-    raise TypeError(f"dtype {dtype} cannot cross ranks here")
 
 
 def chunks_code(chunks) -> int:
@@ -73,7 +58,7 @@ def check_same(op: str, names: Sequence[str], values: Sequence[Sequence]) -> Non
 
 def _shown(name: str, value) -> str:
     if name == "dtype":
-        return str(_DTYPES.get(value, value))
+        return str(dtype_named(value))
     if name == "chunks":
         return "'auto'" if value == 0 else str(value)
     if "grad" in name:

@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .agree import attempt, check_chunks, check_same, chunks_code
+from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
 from .library import compiling, group_key, group_of, opaque, opaque_key
-from .pieces import DTYPE_CODES, check_float, even_sizes, offsets, row_parts
+from .pieces import check_float, even_sizes, offsets, row_parts
 
 __all__ = ["embedding_all_to_all"]
 
@@ -168,7 +168,7 @@ def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
     if problem is None:
         dtype, batch, sizes = checked
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
-        row = [DTYPE_CODES[dtype], tables[0].shape[1], batch, _MODES[mode], chunks_code(chunks),
+        row = [dtype_code(dtype), tables[0].shape[1], batch, _MODES[mode], chunks_code(chunks),
                needs_grad, *sizes, len(tables), sum(len(i) for i in indices)]
     metas = ctx.gather_meta(op, 8 + world, row, problem)  # shared memory: one header
     modes = {code: name for name, code in _MODES.items()}

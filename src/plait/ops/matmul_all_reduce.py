@@ -40,12 +40,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .agree import attempt, check_chunks, check_same, chunks_code
+from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .compute import compute_region, current_region, piece
 from .context import Decision, OpsContext, carries_checks, get_context, signature, transport_of
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
-from .pieces import DTYPE_CODES, as_rows, check_float, offsets, tapered
+from .pieces import as_rows, check_float, offsets, tapered
 from ..transport.calls import Carried
 from .library import compiling, define, group_key, group_of
 
@@ -73,7 +73,7 @@ def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[int,
     if w.dim() != 2 or w.shape[0] != x2.shape[1]:
         raise ValueError(f"{op}: x has K={x2.shape[1]} columns but w is {tuple(w.shape)}; "
                          "w must be [K, N]")
-    return (DTYPE_CODES[x2.dtype], x2.shape[0], w.shape[1], chunks_code(chunks), x2.shape[1],
+    return (dtype_code(x2.dtype), x2.shape[0], w.shape[1], chunks_code(chunks), x2.shape[1],
             int(_column_major(w)))
 
 
@@ -379,7 +379,7 @@ def _dgrad_row(x2: torch.Tensor, w: torch.Tensor, chunks, needs_dgrad: bool) -> 
     """The backward's ``_local_row``, known in the forward: dy [M, N_r] @ wᵀ [N_r, K]; and
     whether this rank will run that all-reduce (x needs a gradient)."""
     _local_row("column_parallel_matmul", x2, w, chunks)
-    return (DTYPE_CODES[x2.dtype], x2.shape[0], x2.shape[1], chunks_code(chunks), w.shape[1],
+    return (dtype_code(x2.dtype), x2.shape[0], x2.shape[1], chunks_code(chunks), w.shape[1],
             int(_column_major(w.t())), int(needs_dgrad))
 
 

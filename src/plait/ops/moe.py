@@ -57,10 +57,10 @@ import torch.distributed as dist
 
 from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
-from .agree import attempt, check_chunks, check_same, chunks_code
+from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .exchange import start_all_to_all
 from .library import compiling, group_key, group_of, opaque, opaque_key
-from .pieces import DTYPE_CODES, check_float, offsets, row_parts
+from .pieces import check_float, offsets, row_parts
 
 __all__ = ["all_to_all_matmul", "matmul_all_to_all"]
 
@@ -318,7 +318,7 @@ def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, 
     if problem is None:
         send, recv = counts
         grads = torch.is_grad_enabled()
-        row = [DTYPE_CODES[inp.dtype], inp.shape[1], w.shape[2], chunks_code(chunks),
+        row = [dtype_code(inp.dtype), inp.shape[1], w.shape[2], chunks_code(chunks),
                grads and inp.requires_grad, grads and w.requires_grad, w.shape[0],
                *map(sum, send), *map(sum, recv), *map(_digest, send), *map(_digest, recv)]
     metas = ctx.gather_meta(op, 7 + 4 * world, row, problem)  # one per call: counts change

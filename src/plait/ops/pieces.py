@@ -10,9 +10,10 @@ import torch
 from ..perf.pieces import offsets, split, tapered  # pure: the cost model cuts pieces the same way
 
 __all__ = ["split", "row_parts", "as_rows", "tapered", "offsets", "even_sizes", "check_sizes",
-           "check_float", "DTYPE_CODES"]
+           "check_float", "FLOATS"]
 
-DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+FLOATS = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
+"""The dtypes the fused operators take."""
 
 
 def row_parts(total: int, pieces: int) -> list[int]:
@@ -47,14 +48,14 @@ def check_sizes(op: str, what: str, sizes: Sequence[int], world: int, local: int
 def check_float(op: str, *tensors: torch.Tensor) -> torch.dtype:
     first = tensors[0]
     dtype, device = first.dtype, first.device
-    if dtype in DTYPE_CODES and all(t.dtype == dtype and t.device == device
+    if dtype in FLOATS and all(t.dtype == dtype and t.device == device
                                     for t in tensors[1:]):
         return dtype  # the common case, every call: one pass, no sets
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"{op}: tensors must share one dtype, got {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
-    if dtype not in DTYPE_CODES:
+    if dtype not in FLOATS:
         raise TypeError(f"{op}: dtype {dtype} is not supported; use float32, float64, bfloat16 or float16")
     devices = {t.device for t in tensors}
     if len(devices) != 1:

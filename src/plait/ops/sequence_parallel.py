@@ -44,11 +44,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agree import attempt, check_chunks, check_same, chunks_code
+from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .context import Decision, OpsContext, get_context
 from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
-from .pieces import (DTYPE_CODES, as_rows, check_float, check_sizes, even_sizes, offsets,
+from .pieces import (as_rows, check_float, check_sizes, even_sizes, offsets,
                      tapered)
 from .library import compiling
 
@@ -154,7 +154,7 @@ def _gather_plan(op, group, chunks, ctx, prepare) -> tuple[torch.Tensor, list[in
         if sizes is not None:
             check_sizes(op, "sizes", sizes, world, x.shape[0], rank)
         # w's width N_r may differ per rank (an uneven column plan): the busiest prices auto
-        return (x.shape[0], w.shape[1], DTYPE_CODES[x.dtype], x.shape[1], chunks_code(chunks),
+        return (x.shape[0], w.shape[1], dtype_code(x.dtype), x.shape[1], chunks_code(chunks),
                 int(needs_grad), unit,
                 *([int(v) for v in sizes] if sizes is not None else [-1] * world))
     row, problem = attempt(local)
@@ -316,7 +316,7 @@ def _scatter_plan(op, group, chunks, ctx, prepare) -> Decision:
         if sum(sizes) != x.shape[0]:
             raise ValueError(f"{op}: sizes {list(sizes)} sum to {sum(sizes)}, "
                              f"but x has {x.shape[0]} rows")
-        return (DTYPE_CODES[x.dtype], x.shape[0], w.shape[1], chunks_code(chunks),
+        return (dtype_code(x.dtype), x.shape[0], w.shape[1], chunks_code(chunks),
                 int(needs_grad), x.shape[1], *sizes)
     row, problem = attempt(local)
     metas = ctx.gather_meta(op, 6 + world, row, problem)

@@ -37,7 +37,28 @@ import torch
 from .shm import (BUFFERS, DONE, HDR, HEADER_FIXED, LINE, REDUCED, ShmSegments, read_note,
                   reached, write_note)
 
-__all__ = ["Call", "Carried", "Header", "HDR", "DONE", "REDUCED"]
+__all__ = ["Call", "Carried", "Header", "HDR", "DONE", "REDUCED", "DTYPE_CODES", "dtype_code",
+           "dtype_named"]
+
+# One integer per dtype in every cross-rank check, the shared-memory calls' headers and the
+# operators' rows alike (0: none); named again in the messages (dtype_named)
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float64: 3, torch.float16: 4,
+               torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.int8: 8, torch.bool: 9,
+               torch.int16: 10, torch.complex64: 11, torch.complex128: 12}
+_DTYPE_NAMED = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as its one integer; a TypeError for one no check carries."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"dtype {dtype} cannot cross ranks here")
+    return code
+
+
+def dtype_named(code: int):
+    """The dtype ``code`` stands for (the code itself where none does)."""
+    return _DTYPE_NAMED.get(code, code)
 
 _MASK = 0xFFFFFFFF
 _OK, _REJECTED = 0, 1

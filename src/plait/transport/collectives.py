@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from ..perf.pieces import offsets
-from .calls import Call, Carried, Header
+from .calls import DTYPE_CODES, Call, Carried, Header
 from .shm import ShmSegments
 
-__all__ = ["ShmGroup", "GroupBroken", "ONE_SHOT_BYTES", "TURN_BYTES", "DTYPES",
+__all__ = ["ShmGroup", "GroupBroken", "ONE_SHOT_BYTES", "TURN_BYTES",
            "default_capacity", "chunk_bounds"]
 
 ONE_SHOT_BYTES = 256 * 1024
@@ -56,8 +56,6 @@ ONE_SHOT_BYTES = 256 * 1024
 TURN_BYTES = 1 << 20
 _SLACK = 16  # bytes a rank a turn may stage past turn_bytes (one element of its range)
 _AR_NAMES = ("dtype", "numel")
-DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float64: 3, torch.float16: 4,
-          torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.int8: 8, torch.bool: 9}
 
 
 class GroupBroken(RuntimeError):
@@ -265,7 +263,7 @@ class ShmGroup:
             if len(self._reduce_headers) > 1024:
                 self._reduce_headers.clear()
             header = self._reduce_headers[dtype, n] = Header("all_reduce", _AR_NAMES,
-                                                             (DTYPES[dtype], n))
+                                                             (DTYPE_CODES[dtype], n))
         return header
 
     def _all_reduce(self, flat: torch.Tensor, size: int, compute=None,
@@ -335,7 +333,7 @@ class ShmGroup:
             mine, starts = piece.reshape(-1), offsets(counts)
             flat = out.view(-1) if problem is None else None
             names = self._gather_names
-            values = (DTYPES[piece.dtype], width, *rows, piece.shape[0])
+            values = (DTYPE_CODES[piece.dtype], width, *rows, piece.shape[0])
             for turn in range(turns):
                 parts = [(0, c) for c in counts] if turns == 1 else \
                     [chunk_bounds(c, turns)[turn:turn + 2] for c in counts]
@@ -385,7 +383,7 @@ class ShmGroup:
             mine = out.view(-1) if out.is_contiguous() else None
             turns = self._turns(tensor.numel() * tensor.element_size())
             names = ("dtype", "width", "total", *(f"rows{r}" for r in range(self.world)))
-            values = (DTYPES[tensor.dtype], width, tensor.shape[0], *rows)
+            values = (DTYPE_CODES[tensor.dtype], width, tensor.shape[0], *rows)
             problem = None  # this rank's, refused on every rank in the call's header
             if tensor.shape[0] != sum(int(r) for r in rows):
                 problem = ValueError(f"reduce_scatter: rows {list(rows)} sum to "
@@ -450,7 +448,7 @@ class ShmGroup:
                                      f"from {send.shape[0]} and receives {list(out_rows)} into "
                                      f"{out.shape[0] if out.dim() else 0}")
             flat = out.view(-1) if problem is None else None
-            call = self.call("all_to_all", names, (DTYPES[send.dtype], width, *in_rows, *out_rows,
+            call = self.call("all_to_all", names, (DTYPE_CODES[send.dtype], width, *in_rows, *out_rows,
                                                    int(whole)), local=names[2:], problem=problem)
             if whole and problem is None:  # every block but this rank's own, where its receiver
                 lo, hi = sends[self.rank], sends[self.rank + 1]  # finds it
@@ -485,7 +483,7 @@ class ShmGroup:
             for turn in range(turns):
                 parts = [[chunk_bounds(n, turns)[turn:turn + 2] for n in row] for row in counts]
                 call = self.call("all_to_all", ("dtype", "width", "turn"),
-                                 (DTYPES[send.dtype], width, turn))
+                                 (DTYPE_CODES[send.dtype], width, turn))
                 at = offsets([b - a for a, b in parts[self.rank]])
                 slot = call.slot(self.rank, send.dtype, at[-1])
                 for d, (a, b) in enumerate(parts[self.rank]):
