@@ -50,7 +50,8 @@ import torch.nn.functional as F
 
 from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
 from ..ops.agree import attempt, refused
-from ..ops.matmul_all_reduce import InFlight, matmul_all_reduce_start, traced_matmul_all_reduce
+from ..ops.matmul_all_reduce import (InFlight, matmul_all_reduce_start, traced_column_matmul,
+                                     traced_matmul_all_reduce)
 from ..ops.shared_input import SharedInput
 from ..ops.library import compiling
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
@@ -124,9 +125,17 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._impute(y if bias is None else y + bias, rows)
 
     def _traced(self, x: torch.Tensor) -> torch.Tensor:
-        """Under ``torch.compile``: the local GEMM after the region's entry (its backward
-        all-reduce, shared by the siblings reading one input; or the sequence's gather:
-        registered ops); no compute is timed."""
+        """Under ``torch.compile`` (registered ops; no compute is timed): fused, the local
+        GEMM whose backward's dgrad is the fused ``matmul_all_reduce`` (the siblings that
+        read one input: one GEMM and one dgrad for all of them, as eager plait's shared
+        input); else the GEMM after the region's entry (its backward all-reduce, shared by
+        the siblings), or after the sequence's gather."""
+        if self.overlap and not self.sequence_parallel and self.info.world > 1:
+            if (together := self._together()) is not None:
+                return self._traced_together(x, together)
+            if self.shared_input is None and self._kept is None:
+                y = traced_column_matmul(x, self.weight.t(), self.group, self.chunks)
+                return y if self.bias is None else y + self.bias
         rows = self._rows()
         weight, bias = self.weight, self.bias
         if rows is not None:
@@ -137,6 +146,20 @@ class ColumnParallelLinear(_ParallelLinear):
         elif self.info.world > 1:
             x = self._entered(x)
         return self._impute(F.linear(x, weight, bias), rows)
+
+    def _traced_together(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
+        """The first sibling computes every sibling's output from ``x`` in one GEMM (its
+        backward one fused dgrad over their concatenated weights); each takes its columns.
+        The last drops what was kept: nothing is held between calls."""
+        shared = self.shared_input
+        if shared.traced_in is not x:
+            y = traced_column_matmul(x, torch.cat(weights).t(), self.group, self.chunks)
+            shared.traced_in = x
+            shared.traced_out = y.split([w.shape[0] for w in weights], dim=-1)
+        y = shared.traced_out[self.siblings.index(self)]
+        if self is self.siblings[-1]:
+            shared.traced_in = shared.traced_out = None
+        return y if self.bias is None else y + self.bias
 
     def _entered(self, x: torch.Tensor) -> torch.Tensor:
         """``copy_to_region(x)`` once for the siblings that read one input (q/k/v; gate/up):

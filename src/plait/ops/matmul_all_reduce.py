@@ -50,7 +50,7 @@ from ..transport.calls import Carried
 from .library import compiling, define, group_key, group_of
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
-           "GEMV_ROWS", "traced_matmul_all_reduce"]
+           "GEMV_ROWS", "traced_matmul_all_reduce", "traced_column_matmul"]
 
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
 OP = "matmul_all_reduce"
@@ -397,13 +397,10 @@ def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chun
     backward's all-reduce starts without one; it includes whether x needs a gradient,
     so a rank whose x does not (and will skip that all-reduce) is refused everywhere.
     Under ``torch.no_grad()`` nothing crosses ranks: local checks only. Under
-    ``torch.compile``: the local GEMM after ``copy_to_region`` (its backward all-reduce a
-    registered op).
+    ``torch.compile``: the local GEMM, its backward's dgrad the registered fused op.
     """
     if compiling():
-        from .regions import copy_to_region
-
-        return copy_to_region(x, group) @ w
+        return traced_column_matmul(x, w, group, chunks)
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
     agreed = None
@@ -454,3 +451,53 @@ def traced_matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group, chunks) ->
     """``plait::matmul_all_reduce`` with its gradient, for traced code (``chunks`` an int or
     ``"auto"``)."""
     return _Traced.apply(x, w, group_key(group), 0 if chunks == "auto" else int(chunks))
+
+
+def _column_grads(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group: str, chunks: int
+                  ) -> list[torch.Tensor]:
+    """The op's kernel: eager ``column_parallel_matmul``'s backward, ``[dx, dw]``: the dgrad
+    ``Σ_ranks dy_r @ w_rᵀ`` fused (its check first), the weight's gradient ``xᵀ dy``
+    computed under its last pieces' all-reduce."""
+    g, auto = group_of(group), "auto" if chunks == 0 else chunks
+    ctx = get_context(g)
+    x2, dy2 = as_rows(x), as_rows(dy).contiguous()
+    row, problem = attempt(lambda: _dgrad_row(x2, w, auto, True))
+    metas = ctx.gather_meta(DGRAD, 7, row, problem)
+    _same_dgrad(metas)
+    decision, transposed = _decide(DGRAD, metas, dy.element_size(), auto, ctx)
+    grads = {}
+
+    def wgrad():
+        grads["dw"] = (x2.t() @ dy2).contiguous()
+    with torch.no_grad():
+        dx = _fused_forward(dy2, w.t(), g, decision, transposed, meanwhile=wgrad)
+    return [dx.reshape(x.shape).contiguous(), grads["dw"]]
+
+
+define("column_grads(Tensor x, Tensor w, Tensor dy, str group, int chunks) -> Tensor[]",
+       _column_grads, lambda x, w, dy, group, chunks: [x.new_empty(x.shape), w.new_empty(w.shape)])
+
+
+class _ColumnTraced(torch.autograd.Function):
+    """x replicated, w this rank's columns: ``x @ w`` locally; the backward is eager
+    plait's as one registered op (``plait::column_grads``): the dgrad fused, its pieces on
+    the wire as computed, the weight's gradient under the last of them."""
+
+    @staticmethod
+    def forward(ctx, x, w, group: str, chunks: int):
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.chunks = group, chunks
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dw = torch.ops.plait.column_grads(x, w, dy, ctx.group, ctx.chunks)
+        return dx, dw, None, None
+
+
+def traced_column_matmul(x: torch.Tensor, w: torch.Tensor, group, chunks) -> torch.Tensor:
+    """``x @ w`` with x replicated and w [K, N_r] this rank's columns, for traced code: the
+    backward's dgrad one registered fused ``matmul_all_reduce`` (``chunks`` an int or
+    ``"auto"``)."""
+    return _ColumnTraced.apply(x, w, group_key(group), 0 if chunks == "auto" else int(chunks))
