@@ -278,3 +278,18 @@ def _operators():
         out.append((loss.detach(), *[t.grad for t in inputs]))
     return max(float((p - q).abs().max()) for p, q in zip(*out))
 
+
+
+def test_constant_result_sets_the_mark_torch_compiler_sets():
+    """plait marks its constant-result helpers without importing torch._dynamo at import
+    (plait.ops.library.constant_result); the mark must stay the one torch's own sets."""
+    from plait.ops.library import constant_result
+
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+    torch.compiler.assume_constant_result(torchs)
+    constant_result(ours)
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}

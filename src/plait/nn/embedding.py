@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.agree import attempt, refused
-from ..ops.library import compiling, opaque, register_opaque
+from ..ops.library import compiling, constant_result, opaque, register_opaque
 from ..ops.embedding import embedding_all_to_all
 from ..ops.pieces import even_sizes
 from ..plan import ShardPlan
@@ -198,7 +198,7 @@ class ShardedEmbeddingBag(nn.Module):
                 f"mode={self.mode}, {'fused' if self.overlap else 'plain'}")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _opaque_key(layer: ShardedEmbeddingBag, sizes: tuple) -> str:
     """The key of ``layer``'s pooling and all-to-all at batch shares ``sizes`` as one
     registered op (``plait.ops.library.opaque``): its inputs are the owned tables' weights,

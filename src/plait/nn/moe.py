@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..ops.agree import attempt, raise_together
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
-from ..ops.library import compiling, opaque, register_opaque
+from ..ops.library import compiling, constant_result, opaque, register_opaque
 from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
@@ -205,7 +205,7 @@ class MoE(nn.Module):
                 f"{', replicated_input' if self.replicated_input else ''}")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _opaque_key(layer: MoE) -> str:
     """The key of ``layer``'s routing and dispatch as one registered op (plait.ops.library)."""
     ref = weakref.ref(layer)

@@ -38,12 +38,20 @@ from typing import Sequence
 import torch
 
 __all__ = ["group_key", "group_of", "compiling", "define", "register_opaque", "opaque",
-           "opaque_key"]
+           "opaque_key", "constant_result"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
 
 
-@torch.compiler.assume_constant_result
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo``
+    (0.9 s, which every ``import plait.ops`` and every ``plait --help`` would pay): the mark
+    that function sets (``tests/ops/test_compile.py`` checks it is still the same)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_result
 def group_key(group) -> str:
     """A string naming ``group`` (None: the default group) in a graph; the object itself is
     kept here for the op to find (a graph holds strings, not process groups)."""
@@ -101,7 +109,7 @@ def register_opaque(key: str, fn, like) -> str:
     return key
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def opaque_key(name: str, fn, like, *consts) -> str:
     """The key of ``fn(*tensors, *consts)`` as one opaque op (an operator called directly
     under compilation, its plain-Python arguments ``consts`` fixed in the graph: hashable

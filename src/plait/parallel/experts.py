@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
-from ..ops.library import compiling, opaque, register_opaque
+from ..ops.library import compiling, constant_result, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
 from ..ops.regions import (copy_to_region, gather_from_region, reduce_from_region,
@@ -170,7 +170,7 @@ class ExpertParallelExperts(nn.Module):
                 f"{'fused' if self.overlap else 'plain'}")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _opaque_key(layer: ExpertParallelExperts, part: str) -> str:
     """The key of ``layer``'s ``part`` ("dispatch": the experts between scatter and gather;
     "few": fewer tokens than ranks) as one registered op (``plait.ops.library``)."""
