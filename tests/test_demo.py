@@ -23,7 +23,7 @@ from plait.runtime.testing import run_ranks
 
 STEPS, SLOW_FROM, FACTOR = 8, 2, 3.0
 SEQ_LEN, BATCH = 16, 4
-TINY = ["--steps", str(STEPS), "--slow-from", str(SLOW_FROM), "--factor", f"{FACTOR:g}",
+TINY = ["--steps", str(STEPS), "--slow", f"1:{FACTOR:g}@{SLOW_FROM}",
         "--spike-steps", "5", "--n-embd", "64", "--n-head", "4", "--n-layer", "1",
         "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH)]
 # the virtual run: slow from step 4, 11 steps, to the balancer's first decision at step 10
@@ -189,11 +189,28 @@ def test_quick_is_a_preset_that_flags_override():
     assert demo_config(build_parser().parse_args(["demo"])) == DemoConfig()
 
 
+def test_slow_is_the_vocabulary_train_and_generate_take():
+    cfg = demo_config(build_parser().parse_args(["demo", "--ranks", "3", "--slow", "0:3@4"]))
+    assert (cfg.slow_rank, cfg.factor, cfg.slow_from, cfg.slowed(3)) == (0, 3.0, 4, 0)
+    default = demo_config(build_parser().parse_args(["demo", "--slow", "1:3"]))
+    assert (default.slowed(2), default.factor, default.slow_from) == (1, 3.0, 15)
+
+
 def test_demo_refuses_what_cannot_work(capsys):
-    with pytest.raises(ValueError, match="slow-from"):
+    with pytest.raises(ValueError, match="@7"):
         DemoConfig(steps=10, slow_from=7)  # no step left after the warm-up
     with pytest.raises(ValueError, match="factor"):
         DemoConfig(factor=1.0)
+    # the old flags, and a prefix of a flag, are refused (exit 2), not matched
+    for old in (["--slow-from", "5"], ["--factor", "3"], ["--slo", "1:2@5"]):
+        assert main(["demo", *old]) == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
+    assert main(["demo", "--slow", "1:0.5@5"]) == 2
+    assert "--slow factor must be at least 1" in capsys.readouterr().err
+    assert main(["demo", "--slow", "2:2@5"]) == 2  # 2 ranks: 0 and 1
+    assert "only 2 ranks" in capsys.readouterr().err
+    assert main(["demo", "--slow", "1:2@5-9"]) == 2
+    assert "to the end" in capsys.readouterr().err
     with pytest.raises(ValueError, match="chunks"):
         DemoConfig(chunks="two")
     assert main(["demo", "--loopback", "--ranks", "1"]) == 2

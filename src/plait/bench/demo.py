@@ -4,7 +4,8 @@ Every rank trains the same small GPT (same seed, same batches) four times in
 one launch: the plain baseline (unfused operators, even shards, what Megatron
 and PyTorch tensor parallelism do) and plait (fused operators, the ``semi``
 balancer), each once without a straggler (the reference for its ideal) and
-once with the last rank turning ``factor`` × slower at ``slow_from``. The end:
+once with rank ``slow_rank`` (default the last) turning ``factor`` × slower at
+``slow_from`` (``--slow RANK:FACTOR@FROM``, as ``train`` and ``generate`` take it). The end:
 a side-by-side table (median step time after the slowdown, tokens/s, ratio to
 the capacity-proportional ideal, held-out loss and accuracy) and a report
 folder with the step-time plot, the loss curves, the balancer's decisions and
@@ -47,8 +48,10 @@ QUICK_DEMO = dict(steps=20, slow_from=5, spike_steps=8, n_layer=1, n_embd=256, n
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     steps: int = field(default=60, metadata=_h("training steps per run"))
-    slow_from: int = field(default=15, metadata=_h("the step the last rank turns slow"))
-    factor: float = field(default=2.0, metadata=_h("how many times slower it turns"))
+    # --slow RANK:FACTOR@FROM sets these three (cli.demo); slow_rank None: the last rank
+    slow_from: int = 15
+    factor: float = 2.0
+    slow_rank: int | None = None
     n_layer: int = field(default=2, metadata=_h("transformer blocks"))
     n_head: int = field(default=16, metadata=_h("attention heads"))
     n_embd: int = field(default=512, metadata=_h("model width"))
@@ -72,14 +75,19 @@ class DemoConfig:
             raise ValueError(f"--steps must be at least {WARMUP_STEPS + 2} (a {WARMUP_STEPS}-step "
                              f"warm-up, then steps before and after the straggler), got {self.steps}")
         if not 0 < self.slow_from < self.steps - WARMUP_STEPS:
-            raise ValueError(f"--slow-from {self.slow_from} must be above 0 and leave steps after "
-                             f"its {WARMUP_STEPS}-step warm-up in --steps {self.steps} (at most "
-                             f"{self.steps - WARMUP_STEPS - 1})")
+            raise ValueError(f"--slow …@{self.slow_from}: the step the rank turns slow must be "
+                             f"above 0 and leave steps after its {WARMUP_STEPS}-step warm-up in "
+                             f"--steps {self.steps} (at most {self.steps - WARMUP_STEPS - 1})")
         if not self.factor > 1.0:
-            raise ValueError(f"--factor must be above 1 (a slower rank), got {self.factor}")
+            raise ValueError(f"--slow RANK:{self.factor:g}: the factor must be above 1 (a slower "
+                             "rank)")
         self.train_config(True).gpt_config(97)
         PolicyConfig(spike_steps=self.spike_steps, confirm_steps=self.confirm_steps)  # refuse early
 
+
+    def slowed(self, world: int) -> int:
+        """The rank that turns slow on ``world`` ranks."""
+        return world - 1 if self.slow_rank is None else self.slow_rank
     def train_config(self, overlap: bool) -> TrainConfig:
         return TrainConfig(model="gpt", steps=self.steps, batch_size=self.batch_size, lr=self.lr,
                            seq_len=self.seq_len, n_layer=self.n_layer, n_head=self.n_head,
@@ -100,7 +108,7 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     corpus = CharCorpus.load()
     report = rank_context().report
-    slow = [SlowSpec(rank=world - 1, factor=cfg.factor, from_step=cfg.slow_from)]
+    slow = [SlowSpec(rank=cfg.slowed(world), factor=cfg.factor, from_step=cfg.slow_from)]
     runs = []
     for system, (overlap, policy) in SYSTEMS.items():
         for scenario, specs in (("none", []), ("slow", slow)):

@@ -62,7 +62,7 @@ def _decision_marks(decisions: list[dict], world: int) -> list[tuple[int, str, s
     marks = []
     for d in widest.values():
         if d["kind"] == "resize" and d.get("fractions"):
-            what = f"rank {world - 1} keeps {d['fractions'][-1]:.0%} of its work"
+            what = f"rank {cfg.slowed(world)} keeps {d['fractions'][-1]:.0%} of its work"
         elif d["kind"] == "migrate":
             what = f"{d['dim']} split {d['sizes']}"
         else:
@@ -82,7 +82,7 @@ def _marks(ax, cfg: DemoConfig, marks: list, world: int, *, label: bool) -> None
         f"warm-up (steps 0–{WARMUP_STEPS - 1}): out of the medians and the y scale"
         if label else None))
     ax.axvline(cfg.slow_from, color="k", lw=1.2, label=(
-        f"rank {world - 1} turns {cfg.factor:g}× slower (step {cfg.slow_from})" if label else None))
+        f"rank {cfg.slowed(world)} turns {cfg.factor:g}× slower (step {cfg.slow_from})" if label else None))
     texts = [(cfg.slow_from, f"{cfg.factor:g}× slower", "k")]
     for step, kind, text in marks:
         # a colour of their own: in plait's blue a migration read as plait's step-time line
@@ -134,7 +134,7 @@ def _plot_steps(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: 
                  f"plait {plait['t_step_s'] * 1e3:.0f} ms ({plait['speedup_vs_plain']:.2f}× "
                  "the plain way's speed)", fontsize=10)
     _plot_compute(bx, records, cfg, marks, world)
-    fig.suptitle(f"plait demo: GPT {cfg.n_layer}×{cfg.n_embd} on {world} ranks, rank {world - 1} "
+    fig.suptitle(f"plait demo: GPT {cfg.n_layer}×{cfg.n_embd} on {world} ranks, rank {cfg.slowed(world)} "
                  f"{cfg.factor:g}× slower from step {cfg.slow_from}\n{where}", fontsize=10)
     fig.tight_layout()
     fig.savefig(folder / "step_time.png", dpi=110, bbox_inches="tight")
@@ -147,11 +147,11 @@ def _plot_compute(bx, records: list[dict], cfg: DemoConfig, marks: list, world: 
 
     slow = [r for r in records if r["scenario"] == "slow"]
     series = {(r["system"], rank): [t * 1e3 for t in r["rank_compute_s"][rank]]
-              for r in slow for rank in (0, world - 1)}
+              for r in slow for rank in (1 if cfg.slowed(world) == 0 else 0, cfg.slowed(world))}
     top = _top(list(series.values()))
     _marks(bx, cfg, marks, world, label=False)
     for (system, rank), ms in series.items():
-        straggler = rank == world - 1
+        straggler = rank == cfg.slowed(world)
         _curve(bx, ms, top, {}, note=False, color=_COLORS[system], ls="-" if straggler else "--",
                lw=1.6 if straggler else 1.0,
                label=f"{system}: rank {rank}" + (" (the straggler)" if straggler else ""))
@@ -160,7 +160,7 @@ def _plot_compute(bx, records: list[dict], cfg: DemoConfig, marks: list, world: 
     bx.set_xlabel("step")
     bx.set_ylabel("compute (ms per step)")
     bx.set_title("each rank's compute per step, with the straggler: even shards leave rank "
-                 f"{world - 1} {cfg.factor:g}× behind; plait evens it out", fontsize=9)
+                 f"{cfg.slowed(world)} {cfg.factor:g}× behind; plait evens it out", fontsize=9)
     bx.grid(alpha=0.3)
     bx.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
@@ -171,7 +171,7 @@ def _plot_loss(records: list[dict], cfg: DemoConfig, folder: Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.6))
     world = records[0]["world_size"]
     ax.axvline(cfg.slow_from, color="k", lw=1.2,
-               label=f"rank {world - 1} turns {cfg.factor:g}× slower (step {cfg.slow_from})")
+               label=f"rank {cfg.slowed(world)} turns {cfg.factor:g}× slower (step {cfg.slow_from})")
     for i, r in enumerate(records):
         slow = r["scenario"] == "slow"
         name = f"{r['system']}, {'with the straggler' if slow else 'no straggler'}"
@@ -252,7 +252,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}pre{{background:#
 </head><body><h1>plait demo</h1>
 <p>A {cfg.n_layer}-block GPT (width {cfg.n_embd}, {cfg.n_head} heads) trained with tensor
 parallelism on {rows[0]['world_size']} ranks ({html.escape(where)}); from step {cfg.slow_from}
-the last rank computes {cfg.factor:g}× slower. Step times are medians from step
+rank {cfg.slowed(rows[0]['world_size'])} computes {cfg.factor:g}× slower. Step times are medians from step
 {cfg.slow_from + WARMUP_STEPS} on (the straggler's first {WARMUP_STEPS} steps, while the balancer
 confirms it, left out), each step the slowest rank's; without the straggler, from step
 {WARMUP_STEPS}. The ideal spreads the tensor-parallel compute in proportion to the ranks'

@@ -10,6 +10,7 @@ from ..bench.report import console, print_table, progress_bar
 from ..bench.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
 from ..bench.demo_report import busy_note, write_demo_report
 from .args import add_dataclass_args, dataclass_from_args
+from ..runtime.straggler import parse_slow, validate_slow
 from .common import add_launch_args, check_writable, resolve_placement
 
 __all__ = ["register", "demo_config", "demo_placement"]
@@ -36,6 +37,10 @@ def register(subparsers) -> None:
                              + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK_DEMO.items())
                              + " (flags given override these)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--slow", dest="demo_slow", metavar="RANK:FACTOR@FROM", default=None,
+                        help="rank RANK turns FACTOR× slower from step FROM to the end, as train "
+                             "and generate take it (default: the last rank, 2× from step 15; "
+                             f"--quick: from step {QUICK_DEMO['slow_from']})")
     add_dataclass_args(parser, DemoConfig)
     parser.set_defaults(func=run)
 
@@ -58,14 +63,25 @@ def demo_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
     return resolve_placement(args)
 
 
-def demo_config(args: argparse.Namespace) -> DemoConfig:
-    """The flags given, then the --quick preset where asked, then the defaults."""
+def demo_config(args: argparse.Namespace, ranks: int | None = None) -> DemoConfig:
+    """The flags given, then the --quick preset where asked, then the defaults. ``--slow``
+    sets the slowed rank, its factor and its first step (one slowdown, to the end)."""
+    text = getattr(args, "demo_slow", None)
+    if text:
+        spec = parse_slow(text)
+        if spec.until_step is not None:
+            raise ValueError(f"--slow {text}: the demo's rank stays slow to the end "
+                             "(write RANK:FACTOR@FROM, no -UNTIL)")
+        validate_slow([spec], ranks or args.ranks or args.default_ranks)
+        args.slow_rank, args.factor = spec.rank, spec.factor
+        if "@" in text:
+            args.slow_from = spec.from_step
     return dataclass_from_args(DemoConfig, args, defaults=QUICK_DEMO if args.quick else None)
 
 
 def run(args: argparse.Namespace) -> int:
     ranks, hosts, link = demo_placement(args)
-    cfg = demo_config(args)
+    cfg = demo_config(args, ranks)
     check_writable(cfg.out, "--out", directory=True)  # before the runs, not after them
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
@@ -77,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     console.print(f"[dim]{where}[/dim]")
     rows = summarize_demo(records, cfg)
-    print_table(f"GPT {cfg.n_layer}×{cfg.n_embd} on {ranks} ranks; rank {ranks - 1} "
+    print_table(f"GPT {cfg.n_layer}×{cfg.n_embd} on {ranks} ranks; rank {cfg.slowed(ranks)} "
                 f"{cfg.factor:g}× slower from step {cfg.slow_from}",
                 ["system", "path, policy", "step (ms)", "no straggler", "ideal", "× ideal",
                  "tokens/s", "held-out loss", "held-out acc"],

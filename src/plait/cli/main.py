@@ -18,11 +18,12 @@ __all__ = ["main", "build_parser", "package_version"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose refusals are one line (its usage block is one ``--help`` away), and
-    whose every command takes ``--debug`` and ``-v`` before or after its name (set only
+    """argparse whose refusals are one line (its usage block is one ``--help`` away), which
+    matches no flag by a prefix of it (``allow_abbrev=False``), and whose every command takes ``--debug`` and ``-v`` before or after its name (set only
     where given, so one given before the command's name stands)."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a prefix of a flag is no flag
         super().__init__(*args, **kwargs)
         self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="plait's debug logging")
