@@ -54,7 +54,7 @@ def test_requests_in_turn_with_the_split_by_speed_decode_one_process_tokens(tmp_
 
 @pytest.mark.parametrize("flags, says", [
     (["--prompt-file", "/nonexistent/prompts"], "--prompt-file /nonexistent/prompts: no such file"),
-    (["--model", "gpt-9"], "--model gpt-9: neither a model plait builds"),
+    (["--model", "gpt-9"], "--model gpt-9: no such file or directory (a model plait builds"),
     (["--max-new-tokens", "600"], "need 604 positions; the model has 512"),
     (["--prompt-ids", "1 x 3"], "'x' is not a token id"),
     (["--prompt-ids", "1 2000"], "token ids [2000] are outside the vocabulary"),
@@ -92,6 +92,34 @@ def test_a_bad_setting_in_the_environment_is_refused_before_any_rank(name, value
     assert main(["generate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_checkpoint_that_cannot_decode_is_refused_before_any_rank(tmp_path, capsys,
+                                                                      monkeypatch):
+    """What the files decide (weights missing or truncated, more ranks than the checkpoint's
+    query heads) is refused in the launcher: one line, exit 2, no rank started."""
+    import plait.cli.generate as cli
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(cli, "run_placed", lambda *a, **k: pytest.fail("ranks started"))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32)
+    whole, bare, cut = (tmp_path / name for name in ("whole", "bare", "cut"))
+    LlamaForCausalLM(config).save_pretrained(whole)
+    config.save_pretrained(bare)  # a config, no weights
+    LlamaForCausalLM(config).save_pretrained(cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    capsys.readouterr()  # save_pretrained's progress bars
+    for folder, flags, says in (
+            (bare, [], "no model.safetensors or model.safetensors.index.json in it"),
+            (cut, [], "model.safetensors: truncated or not a safetensors file"),
+            (whole, ["--ranks", "5"], "--ranks 5: 4 query heads cannot give each of 5 ranks a "
+                                      "whole head (the model has 4 query heads over 2 KV heads)")):
+        assert main(["generate", "--model", str(folder), "--prompt-ids", "1 2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
 
 
 def test_prompt_files_and_configs_are_read_as_documented(tmp_path):

@@ -57,8 +57,8 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         prompts = read_prompts(args.prompt_ids, args.prompt_file)
     cfg = GenerateConfig(**{**cfg.__dict__, "prompts": prompts})
-    cfg.check()  # before any rank starts
     ranks, hosts, link = resolve_placement(args)
+    cfg.check(ranks)  # before any rank starts
     cfg.check_slow(getattr(args, "slow_specs", ()))
     args.plot = None
     check_outputs(args, "json")

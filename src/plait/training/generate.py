@@ -65,9 +65,17 @@ class GenerateConfig:
     extra: dict = field(default_factory=dict, metadata={"help": None})
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS and not Path(self.model).is_dir():
-            raise ValueError(f"--model {self.model}: neither a model plait builds "
-                             f"({', '.join(MODELS)}) nor a checkpoint directory")
+        if self.model not in MODELS:
+            folder = Path(self.model)
+            if not folder.exists():
+                raise ValueError(f"--model {self.model}: no such file or directory (a model "
+                                 f"plait builds is one of {', '.join(MODELS)})")
+            if not folder.is_dir():
+                raise ValueError(f"--model {self.model}: a file, not a checkpoint directory "
+                                 "(what save_pretrained writes)")
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"--model {self.model}: no config.json in it (not a "
+                                 "save_pretrained directory)")
         for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size",
                      "max_positions", "max_new_tokens"):
             if getattr(self, name) < 1:
@@ -106,21 +114,52 @@ class GenerateConfig:
                     "--requests each makes one a prompt)")
         once_per_rank(specs)
 
-    def limits(self) -> tuple[int, int]:
-        """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
+    def _check_heads(self, ranks: int) -> None:
+        """Every rank needs a whole query head (KV heads are copied into sub-groups where
+        the ranks outnumber them: :func:`plait.parallel.dims.head_split`)."""
+        from ..parallel.dims import head_split
+
         if self.model in MODELS:
-            return self.vocab_size, self.max_positions
+            n_q, n_kv = self.n_head, self.n_kv_head
+        else:
+            text = self._config()
+            n_q = getattr(text, "num_attention_heads", None)
+            n_kv = getattr(text, "num_key_value_heads", None) or n_q
+            if not n_q:
+                return
+        try:
+            head_split(n_q, n_kv, ranks)
+        except ValueError as err:
+            raise ValueError(f"--ranks {ranks}: {err} (the model has {n_q} query heads over "
+                             f"{n_kv} KV heads)") from None
+
+    def _config(self):
+        """A checkpoint's config (its text model's), read from config.json."""
         from transformers import AutoConfig
 
         try:
             config = AutoConfig.from_pretrained(self.model, local_files_only=True)
         except (OSError, ValueError) as err:
             raise ValueError(f"--model {self.model}: {str(err).splitlines()[0]}") from None
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def limits(self) -> tuple[int, int]:
+        """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
+        if self.model in MODELS:
+            return self.vocab_size, self.max_positions
+        text = self._config()
         return text.vocab_size, getattr(text, "max_position_embeddings", 1 << 30)
 
-    def check(self) -> None:
-        """Refuse, in one line, what the model cannot decode."""
+    def check(self, ranks: int | None = None) -> None:
+        """Refuse, in one line, what the model cannot decode, before any rank starts: its
+        sizes against the prompts, its heads against ``ranks``, a checkpoint's weight files
+        (missing, truncated, not the index's)."""
+        if ranks is not None:
+            self._check_heads(ranks)
+        if self.model not in MODELS:
+            from ..checkpoint.sources import SafetensorsDir
+
+            SafetensorsDir(self.model)  # a CheckpointFileError (a ValueError) naming the file
         vocab, positions = self.limits()
         longest = max(len(p) for p in self.prompts)
         if longest + self.max_new_tokens > positions:
