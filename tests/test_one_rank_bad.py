@@ -458,12 +458,13 @@ def test_even_sizes_cover_the_total_with_empty_shares_last(total, world):
 
 
 def test_refusals_name_dtypes_and_auto_and_one_piece():
-    from plait.ops.agree import check_same
+    from plait.ops.agree import check_same, dtype_code
     from plait.ops.context import Decision
 
+    f32, f16 = dtype_code(torch.float32), dtype_code(torch.float16)
     with pytest.raises(ValueError, match=r"op: ranks disagree on \(dtype, chunks\): rank 0 has "
                                          r"\(torch.float32, 'auto'\), rank 2 has \(torch.float16, 2\)"):
-        check_same("op", ("dtype", "M", "chunks"), [(0, 4, 0), (0, 4, 0), (3, 4, 2)])
-    check_same("op", ("dtype", "M"), [(0, 4), (0, 4)])
+        check_same("op", ("dtype", "M", "chunks"), [(f32, 4, 0), (f32, 4, 0), (f16, 4, 2)])
+    check_same("op", ("dtype", "M"), [(f32, 4), (f32, 4)])
     assert "(1 piece)" in Decision("op", "fallback", 1, "why").line()
     assert "(3 pieces)" in Decision("op", "fused", 3, "why").line()
