@@ -11,6 +11,7 @@ both are exact: on a shared 2-core machine a step time swings by half its size.
 import html
 import io
 import json
+import os
 import statistics
 import sys
 
@@ -216,3 +217,22 @@ def test_demo_refuses_what_cannot_work(capsys):
     assert main(["demo", "--loopback", "--ranks", "1"]) == 2
     assert "at least 2 ranks" in capsys.readouterr().err
     assert main(["bench", "hetero", "--scenarios", "slow"]) == 2
+
+
+def test_the_report_names_the_rank_that_turned_slow():
+    from plait.bench.demo_report import _decision_marks
+
+    resize = {"step": 7, "kind": "resize", "dim": "mlp", "sizes": [3, 1],
+              "fractions": [0.4, 1.0]}
+    for slowed, share in ((0, "40%"), (1, "100%")):
+        (step, kind, label), = _decision_marks([resize], slowed)
+        assert (step, kind) == (7, "resize") and f"rank {slowed} keeps {share}" in label, label
+
+
+def test_the_busy_note_reads_what_other_programs_take_now():
+    from plait.bench.demo_report import busy_note, cores_busy
+
+    busy = cores_busy(0.05)
+    assert busy is not None and 0 <= busy <= os.cpu_count() + 1e-9
+    assert busy_note(None, 2) is None and busy_note(0.9, 2) is None
+    assert "1.5 of this machine's 2 cores busy" in busy_note(1.5, 2)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import html
 import json
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 from .demo import WARMUP_STEPS, DemoConfig
 
-__all__ = ["write_demo_report", "busy_note"]
+__all__ = ["write_demo_report", "busy_note", "cores_busy"]
 
 _COLORS = {"plain": "tab:red", "plait": "tab:blue"}
 _DECISION = {"resize": ("--", "resizes"), "migrate": ("-", "migrates"), "undo": (":", "undoes")}
@@ -51,9 +52,9 @@ def _curve(ax, values: list[float], top: float, clipped: dict, *, note: bool,
                             va="top", ha="right" if left else "left")
 
 
-def _decision_marks(decisions: list[dict], world: int) -> list[tuple[int, str, str]]:
+def _decision_marks(decisions: list[dict], slowed: int) -> list[tuple[int, str, str]]:
     """(step, kind, legend label) per step at which the balancer acted, one per kind (an
-    action lands on every sharded dim at once)."""
+    action lands on every sharded dim at once); ``slowed``: the rank that turned slow."""
     widest: dict = {}  # (step, kind) → the decision on the widest dim, the one to name
     for d in decisions:
         key = (d["step"], d["kind"])
@@ -62,7 +63,7 @@ def _decision_marks(decisions: list[dict], world: int) -> list[tuple[int, str, s
     marks = []
     for d in widest.values():
         if d["kind"] == "resize" and d.get("fractions"):
-            what = f"rank {cfg.slowed(world)} keeps {d['fractions'][-1]:.0%} of its work"
+            what = f"rank {slowed} keeps {d['fractions'][slowed]:.0%} of its work"
         elif d["kind"] == "migrate":
             what = f"{d['dim']} split {d['sizes']}"
         else:
@@ -101,7 +102,7 @@ def _plot_steps(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: 
                 plt) -> None:
     world = records[0]["world_size"]
     slow_plait = next(r for r in records if r["system"] == "plait" and r["scenario"] == "slow")
-    marks = _decision_marks(slow_plait["decisions"], world)
+    marks = _decision_marks(slow_plait["decisions"], cfg.slowed(world))
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 2]})
     times = {(r["system"], r["scenario"]): [t * 1e3 for t in r["times"]] for r in records}
@@ -204,32 +205,52 @@ def _plot(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: Path,
     return ["step_time.png", "loss.png"]
 
 
-def busy_note(load: float | None, cores: int) -> str | None:
-    """A line for a machine that was busy before the demo started (1-minute load average
-    above half its cores): its step times swing with the other programs."""
-    if load is None or load <= cores / 2:
+def cores_busy(seconds: float = 0.5) -> float | None:
+    """How many cores other programs keep busy now: the non-idle share of ``/proc/stat``'s
+    CPU time over ``seconds``, times the cores (None where there is no /proc/stat). Not the
+    1-minute load average, which a minute after set-up or a previous run still counts them."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
         return None
-    return (f"this machine was busy when the demo started (load average {load:.1f} on {cores} "
-            "cores): step times swing with the other programs; each rank's compute (the "
-            "lower plot) does not")
+    spent = total1 - total0
+    return None if spent <= 0 else (1 - (idle1 - idle0) / spent) * (os.cpu_count() or 1)
+
+
+def busy_note(busy: float | None, cores: int) -> str | None:
+    """A line for a machine whose other programs kept over half its cores busy when the
+    demo started (:func:`cores_busy`): its step times swing with them."""
+    if busy is None or busy <= cores / 2:
+        return None
+    return (f"other programs kept {busy:.1f} of this machine's {cores} cores busy when the demo "
+            "started: step times swing with them; each rank's compute (the lower plot) does not")
 
 
 def write_demo_report(records: list[dict], rows: list[dict], cfg: DemoConfig, where: str,
-                      wall_s: float, *, load: float | None = None) -> Path:
+                      wall_s: float, *, load: float | None = None,
+                      busy: float | None = None) -> Path:
     """The report folder: demo.json, the plots, decisions.log and index.html; ``load``: the
-    machine's load average before the demo started."""
+    machine's 1-minute load average before the demo started, ``busy``: the cores other
+    programs kept busy then (:func:`cores_busy`)."""
     folder = Path(cfg.out)
     folder.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     (folder / "demo.json").write_text(json.dumps(
-        {"where": where, "wall_s": wall_s, "load_before": load, "cores": cores,
+        {"where": where, "wall_s": wall_s, "load_before": load, "busy_before": busy,
+         "cores": cores,
          "config": asdict(cfg), "summary": rows, "runs": records}, indent=1))
     plots = _plot(records, cfg, rows, folder, where)
     lines = [f"step {d['step']:>3} {d['dim']}: {d['kind']} {d['reason']}"
              for r in records if r["system"] == "plait" and r["scenario"] == "slow"
              for d in r["decisions"]]
     (folder / "decisions.log").write_text("\n".join(lines) + "\n")
-    page = _page(rows, cfg, where, wall_s, busy_note(load, cores), plots, lines)
+    page = _page(rows, cfg, where, wall_s, busy_note(busy, cores), plots, lines)
     (folder / "index.html").write_text(page)
     return folder
 

@@ -8,7 +8,7 @@ import time
 
 from ..bench.report import console, print_table, progress_bar
 from ..bench.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
-from ..bench.demo_report import busy_note, write_demo_report
+from ..bench.demo_report import busy_note, cores_busy, write_demo_report
 from .args import add_dataclass_args, dataclass_from_args
 from ..runtime.straggler import parse_slow, validate_slow
 from .common import add_launch_args, check_writable, resolve_placement
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = demo_config(args, ranks)
     check_writable(cfg.out, "--out", directory=True)  # before the runs, not after them
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    busy = cores_busy()
     start = time.perf_counter()
     with progress_bar("plait demo", 4 * cfg.steps, enabled=not args.no_progress) as advance:
         records, where = demo(cfg, ranks=ranks, hosts=hosts, link=link, timeout_s=args.timeout,
@@ -104,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{100 * r['heldout_acc']:.1f} %"] for r in rows],
                 caption=f"medians from step {cfg.slow_from + WARMUP_STEPS}, each step the slowest "
                         f"rank's; plait {rows[1]['speedup_vs_plain']:.2f}× the plain way")
-    busy = busy_note(load, os.cpu_count() or 1)
-    if busy:
-        console.print(f"[yellow]{busy}[/yellow]")
-    folder = write_demo_report(records, rows, cfg, where, wall, load=load)
+    note = busy_note(busy, os.cpu_count() or 1)
+    if note:
+        console.print(f"[yellow]{note}[/yellow]")
+    folder = write_demo_report(records, rows, cfg, where, wall, load=load, busy=busy)
     console.print(f"report: {folder}/index.html ({wall:.0f} s)")
     return 0
