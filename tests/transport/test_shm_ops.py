@@ -223,7 +223,10 @@ def _applied() -> list[str]:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    return plait.parallel.applied(plait.parallelize(model, {"0": "colwise", "2": "rowwise"}))
+    notes = plait.parallel.applied(plait.parallelize(model, {"0": "colwise", "2": "rowwise"}))
+    assert str(notes) == "\n".join(notes)  # printed: a line each
+    assert str(plait.parallel.applied(model[1])) == "not made parallel by plait.parallelize"
+    return list(notes)
 
 
 @pytest.mark.parametrize("asked", ["auto", "shm", "gloo"])

@@ -535,12 +535,20 @@ class _Mover:
                          "Replicate() → Shard(d))")
 
 
-def applied(model: nn.Module) -> list[str]:
+class Applied(list):
+    """``applied``'s lines: a list, printed as text, a line each."""
+
+    def __str__(self) -> str:
+        return "\n".join(self) if self else "not made parallel by plait.parallelize"
+
+
+def applied(model: nn.Module) -> Applied:
     """What ``parallelize`` did to ``model``: its one-line summary, then each note (which
     path runs fused or plain and why, siblings sharing an all-reduce, uneven splits), as
-    logged on rank 0; empty for a model ``parallelize`` never saw."""
+    logged on rank 0; empty for a model ``parallelize`` never saw. ``print`` shows it a
+    line each."""
     line = getattr(model, "_plait_parallel", None)
-    return [line, *getattr(model, "_plait_notes", ())] if line else []
+    return Applied([line, *getattr(model, "_plait_notes", ())] if line else [])
 
 
 def _grouped(notes: list[tuple[str, str]]) -> list[str]:
