@@ -100,3 +100,15 @@ def test_mixed_generations_are_assigned_per_node():
     per_node = nominal.reshape(8, 8)
     assert np.all(per_node.min(1) == per_node.max(1))  # one generation per node
     assert (per_node[:, 0] < 1).sum() == 2  # a quarter of 8 nodes
+
+
+def test_the_cli_says_why_every_policy_reads_the_same(capsys):
+    """On a cluster whose ranks all run at one speed no policy moves work: simulate says so
+    under its table; where speeds differ (h100-flaky: transient slowdowns) it does not."""
+    from plait.cli.main import main
+
+    said = "every policy gives the same step"
+    assert main(["simulate", "--cluster", "dgx-h100", "--model", "gpt-small"]) == 0
+    assert said in capsys.readouterr().out
+    assert main(["simulate", "--cluster", "h100-flaky", "--model", "gpt-small"]) == 0
+    assert said not in capsys.readouterr().out

@@ -190,6 +190,13 @@ def _simulate(args, console) -> int:
                   f"{v.mfu:.1%}"] for v in res.variants], labels=2, to=console)
     console.print("comm = exposed communication, wait = waiting for slower peers (shares of the "
                   "step); skip = work dropped by resizing", soft_wrap=True, highlight=False)
+    if len(cfg.policies) > 1 and all(
+            len({round(v.step_s, 12) for v in res.variants if v.fused == fused}) == 1
+            for fused in (False, True)):
+        console.print("every policy gives the same step: this cluster's ranks all run at one "
+                      "speed (no jitter, no slowdowns, one GPU generation), so no policy moves "
+                      "work; a cluster whose speeds differ (--config: cluster.speeds) compares "
+                      "them", soft_wrap=True, highlight=False)
     records = [{k: (float(x) if isinstance(x, float) else x) for k, x in dataclasses.asdict(v).items()}
                for v in res.variants]
     if args.json:
