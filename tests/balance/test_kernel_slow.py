@@ -4,7 +4,7 @@ its host's CPU budget ÷ ``F`` (cgroup cpu quota) for that step, and the speed m
 The real run is judged by the kernel's own accounting (the budget read back from the cgroup,
 the bound it puts on the step's CPU time over its wall time), not by wall-time ratios: on the
 shared 2-core machine a loop's wall time moved 0.5-2x between rounds at a full budget
-(tests/test_cgroup.py). The monitor's clocks on a budgeted host are checked against fake
+(tests/runtime/test_cgroup.py). The monitor's clocks on a budgeted host are checked against fake
 clocks (what it reads, in which order); how closely it follows a real throttled host is
 ``plait bench hetero --slow-by kernel``'s to measure.
 """

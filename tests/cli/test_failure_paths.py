@@ -119,7 +119,7 @@ def _rows(root: Path) -> dict[str, dict]:
             "status-final": dict(argv=["cluster", "status"], after=["clean"]),
         }
         # what a launch SIGKILLed (or OOM-killed) leaves in its TMPDIR, made by a pid above
-        # the kernel's limit (2^22): never running (tests/test_cluster.py kills a real one)
+        # the kernel's limit (2^22): never running (tests/runtime/test_cluster.py kills a real one)
         (story / f"{LAUNCH_DIR_PREFIX}{DEAD_PID}-abc").mkdir()
     for name, row in rows.items():
         folder = root / name

@@ -1,4 +1,4 @@
-"""tests/test_one_rank_bad.py on shared memory: one rank handed a different ``chunks``
+"""tests/ops/test_one_rank_bad.py on shared memory: one rank handed a different ``chunks``
 (``'auto'`` against an integer included), shape, dtype or ``requires_grad`` makes every
 rank raise an error naming it within seconds, and the group goes on; on shared memory the
 check rides in the header of the call that carries the data (a matmul_all_reduce at
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
 import test_one_rank_bad as cases  # noqa: E402
 
 

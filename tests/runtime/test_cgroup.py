@@ -1,6 +1,6 @@
 """Slow hosts made by the kernel: a CPU budget per emulated host (cgroup cpu controller).
 
-The figures these tests print (``pytest tests/test_cgroup.py -s``) are the ones docs/cluster.md
+The figures these tests print (``pytest tests/runtime/test_cgroup.py -s``) are the ones docs/cluster.md
 quotes: the slowdown of a host at half a core, and the spread of 4 ranks on 2 cores.
 """
 
@@ -25,7 +25,7 @@ from plait.runtime.leftovers import remove_leftovers
 
 from conftest import budgets_here, needs_netns
 
-sys.path.insert(0, str(Path(__file__).parent / "cli"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))
 from forkrun import run_plait  # noqa: E402
 
 HERE = cpu_controller()
