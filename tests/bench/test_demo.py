@@ -205,7 +205,9 @@ def test_demo_refuses_what_cannot_work(capsys):
     # the old flags, and a prefix of a flag, are refused (exit 2), not matched
     for old in (["--slow-from", "5"], ["--factor", "3"], ["--slo", "1:2@5"]):
         assert main(["demo", *old]) == 2
-        assert "unrecognized arguments" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "unrecognized arguments" in err and "(see: plait demo --help)" in err, err
+        assert ("did you mean --slow?" in err) == (old[0] != "--factor"), err
     assert main(["demo", "--slow", "1:0.5@5"]) == 2
     assert "--slow factor must be at least 1" in capsys.readouterr().err
     assert main(["demo", "--slow", "2:2@5"]) == 2  # 2 ranks: 0 and 1

@@ -113,8 +113,9 @@ def test_a_checkpoint_that_cannot_decode_is_refused_before_any_rank(tmp_path, ca
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     capsys.readouterr()  # save_pretrained's progress bars
     for folder, flags, says in (
-            (bare, [], "no model.safetensors or model.safetensors.index.json in it"),
-            (cut, [], "model.safetensors: truncated or not a safetensors file"),
+            (bare, [], f"--model {bare}: no model.safetensors or model.safetensors.index.json "
+                       "in it"),
+            (cut, [], f"--model {cut}: model.safetensors: truncated or not a safetensors file"),
             (whole, ["--ranks", "5"], "--ranks 5: 4 query heads cannot give each of 5 ranks a "
                                       "whole head (the model has 4 query heads over 2 KV heads)")):
         assert main(["generate", "--model", str(folder), "--prompt-ids", "1 2", *flags]) == 2

@@ -41,7 +41,14 @@ def load_shards(model: nn.Module, source, *, strict: bool = True) -> dict:
     """Copy this rank's pieces of every tensor of ``model.state_dict()`` from ``source``: a
     transformers checkpoint directory (``save_pretrained``), a full ``state_dict``, or a
     source object. ``strict``: a checkpoint tensor the model does not hold is an error too.
-    Returns ``{"read_bytes", "tensors", "files"}``: what this rank read."""
+    Returns ``{"read_bytes", "tensors", "files"}``: what this rank read. A model still on
+    the meta device is refused (its tensors hold no memory to copy into): call
+    :func:`~plait.checkpoint.pretrained.materialize` first."""
+    on_meta = next((name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta),
+                   None)
+    if on_meta is not None:
+        raise ValueError(f"load_shards: {on_meta} is on the meta device (no memory to load "
+                         "into); call plait.checkpoint.materialize(model, 'cpu') first")
     store = _store(source)
     sources = named_sources(model, store) if isinstance(store, SafetensorsDir) else \
         {name: store.leaf(name) for name in store.keys()}

@@ -23,7 +23,7 @@ def register(subparsers) -> None:
                     "where one cannot be made) while the last rank turns slow part-way, under the "
                     "plain baseline (unfused, even shards) and under plait (fused, semi "
                     "balancer); a table at the end and a report folder with plots and an HTML page. "
-                    "--quick: a smaller model and fewer steps, about a minute.")
+                    "--quick: a smaller model and fewer steps, about 20 s.")
     add_launch_args(parser, ranks=2)
     hosts = next(a for a in parser._actions if a.dest == "hosts")
     hosts.default = None  # the demo's default is a cluster; an explicit --hosts 0 is loopback
@@ -33,8 +33,8 @@ def register(subparsers) -> None:
                         help="no emulated cluster: every rank on this machine's loopback interface "
                              "(not with --hosts N or --link)")
     parser.add_argument("--quick", action="store_true",
-                        help="a first look in about a minute: "
-                             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK_DEMO.items())
+                        help="a first look in about 20 s: "
+                             + ", ".join(_flag(k, v) for k, v in QUICK_DEMO.items())
                              + " (flags given override these)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--slow", dest="demo_slow", metavar="RANK:FACTOR@FROM", default=None,
@@ -43,6 +43,11 @@ def register(subparsers) -> None:
                              f"--quick: from step {QUICK_DEMO['slow_from']})")
     add_dataclass_args(parser, DemoConfig)
     parser.set_defaults(func=run)
+
+
+def _flag(key: str, value) -> str:
+    """A --quick preset entry as the flag that sets it (the slowdown's step is --slow's)."""
+    return f"--slow …@{value}" if key == "slow_from" else f"--{key.replace('_', '-')} {value}"
 
 
 def demo_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:

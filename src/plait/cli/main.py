@@ -8,6 +8,7 @@ PLAIT_DEBUG=1) adds the full traceback, and for a failed rank the traceback on t
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # a prefix of a flag is no flag
         super().__init__(*args, **kwargs)
+        self.set_defaults(_parser=self)  # the innermost command's parser: its refusals
         self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="plait's debug logging")
         self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -34,6 +36,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"plait: error: {message} (see: {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown flag is refused by the command it was given to
+        (``see: plait demo --help``), with the nearest flag it has where one is near."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = getattr(parsed, "_parser", self)
+            flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            near = difflib.get_close_matches(extra[0].split("=")[0], flags, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near and extra[0].startswith("-") else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return parsed
 
 
 class Stopped(BaseException):

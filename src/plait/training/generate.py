@@ -157,9 +157,13 @@ class GenerateConfig:
         if ranks is not None:
             self._check_heads(ranks)
         if self.model not in MODELS:
-            from ..checkpoint.sources import SafetensorsDir
+            from ..checkpoint.sources import CheckpointFileError, SafetensorsDir
 
-            SafetensorsDir(self.model)  # a CheckpointFileError (a ValueError) naming the file
+            try:
+                SafetensorsDir(self.model)
+            except CheckpointFileError as err:  # named by the flag, the file by its name
+                where = str(err).removeprefix(str(Path(self.model))).lstrip("/: ")
+                raise ValueError(f"--model {self.model}: {where}") from None
         vocab, positions = self.limits()
         longest = max(len(p) for p in self.prompts)
         if longest + self.max_new_tokens > positions:
