@@ -2,7 +2,8 @@
 
 Tolerance: float64, outputs and every gradient (tokens, router, experts)
 within 1e-12. Even and uneven expert plans, uneven tokens per rank, fused
-(``chunks=2``) and plain; tokens distinct per rank, or replicated.
+(``chunks=2``) and plain; tokens distinct per rank, or replicated. The layer's routed load
+(``MoE.routed``, from its count exchange) is the single device's top-k counts, on every rank.
 """
 
 import pytest
@@ -51,7 +52,16 @@ def _case(plan, tokens, overlap, replicated, seed):
             _err(layer.w1.grad, ref.w1.grad[mine]), _err(layer.w2.grad, ref.w2.grad[mine])]
     state = layer.full_state_dict()
     exact = all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
-    return max(errs), exact
+    routed = layer.routed.take()
+    return max(errs), exact, routed, layer.routed.take()
+
+
+def _routed_alone(seed) -> list[int]:
+    from plait.nn.moe import route_top_k
+
+    ref, x, _, _ = _problem(seed)
+    _, experts = route_top_k(ref.router(x.detach()), ref.top_k)
+    return torch.bincount(experts.reshape(-1), minlength=E).tolist()
 
 
 def _run(cases):
@@ -67,8 +77,9 @@ def test_moe_matches_single_device(world):
              (plan, tokens, True, False, 2), (plan, tokens, False, False, 2),
              (plan, tokens, True, True, 3), (None, even, False, True, 3)]
     for per_rank in run_ranks(_run, world, cases):
-        for case, (err, exact) in zip(cases, per_rank):
+        for case, (err, exact, routed, after) in zip(cases, per_rank):
             assert err < TOL and exact, (case, err)
+            assert routed == _routed_alone(case[-1]) and after == [0] * E, (case, routed)
 
 
 def _errors():

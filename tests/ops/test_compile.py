@@ -124,6 +124,13 @@ def _decode_breaks(family: str, model, ids) -> int:
                    ids[:1, :1], torch.tensor([ids.shape[1]]))
 
 
+def _routed(model) -> list:
+    from plait.nn.moe import RoutedLoad
+
+    return [load.take() for module in model.modules() for load in vars(module).values()
+            if isinstance(load, RoutedLoad)]
+
+
 def _families(families: tuple, decoded: tuple):
     out = {}
     for family in families:
@@ -142,6 +149,8 @@ def _families(families: tuple, decoded: tuple):
             float((traced_grads[k] - eager_grads[k]).abs().max()) for k in eager_grads])}
         seen["vs_single"] = max([abs(float(losses[2] - losses[0]))] + [
             float((traced_grads[k] - ref_grads[k]).abs().max()) for k in ref_grads])
+        # experts' routed load: counted once a step, though a compiled backward re-runs them
+        seen["routed"] = (_routed(traced), _routed(eager))
         if family in decoded:
             with torch.no_grad():
                 torch._dynamo.reset()
@@ -225,6 +234,9 @@ def test_every_family_compiles_whole_and_exact(world):
         for family, row in seen["families"].items():
             assert row["vs_eager"] < 1e-12 and row["vs_single"] < TOL, (family, row)
             assert row.get("tokens") == row.get("tokens_single"), (family, row)
+            traced, eager = row["routed"]
+            assert traced == eager and (family not in ("mixtral", "moe") or any(
+                sum(layer) for layer in eager)), (family, row["routed"])
         if world == 2:
             # 0 breaks in a Llama's training and decoding steps; no recompile in its loop
             assert seen["explained"] == (0, 0, True), seen["explained"]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..ops.agree import attempt, raise_together
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
-from ..ops.library import compiling, constant_result, opaque, register_opaque
+from ..ops.library import compiling, constant_result, opaque, recomputing, register_opaque
 from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
@@ -46,7 +46,7 @@ from ..runtime.compat import all_gather_into
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
                      straggled, unshard)
 
-__all__ = ["MoE", "route_top_k", "experts_reference"]
+__all__ = ["MoE", "RoutedLoad", "route_top_k", "experts_reference"]
 
 
 def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +54,29 @@ def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     probs = logits.softmax(dim=-1)
     weights, experts = probs.topk(k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+class RoutedLoad:
+    """Tokens routed to each expert (the balancer's per-expert load), summed over every
+    rank's count row as the layer's count exchange gathers them before its all-to-alls: the
+    same on every rank, no collective of its own. A backward that runs the layer again (its
+    activations recomputed under ``torch.compile``) is not counted twice."""
+
+    def __init__(self, experts: int):
+        self.tokens, self.calls = [0] * experts, 0
+
+    def add(self, table: list[list[int]]) -> None:
+        """``table[r][e]``: rank r's tokens for expert e in this call."""
+        if recomputing():
+            return
+        for e, column in enumerate(zip(*table)):
+            self.tokens[e] += sum(column)
+        self.calls += 1
+
+    def take(self) -> list[int]:
+        """The tokens since the last ``take`` (and start again)."""
+        out, self.tokens, self.calls = self.tokens, [0] * len(self.tokens), 0
+        return out
 
 
 def experts_reference(x2, weights, experts, w1, w2) -> torch.Tensor:
@@ -87,6 +110,7 @@ class MoE(nn.Module):
             group, hidden, ffn, num_experts, top_k)
         self.overlap, self.chunks, self.replicated_input = overlap, chunks, replicated_input
         self.plan = resolve_plan(plan, num_experts, self.info, what="experts", layer=name)
+        self.routed = RoutedLoad(num_experts)  # on 2 ranks or more: the count exchange's
         if full_router is None or full_w1 is None or full_w2 is None:
             made = _init_full(hidden, ffn, num_experts, seed, dtype)
             full_router = made[0] if full_router is None else full_router
@@ -183,6 +207,7 @@ class MoE(nn.Module):
         table = everyone.view(self.info.world, row.numel()).tolist()  # [W][1 + E]
         raise_together("MoE", self.group, any(row[0] for row in table), problem)
         table = [row[1:] for row in table]  # [W][E]
+        self.routed.add(table)
         cuts = [self.plan.slice_of(r) for r in range(self.info.world)]
         send = [table[self.info.rank][c] for c in cuts]
         mine = cuts[self.info.rank]

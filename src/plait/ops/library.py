@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["group_key", "group_of", "compiling", "define", "register_opaque", "opaque",
-           "opaque_key", "constant_result"]
+           "opaque_key", "constant_result", "recomputing"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
 
@@ -128,14 +128,27 @@ def _opaque(inputs: list[torch.Tensor], key: str) -> torch.Tensor:
         out.contiguous()
 
 
+_RECOMPUTING = [0]  # opaque backwards running their function again, now
+
+
+def recomputing() -> bool:
+    """Whether an opaque op's backward is running its function again (its activations
+    recomputed): what that function counts per call (routed tokens) it counted already."""
+    return _RECOMPUTING[0] > 0
+
+
 def _opaque_backward(inputs: list[torch.Tensor], dy: torch.Tensor, key: str
                      ) -> list[torch.Tensor]:
     fn = _OPAQUE[key][0]
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    with _autograd_on(), torch.enable_grad():
-        out = fn(*leaves)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, dy, allow_unused=True))
+    _RECOMPUTING[0] += 1
+    try:
+        with _autograd_on(), torch.enable_grad():
+            out = fn(*leaves)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, dy, allow_unused=True))
+    finally:
+        _RECOMPUTING[0] -= 1
     result = []
     for t in leaves:
         g = next(grads) if t.requires_grad else None

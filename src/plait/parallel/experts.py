@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
+from ..nn.moe import RoutedLoad
 from ..ops.library import compiling, constant_result, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
@@ -68,6 +69,7 @@ class ExpertParallelExperts(nn.Module):
             plain = value is None or isinstance(value, (bool, int, float, str, tuple))
             if not name.startswith("_") and plain and not hasattr(self, name):
                 setattr(self, name, value)
+        self.routed = RoutedLoad(self.num_experts)  # tokens per expert, from the count exchange
         rank = self.info.rank
         self.gate_up_proj = nn.Parameter(shard_of(experts.gate_up_proj.detach(), self.plan, rank))
         self.down_proj = nn.Parameter(shard_of(experts.down_proj.detach(), self.plan, rank))
@@ -151,6 +153,7 @@ class ExpertParallelExperts(nn.Module):
         everyone = counts.new_empty(world * counts.numel())
         all_gather_into(everyone, counts.contiguous(), group=self.group)
         table = everyone.view(world, -1).tolist()                     # [W][E]
+        self.routed.add(table)
         cuts = [self.plan.slice_of(r) for r in range(world)]
         send = [table[self.info.rank][c] for c in cuts]
         mine = cuts[self.info.rank]
