@@ -2,7 +2,7 @@
 heads, 2 layers, width 64, float64) made parallel by ``plait.parallelize`` on 2 ranks, whose
 layer-0 attention dim (q, k, v and o projections, one plan in KV-head groups: a group is 2
 query heads in q and o, 1 head in k and v), as ``plait.parallelize`` hands it to the
-``Balancer`` in ``model._plait_dims``.
+``Balancer`` in ``applied(model).dims``.
 
 - resizing keeps the same KV-head groups in all four layers: q and o keep both query heads
   of each kept group, k and v its K/V head;
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from plait.runtime.testing import run_ranks
+from plait.nn.record import applied
 
 pytest.importorskip("transformers")
 
@@ -51,7 +52,7 @@ def _gqa_dim():
     runs = {}
     for moved in (False, True):
         par = plait.parallelize(copy.deepcopy(ref), "auto", chunks=2)
-        assert set(par._plait_dims[ATTN]) == set(LAYERS)  # the GQA dim, as parallelize found it
+        assert set(applied(par).dims[ATTN]) == set(LAYERS)  # the GQA dim, as parallelize found it
         opt = torch.optim.AdamW(par.parameters(), lr=3e-3)
         balancer = Balancer(par, opt, None, PolicyConfig(name="even"), warmup=0)
         layers = {n: par.get_submodule(n) for n in LAYERS}

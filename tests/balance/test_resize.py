@@ -19,6 +19,7 @@ from plait.bench.hetero_ideal import with_ideal
 from plait.bench.scenarios import scenario_specs
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
 from plait.runtime.testing import run_ranks
+from plait.nn.record import record
 
 
 def _resized_mlp(overlap, keep, plan_sizes, shared):
@@ -293,7 +294,7 @@ def _balancer_resizes_and_rotates():
     from plait.balance.policy import Action
 
     model = nn.Sequential(ColumnParallelLinear(8, 16, seed=0), RowParallelLinear(16, 8, seed=1))
-    model._plait_dims = {"mlp": ("0", "1")}
+    record(model, dims={"mlp": ("0", "1")})
     balancer = Balancer(model, None, None, PolicyConfig(name="even"), refresh=2, warmup=0)
     fc, proj = model
     x = torch.randn(4, 8)

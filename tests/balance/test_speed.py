@@ -19,6 +19,7 @@ import torch.nn as nn
 from plait.balance import SpeedMonitor, ema, flag_stragglers, relative_speeds
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
 from plait.runtime.testing import run_ranks
+from plait.nn.record import record
 
 
 def test_ema_and_relative_speeds():
@@ -139,7 +140,7 @@ def _migrated_on_virtual_devices(steps):
     kw = dict(overlap=True, chunks=2)
     model = nn.Sequential(ColumnParallelLinear(96, 192, seed=0, **kw),
                           RowParallelLinear(192, 32, seed=1, **kw))
-    model._plait_dims = {"mlp": ("0", "1")}
+    record(model, dims={"mlp": ("0", "1")})
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     balancer = Balancer(model, opt, None, PolicyConfig(name="migrate"), every=2, warmup=0)
     x = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.testing import run_ranks
+from plait.nn.record import record
 
 B, D, H = 64, 512, 1536  # batch rows, model width, the MLP's columns (the dim a plan splits)
 EXTRA = 6  # the last rank's extra products outside the layers, each [B, D] @ [D, D]
@@ -40,7 +41,7 @@ def _model():
     torch.manual_seed(0)
     model = nn.Sequential(ColumnParallelLinear(D, H, seed=0), RowParallelLinear(H, D, seed=1),
                           nn.Linear(D, D))
-    model._plait_dims = {"mlp": ("0", "1")}
+    record(model, dims={"mlp": ("0", "1")})
     return model
 
 

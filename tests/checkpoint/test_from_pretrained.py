@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from plait.runtime.testing import run_ranks
+from plait.nn.record import applied
 
 pytest.importorskip("transformers")
 
@@ -156,7 +157,7 @@ def _moved_then_reloaded(path):
 
     model = plait.from_pretrained(path, dtype=torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    attn = model._plait_dims["model.layers.0.self_attn"]
+    attn = applied(model).dims["model.layers.0.self_attn"]
     migrate(model, opt, {name: ShardPlan((3, 1)) for name in attn})
     with torch.no_grad():
         for p in model.parameters():

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from plait.runtime.testing import run_ranks
+from plait.nn.record import applied
 
 pytest.importorskip("transformers")
 
@@ -50,7 +51,7 @@ def _figures(model) -> tuple[float, dict]:
 
     loss = model(input_ids=IDS, labels=IDS).loss
     loss.backward()
-    grads = full_state_dict(model, grads=True) if hasattr(model, "_plait_dims") else \
+    grads = full_state_dict(model, grads=True) if applied(model) else \
         {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     return float(loss.detach()), grads
 

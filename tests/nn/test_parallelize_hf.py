@@ -46,6 +46,7 @@ import torch
 from plait.nn import ShardPlan
 from plait.parallel import full_state_dict
 from plait.runtime.testing import run_ranks
+from plait.nn.record import applied
 
 pytest.importorskip("transformers")
 
@@ -185,7 +186,7 @@ def _parity(name, plan, shards, overlap, dtype):
     same = (set(weights) == set(ref.state_dict()) == set(par.state_dict())
             and all(torch.equal(weights[k], v) for k, v in ref.state_dict().items())
             and inspect.signature(par.forward) == inspect.signature(ref.forward))
-    return err, same, par._plait_notes, sorted(par._plait_dims)
+    return err, same, list(applied(par))[1:], sorted(applied(par).dims)
 
 
 def _curve(name, plan, shards, dtype):
@@ -225,7 +226,7 @@ def _migrated():
 
     ref = _model("mha", torch.float64)
     par = plait.parallelize(copy.deepcopy(ref), "auto", chunks=2)
-    dims = dict(par._plait_dims)
+    dims = dict(applied(par).dims)
     curves = []
     for model in (ref, par):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from plait.runtime.testing import run_ranks
+from plait.nn.record import applied
 
 pytest.importorskip("transformers")
 
@@ -44,7 +45,7 @@ def _split(world_slow: float):
         moved = split_by_speed(model, speeds)
         after = decode(model, prompt, 6).tokens
     want = {dim: static_plan(model.get_submodule(names[0]).plan.total, speeds).sizes
-            for dim, names in model._plait_dims.items()}
+            for dim, names in applied(model).dims.items()}
     return (speeds, moved, want, torch.equal(before, after),
             torch.equal(after, decode(ref, prompt, 6).tokens), compute, work)
 

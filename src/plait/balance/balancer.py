@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..nn.linear_base import select_features
+from ..nn.record import applied
 from ..plan import ShardPlan
 from .migrate import MigrationReport, migrate
 from .policy import Action, PolicyConfig
@@ -99,7 +100,7 @@ class Balancer:
         self.model, self.optimizer, self.group = model, optimizer, group
         self.config = config or PolicyConfig()
         self.refresh = refresh
-        dims = getattr(model, "_plait_dims", None)
+        dims = applied(model).dims
         if dims is None:
             raise TypeError(f"{type(model).__name__} has no sharded dims to balance: build it "
                             "with plait.nn.apply_tp (a GPT; MoE experts and DLRM tables are not "

@@ -5,7 +5,7 @@ Three passes, so that a bad plan raises before the model changes: resolve
 ``ShardPlan``), build (every new layer ``from_module``, cut from the module's own
 weights), swap (set the new modules, then the hooks that move tensors between
 layouts and sum replicated parameters' gradients). What runs unfused, and why,
-is logged once on rank 0 and kept in ``model._plait_parallel``.
+is logged once on rank 0 and kept in ``plait.parallel.applied(model)``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from ..nn._shard import GroupInfo, mark_partial_grad
 from ..nn.embedding import ShardedEmbeddingBag
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear, share_input
 from ..nn.moe import MoE
+from ..nn.record import Applied, record
+from ..nn.record import applied as recorded
 from ..ops.context import get_context
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
@@ -78,7 +80,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
 
     The model keeps its forward signature, its ``state_dict`` keys (each rank holds its
     shard; ``plait.nn.full_state_dict(model)`` gathers the whole) and its methods
-    (``generate``). ``model._plait_dims`` names the dims ``plait.balance.Balancer`` moves.
+    (``generate``). ``applied(model).dims`` names the dims ``plait.balance.Balancer`` moves.
     """
     group = _group(group, mesh)
     if dp_kind is not None and dp_kind not in DP_KINDS:
@@ -483,16 +485,17 @@ class _Run:
         self.notes.append((path, what))
 
     def _record(self, modules: dict) -> None:
-        """``_plait_dims`` for the balancer, and one summary, logged once on rank 0."""
-        dims, kept = {}, getattr(self.model, "_plait_dims", None) or {}
+        """The model's record (:mod:`plait.nn.record`): the balancer's dims, the group, and one
+    summary, logged once on rank 0."""
+        dims, kept = {}, recorded(self.model).dims or {}
         for dim in self.dims:
             if not (dim.cols and dim.rows) or dim.groups_local is not None or dim.local:
                 continue
             # grouped-query heads too: q and o count 2+ heads a KV group, k and v one, and the
             # balancer resizes and migrates whole groups (tests/balance/test_balancer_gqa.py)
             dims[dim.name] = tuple(dim.cols + dim.rows)
-        self.model._plait_dims = {**kept, **dims}
-        self.model._plait_tp_group = self.group  # plait.parallel.data: the replicas' check
+        # the balancer's dims; the group plait.parallel.data checks the replicas against
+        record(self.model, dims={**kept, **dims}, group=self.group)
         kinds = {kind: sum(d.kind == kind for d in self.dims) for kind in _KIND_NAMES}
         counted = ", ".join(f"{n} {_KIND_NAMES[k]}" for k, n in kinds.items() if n) or "no linears"
         others = sorted({type(s).__name__ for s in self.styles.values()
@@ -508,8 +511,7 @@ class _Run:
             choice = get_context(self.group).mover().choice  # every rank makes this call
             self._note("collectives", f"{choice.name} ({choice.reason})")
         notes = _grouped(self.notes)
-        self.model._plait_parallel = line
-        self.model._plait_notes = notes
+        record(self.model, line=line, notes=notes)
         if self.info.rank == 0:
             log.info("%s", line)
             for note in notes:
@@ -535,20 +537,12 @@ class _Mover:
                          "Replicate() → Shard(d))")
 
 
-class Applied(list):
-    """``applied``'s lines: a list, printed as text, a line each."""
-
-    def __str__(self) -> str:
-        return "\n".join(self) if self else "not made parallel by plait.parallelize"
-
-
 def applied(model: nn.Module) -> Applied:
-    """What ``parallelize`` did to ``model``: its one-line summary, then each note (which
-    path runs fused or plain and why, siblings sharing an all-reduce, uneven splits), as
-    logged on rank 0; empty for a model ``parallelize`` never saw. ``print`` shows it a
-    line each."""
-    line = getattr(model, "_plait_parallel", None)
-    return Applied([line, *getattr(model, "_plait_notes", ())] if line else [])
+    """What ``parallelize`` did to ``model`` (:func:`plait.nn.record.applied`): its one-line
+    summary, then each note (which path runs fused or plain and why, siblings sharing an
+    all-reduce, uneven splits, the transport), as logged on rank 0, with ``dims`` and
+    ``group``; empty for a model ``parallelize`` never saw. ``print`` shows it a line each."""
+    return recorded(model)
 
 
 def _grouped(notes: list[tuple[str, str]]) -> list[str]:

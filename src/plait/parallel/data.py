@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
+from ..nn.record import applied
 from ..ops.deferred import run_deferred
 from ..plan import ShardPlan
 
@@ -376,9 +377,10 @@ def _dp_mesh(mesh):
 def _tp_group(model: nn.Module, mesh_tp):
     """The tp group the model was cut over (``parallelize`` records it), checked against the
     mesh's ``"tp"`` axis where there is one."""
-    if not hasattr(model, "_plait_tp_group"):
+    done = applied(model)
+    if not done.cut:
         return mesh_tp
-    cut = model._plait_tp_group or dist.group.WORLD  # None: the default group
+    cut = done.group or dist.group.WORLD  # None: the default group
     if mesh_tp is None:
         return cut
     ranks = [dist.get_process_group_ranks(g) for g in (cut, mesh_tp)]

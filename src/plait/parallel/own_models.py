@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from ..nn import MoE
 from ..nn._shard import GroupInfo
+from ..nn.record import record
 from ..plan import ShardPlan
 from .apply import parallelize
 from .own_plan import plait_plan
@@ -169,6 +170,6 @@ def interleaved_blocks(blocks, parts: int):
 
 
 def _log_once(info: GroupInfo, model: nn.Module, line: str) -> None:
-    model._plait_parallel = line
+    record(model, line=line)
     if info.rank == 0:
         log.info("%s", line)

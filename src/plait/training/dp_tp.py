@@ -35,6 +35,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..nn.record import applied
 from ..parallel.data import MeshLayout
 from .components import Balancing
 from .loop import Component
@@ -184,8 +185,9 @@ class RankParallel:
         result["ideal"] = capacity_ideal(result["records"], self.layout.dp_groups())
         hosts = self.cfg.extra.get("hosts", 0)
         result["placement"] = placement_line(self.layout, hosts)
-        result["parallel"] = getattr(self.tp_model, "_plait_parallel", "")
-        result["notes"] = list(getattr(self.tp_model, "_plait_notes", ()))
+        done = applied(self.tp_model)
+        result["parallel"] = done[0] if done else ""
+        result["notes"] = list(done[1:])
         if self.mesh is not None:
             result["parallel"] += f"; {self.dp_kind} over {self.layout.dp} replicas"
         if self.balancer is not None:

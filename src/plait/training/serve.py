@@ -6,7 +6,7 @@ ranks' speeds no longer match it.
 
 Each request is one :func:`plait.training.decode.decode` with a KV cache of its own, so
 between two requests nothing is cached that a move would have to carry: the split dims
-(``model._plait_dims``: an attention's KV-head groups, an MLP's columns) are moved there
+(``applied(model).dims``: an attention's KV-head groups, an MLP's columns) are moved there
 by :func:`plait.training.split.split_by_speed` (:func:`plait.balance.migrate`, exact), and
 the next request's tokens are the ones it would have decoded without the move.
 

@@ -7,7 +7,7 @@ split dim moved to the shares that finish every rank together.
 The speed of a rank is the balancer's (:class:`plait.balance.SpeedMonitor`): weight
 elements multiplied per second of its own compute in the split layers, the straggler
 emulation's sleeps or the kernel's throttling included, so a rank given fewer heads is
-not mistaken for a faster one. Each split dim (``model._plait_dims``: an attention's
+not mistaken for a faster one. Each split dim (``applied(model).dims``: an attention's
 KV-head groups, an MLP's columns) then takes ``static_plan(units, speeds)`` and is moved
 there by :func:`plait.balance.migrate`, which moves weights exactly: the tokens decoded
 after the move are the tokens decoded before it would have been.
@@ -20,6 +20,8 @@ those layers over the ranks' summed speeds.
 from __future__ import annotations
 
 import torch
+
+from ..nn.record import applied
 
 __all__ = ["measure_speeds", "split_by_speed", "split_sizes", "decode_ideal"]
 
@@ -62,7 +64,7 @@ def split_by_speed(model, speeds) -> dict[str, tuple[int, ...]]:
     the same speeds); ``{dim: sizes}``."""
     from ..balance import migrate, static_plan
 
-    dims = getattr(model, "_plait_dims", None) or {}
+    dims = applied(model).dims or {}
     modules = dict(model.named_modules())
     moved = {}
     for dim, names in dims.items():
@@ -73,11 +75,11 @@ def split_by_speed(model, speeds) -> dict[str, tuple[int, ...]]:
 
 
 def split_sizes(model) -> dict[str, tuple[int, ...]]:
-    """Each split dim's shares (``model._plait_dims``: an attention's KV-head groups, an
+    """Each split dim's shares (``applied(model).dims``: an attention's KV-head groups, an
     MLP's columns), as its first module's plan holds them."""
     modules = dict(model.named_modules())
     return {dim: tuple(modules[names[0]].plan.sizes)
-            for dim, names in (getattr(model, "_plait_dims", None) or {}).items()}
+            for dim, names in (applied(model).dims or {}).items()}
 
 
 def decode_ideal(step_s: float, compute_s: list[float], work: list[float]) -> float:

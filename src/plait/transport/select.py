@@ -117,7 +117,7 @@ class ShmTransport(Transport):
         return Done() if async_op else None
 
 
-def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
+def choose(group, requested: str | None = None, *, timeout_s: float = 60.0):
     """The transport of ``group``: every rank calls it (one all_gather), and all get the same
     choice. A ``"shm"`` asked for where it cannot run is a ValueError on every rank.
 
@@ -126,11 +126,11 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
     (:class:`~plait.transport.hier.HierTransport`), gloo for the rest."""
     from .shm import ShmUnavailable, host_id, shm_free_bytes, supported
 
-    wanted_name = wanted_name or wanted()
+    requested = requested or wanted()
     backend = dist.get_backend(group)
     world = dist.get_world_size(group)
     if backend == "nccl":
-        return _choose_cuda(group, wanted_name, world)
+        return _choose_cuda(group, requested, world)
     why_not = supported() if backend == "gloo" else f"the group runs {backend}"
     every: list = [None] * world
     dist.all_gather_object(every, (host_id(), why_not, shm_free_bytes()), group=group)
@@ -143,25 +143,25 @@ def choose(group, wanted_name: str | None = None, *, timeout_s: float = 60.0):
         blocked = f"each of the group's {world} ranks is on a host of its own"
     elif blocked is None:
         blocked = _room(every)
-    if wanted_name == "shm" and blocked is not None:
+    if requested == "shm" and blocked is not None:
         raise ValueError(f"--transport shm: {blocked}")
-    if wanted_name == "gloo" or blocked is not None:
-        reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
+    if requested == "gloo" or blocked is not None:
+        reason = "asked for" if requested == "gloo" else f"auto: {blocked}"
         return DistTransport(group, Choice(backend, reason),
                              one_host=world > 1 and len(set(hosts)) == 1)
     if len(set(hosts)) > 1:
         from .hier import HierTransport
 
-        why = (f"{'asked for' if wanted_name == 'shm' else 'auto'}: {world} ranks on "
+        why = (f"{'asked for' if requested == 'shm' else 'auto'}: {world} ranks on "
                f"{len(set(hosts))} hosts: shared memory inside each host, gloo between hosts "
                "(all-reduces); gloo for the other collectives")
         return HierTransport(group, Choice("shm+gloo", why), hosts, timeout_s=timeout_s)
     try:
-        reason = "asked for" if wanted_name == "shm" else \
+        reason = "asked for" if requested == "shm" else \
             f"auto: all {world} ranks on one host"
         return ShmTransport(group, Choice("shm", reason), timeout_s=timeout_s)
     except ShmUnavailable as err:  # set-up's verdict: the same on every rank
-        if wanted_name == "shm":
+        if requested == "shm":
             raise ValueError(f"--transport shm: {err}") from None
         return DistTransport(group, Choice(backend, f"auto: {err}"), one_host=True)
 
@@ -184,7 +184,7 @@ def _room(every: list) -> str | None:
     return None
 
 
-def _choose_cuda(group, wanted_name: str, world: int):
+def _choose_cuda(group, requested: str, world: int):
     """NCCL groups: torch's symmetric memory for all-reduces where every rank shares a host
     (``plait.transport.cuda``), NCCL otherwise and for the rest."""
     from .cuda import SymmMemTransport, SymmMemUnavailable, available
@@ -197,17 +197,17 @@ def _choose_cuda(group, wanted_name: str, world: int):
         blocked = f"the group's {world} ranks are on {len({h for h, _ in every})} hosts"
     if world == 1:
         blocked = "one rank: nothing to move"
-    if wanted_name == "shm" and blocked is not None:
+    if requested == "shm" and blocked is not None:
         raise ValueError(f"--transport shm: {blocked}")
-    if wanted_name == "gloo" or blocked is not None:
-        reason = "asked for" if wanted_name == "gloo" else f"auto: {blocked}"
+    if requested == "gloo" or blocked is not None:
+        reason = "asked for" if requested == "gloo" else f"auto: {blocked}"
         return DistTransport(group, Choice("nccl", reason))
-    asked = "asked for" if wanted_name == "shm" else "auto"
+    asked = "asked for" if requested == "shm" else "auto"
     try:
         return SymmMemTransport(group, Choice("symm_mem", (
             f"{asked}: all {world} ranks on one host: torch's symmetric memory for "
             "all-reduces, NCCL for the rest")))
     except SymmMemUnavailable as err:  # set-up failed on some rank: every rank alike
-        if wanted_name == "shm":
+        if requested == "shm":
             raise ValueError(f"--transport shm: torch's symmetric memory: {err}") from None
         return DistTransport(group, Choice("nccl", f"auto: torch's symmetric memory: {err}"))

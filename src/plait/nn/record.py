@@ -1,0 +1,55 @@
+"""What plait did to a model, in one object on it: ``applied(model)``.
+
+``plait.parallelize`` and ``plait.nn.apply_tp`` record there the one-line summary, each note
+(which path runs fused or plain and why, siblings sharing an all-reduce, uneven splits, the
+transport), the sharded dims the balancer moves (``dims``: a dim's name → the linears that
+share its plan) and the tensor-parallel group the model was cut over (``group``). It lives
+here, under the balancer and the parallel layer, so every layer that reads it can.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+__all__ = ["Applied", "applied", "record"]
+
+_ATTR = "_plait"  # the one attribute plait sets on a user's model
+_UNSET = object()
+
+
+class Applied(list):
+    """The summary line, then each note: a list, printed as text a line each; ``dims`` (None
+    where nothing was recorded) and ``group`` (``cut``: whether one was recorded; None is
+    the default group)."""
+
+    def __init__(self, lines=(), dims: dict | None = None, group=_UNSET):
+        super().__init__(lines)
+        self.dims = dims
+        self.group = None if group is _UNSET else group
+        self.cut = group is not _UNSET
+
+    def __str__(self) -> str:
+        return "\n".join(self) if self else "not made parallel by plait.parallelize"
+
+
+def applied(model: nn.Module) -> Applied:
+    """What ``parallelize`` (or ``apply_tp``) did to ``model``; empty for a model neither
+    saw. ``print`` shows it a line each."""
+    done = getattr(model, _ATTR, None)
+    return Applied() if done is None else done
+
+
+def record(model: nn.Module, *, line: str | None = None, notes=None, dims: dict | None = None,
+           group=_UNSET) -> Applied:
+    """Set what is given on ``model``'s record (made on first use); returns it."""
+    old = getattr(model, _ATTR, None)
+    lines = list(old or [])
+    if line is not None:
+        lines = [line, *(lines[1:] if notes is None else [])]
+    if notes is not None:
+        lines = [*lines[:1], *notes]
+    new = Applied(lines, old.dims if dims is None and old is not None else dims,
+                  group if group is not _UNSET else (old.group if old is not None and old.cut
+                                                     else _UNSET))
+    setattr(model, _ATTR, new)
+    return new
