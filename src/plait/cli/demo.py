@@ -45,6 +45,11 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _fusion(rows: list[dict]) -> float:
+    """plait's speed over the plain way's with no straggler: what fusion alone gives."""
+    return rows[0]["t_step_no_straggler_s"] / rows[1]["t_step_no_straggler_s"]
+
+
 def _flag(key: str, value) -> str:
     """A --quick preset entry as the flag that sets it (the slowdown's step is --slow's)."""
     return f"--slow …@{value}" if key == "slow_from" else f"--{key.replace('_', '-')} {value}"
@@ -109,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['tokens_per_s']:,.0f}", f"{r['heldout_loss']:.3f}",
                   f"{100 * r['heldout_acc']:.1f} %"] for r in rows],
                 caption=f"medians from step {cfg.slow_from + WARMUP_STEPS}, each step the slowest "
-                        f"rank's; plait {rows[1]['speedup_vs_plain']:.2f}× the plain way")
+                        f"rank's; plait {rows[1]['speedup_vs_plain']:.2f}× the plain way: "
+                        f"{_fusion(rows):.2f}× without the straggler (fusion), and × ideal "
+                        f"{rows[0]['ratio_to_ideal']:.2f} → {rows[1]['ratio_to_ideal']:.2f} with it "
+                        "(balancing)")
     note = busy_note(busy, os.cpu_count() or 1)
     if note:
         console.print(f"[yellow]{note}[/yellow]")
