@@ -57,6 +57,19 @@ def test_every_docs_page_is_a_front_page():
     assert not long, f"pages over 300 lines (move their histories to docs/results/): {long}"
 
 
+def test_every_module_docstring_is_a_front_page():
+    """A module's docstring says what the module does and why, in at most 40 lines; the
+    rest belongs in docs/ (figures) or commit messages (histories)."""
+    import ast
+
+    long = {}
+    for path in sorted((ROOT / "src" / "plait").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if doc and len(doc.splitlines()) > 40:
+            long[str(path.relative_to(ROOT))] = len(doc.splitlines())
+    assert not long, f"module docstrings over 40 lines: {long}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_path_outside_the_repository(page):
     text = page.read_text()

@@ -1,60 +1,38 @@
 """The speed monitor: each rank times its own compute in every layer and shares a robust reading.
 
-A layer's compute region (``plait.nn._shard.compute_scope`` / ``straggled``,
-the same places the straggler emulation wraps) reports to the layer's
-``compute_timer``, which :meth:`SpeedMonitor.attach` sets. On the plain path
-the region is the local GEMM only; on the fused ``matmul_all_reduce`` and
-``column_parallel_matmul`` it is each local piece (``plait.ops.compute``), so
-waiting for another rank's pieces is never counted as this rank's compute. (The
-sequence-parallel and MoE operators are still timed whole, their exposed wire
-included.)
+A layer's compute region (``plait.nn._shard.compute_scope`` / ``straggled``, where the
+straggler emulation wraps too) reports to the layer's ``compute_timer``, which
+:meth:`SpeedMonitor.attach` sets: the local GEMM on the plain path, each local piece on the
+fused ``matmul_all_reduce`` and ``column_parallel_matmul`` (``plait.ops.compute``), so
+waiting for another rank's pieces is never this rank's compute (sequence-parallel and MoE
+operators are still timed whole, their exposed wire included).
 
-A rank's speed is per unit of work: the weight elements it multiplied per forward (fewer
-while ZERO-resized, more or fewer after a migration) over the seconds it took, forward and
-backward; so a rank given fewer heads or columns is not mistaken for a faster one, and a
-plan that moved work does not undo itself. Every ``every`` steps the group exchanges one
-small float64 vector per rank (``2 · layers`` figures) in one all_gather; each exchange is
-one *reading* per rank. The speed is the median of the last ``window`` readings (one
-reading far off, a preemption or a page fault, does not move it), and ``confidence()`` is
-how full that window is. After a plan change the caller calls :meth:`restart`: the
-readings taken under the old plan are dropped (a real device's cost per unit is not quite
-constant in the share's size, so old readings are not in the new plan's units) and
-confidence starts again from 0.
+A rank's speed is per unit of work: the weight elements it multiplied per forward over the
+seconds it took, forward and backward, so a rank given fewer heads or columns is not taken
+for a faster one. Every ``every`` steps the group all_gathers one small float64 vector per
+rank (``2 · layers`` figures): one *reading* each. The speed is the median of the last
+``window`` readings (a preemption does not move it); ``confidence()`` is how full that window
+is; after a plan change :meth:`restart` drops the readings taken under the old plan.
 
-Clock (:func:`plait.runtime.straggler.compute_clock`): on a one-thread CPU rank, the
-thread's CPU time plus the straggler emulation's sleeps in the region (ranks sharing cores
-are otherwise measured slow whenever the scheduler runs another rank mid-GEMM); wall time
-otherwise, which already holds the sleeps (they are not added twice: a 2 × rank would read
-1/3, a 4 × one 1/7). On a host with a CPU budget it is wall time: a rank the kernel throttles
-(``bench hetero --slow-by kernel``) waits for its quota, which is not CPU time, so it is seen
-slow as it is. The kernel throttles a thread where its accounting is settled (a tick, a
-system call), and reading the thread's CPU clock settles it; so the timer reads that clock
-before the wall clock at both ends of a region, and a wait for quota spent in the region
-falls inside it.
+Clock (:func:`plait.runtime.straggler.compute_clock`): on a one-thread CPU rank, the thread's
+CPU time plus the emulation's sleeps in the region (ranks sharing cores are otherwise measured
+slow whenever another rank runs mid-GEMM); wall time otherwise, and on a host with a CPU
+budget, where a throttled rank waits for its quota and is seen slow as it is (the thread's CPU
+clock is read before the wall clock at both ends, so a wait for quota falls inside).
 
-Unmovable time (``fixed()``): what a rank spends in a training step outside the timed
-layers (its replicated layers, the loss, the optimizer, Python), which no plan moves. The
-step begins at the model's first training forward after the last ``step()`` (a forward
-pre-hook ``attach`` sets; with grad enabled and the model in training mode) and ends at
-``step()``; the rank's thread CPU time over it, less its CPU time in the timed regions, is
-that work's CPU. It is stretched as the rank's timed compute was (the regions' time less
-the straggler emulation's sleeps, over their CPU time: 1 on a rank alone on its core, the
-kernel's throttling on a host with a budget; sleeps slow only the layers, so they are not
-applied to it), so a host slow at everything is slow at this too. Waiting for another rank
-in a collective takes no CPU (gloo's wait blocks), so it is not counted. Each exchange adds
-a reading per rank: that time over the whole window's movable compute done at the fastest
-rank's speed (the share ``plait.balance.policy`` takes). On CUDA, on a CPU rank of several
-threads (the thread's CPU clock sees only its own share), and where a clock other than the
-thread's CPU time or the wall clock times the regions, there is no such reading (0: plans
-by speed alone). What it counts as unmovable is all the work outside the timed layers, some
-of which does move with a plan (the attention itself over a rank's heads, the activation
-over its columns, the optimizer over its shards): a plan that takes work from a rank also
-shortens its reading a little, so the plan takes a little too much from a slow rank.
+Unmovable time (``fixed()``): what a rank spends in a training step outside the timed layers
+(replicated layers, the loss, the optimizer, Python), which no plan moves: its thread CPU time
+from the model's first training forward to ``step()``, less its CPU time in the timed
+regions, stretched as its timed compute was (so a host slow at everything is slow at this
+too); a wait in a collective takes no CPU and is not counted. Each exchange adds it as a share
+of the window's movable compute at the fastest rank's speed (``plait.balance.policy``). None
+on CUDA, on a CPU rank of several threads, or with another clock (0: plans by speed alone).
+Some of it does move with a plan (attention over a rank's heads), so a plan takes a little too
+much from a slow rank.
 
-Cost: two clock reads per region (four on a CPU rank) (CUDA: two events, read only at the
-exchange), and one all_gather of a few hundred bytes every ``every`` steps;
-``overhead_s`` is the time spent in the exchanges (on a rank that arrives early
-it includes waiting for a slower one; the last to arrive measures the exchange).
+Cost: two clock reads per region (four on a CPU rank; CUDA: two events, read at the
+exchange), and one all_gather of a few hundred bytes every ``every`` steps; ``overhead_s``
+is the time spent in the exchanges.
 """
 
 from __future__ import annotations

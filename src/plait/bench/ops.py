@@ -19,12 +19,9 @@ the slowest rank's; the median over iterations is reported):
   max(compute alone, the bytes the busiest host link must carry ÷ the link's rate)
   (``limit_kind`` "link"); on loopback, with no rate, max(compute alone, the collective
   alone as measured) ("measured"); on shared memory, compute plus one core's copy of the
-  bytes ("copy", :func:`_one_host_limit`). Its measured terms are their fastest round
-  (``t_compute_fastest_s``, ``t_comm_fastest_s``), not their median: a limit is a lower
-  bound, and a median compute time let a noisy machine put the "limit" above the fused
-  time of two compute-bound rows (efficiency 1.10 and 1.01 in one loaded run). A fused
-  time under it by more than the token bucket's burst (``limit_tolerance_s``) is
-  flagged (``beats_limit``): a bug in the limit;
+  bytes ("copy", :func:`_one_host_limit`). Its measured terms are their fastest round, not
+  their median (a limit is a lower bound); a fused time under it by more than the token
+  bucket's burst (``limit_tolerance_s``) is flagged (``beats_limit``): a bug in the limit;
 - ``t_beside``: the compute and the transfer at once, neither waiting for the other
   (:meth:`plait.bench.case.Case.beside`): what this machine allows;
 - ``peak_bytes_*``: the most tensor memory each path holds at once (outputs included).
@@ -35,15 +32,11 @@ the slowest rank's; the median over iterations is reported):
 pieces, beside, auto, each count) is compared with the case's own
 compute-then-collective, written with plain torch.distributed calls
 (``correct_by_variant``; ``correct`` is all of them), and the path and pieces auto and
-each count took are recorded (``path_by_variant``). The timings of
-all variants are interleaved iteration by iteration, so drift of a shared
-machine hits them alike, and their orders form a Williams design
-(:func:`plait.runtime.timing.balanced_orders`), so each variant follows a
-different one each iteration. In a fixed order, auto (always right after the
-plain path) ran slower than the same piece count timed among the fixed counts
-in 50 of 73 comparisons over six runs (median +0.6 %, up to +14 %); turning that
-order by one place each iteration kept auto after the plain path, and the
-matmul_reduce_scatter shapes' auto still ran 4.5-7 % over the same count.
+each count took are recorded (``path_by_variant``). The variants are interleaved iteration
+by iteration, so drift of a shared machine hits them alike, in orders that form a Williams
+design (:func:`plait.runtime.timing.balanced_orders`): each follows a different one each
+iteration (in a fixed order, auto right after the plain path ran slower than the same count
+timed among the others).
 """
 
 from __future__ import annotations

@@ -23,22 +23,14 @@ replicated, as the GPT bench has them):
   ``RowwiseParallel(input_layouts=Replicate())``, "colwise_gather_output" →
   ``ColwiseParallel(output_layouts=Replicate())``), as torchtitan plans a Llama.
 
-Head counts under DTensor: transformers' ``LlamaAttention`` reshapes q, k and v
-with ``view(*input_shape, -1, head_dim)`` and its output with
-``reshape(*input_shape, -1)``, so it reads the local head count from the local
-tensor's width; only ``head_dim`` and ``num_key_value_groups`` (query heads per
-KV head) come from the config, and both are the same per rank as in the whole
-model. ``ColwiseParallel``'s default ``use_local_output=True`` hands the
-attention plain local tensors (``[B, S, H/p · head_dim]``), so the config keeps
-the global head counts; a contiguous ``Shard(0)`` of ``q_proj`` (``H ·
-head_dim`` rows) and of ``k_proj``/``v_proj`` (``H_kv · head_dim`` rows) gives
-rank r query heads ``[r·H/p, (r+1)·H/p)`` and KV heads ``[r·H_kv/p, …)``, which
-are each other's groups, so no reordering is needed (unlike the GPT's fused
-QKV). With ``use_local_output=False`` on q/k/v the attention would be handed
-DTensors and stops at the rotary embedding, whose cos/sin are plain tensors
-(measured: "aten.mul.Tensor got mixed torch.Tensor and DTensor"). ``H_kv`` must
-be a multiple of the ranks for DTensor (plait itself also splits whole groups
-unevenly; the bench compares equal splits).
+Head counts under DTensor: ``LlamaAttention`` reads the local head count from the local
+tensor's width (``view(*input_shape, -1, head_dim)``), and ``ColwiseParallel``'s default
+``use_local_output=True`` hands it plain local tensors, so the config keeps the global
+counts; a contiguous ``Shard(0)`` of q and of k/v gives each rank query heads and KV heads
+that are each other's groups. (``use_local_output=False`` stops at the rotary embedding:
+"aten.mul.Tensor got mixed torch.Tensor and DTensor".) ``H_kv`` must be a multiple of the
+ranks for DTensor; plait also splits whole groups unevenly, but the bench compares equal
+splits.
 """
 
 from __future__ import annotations

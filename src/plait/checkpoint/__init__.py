@@ -13,24 +13,14 @@ format, and loading reshards: a checkpoint saved on 3 ranks with heads [3, 5, 2]
 2 ranks with an even split, or into the plain single-process model.
 
 How shards are described to DCP. A plait shard is uneven, changes at run time (the
-balancer migrates it), and may be several disjoint slices of the full tensor (a fused
-QKV weight's rank shard is q-heads, k-heads and v-heads rows). Three ways were weighed,
-reading torch 2.13's DCP source:
-
-- ``DTensor.from_local(local, mesh, [Shard(0)], shape=, stride=)``: DCP's write items for
-  a DTensor come from ``compute_local_shape_and_global_offset``, which derives each
-  rank's offset from the placement's even (``torch.chunk``) split, not from the given
-  shape: an uneven shard would be written at the wrong offset, and one DTensor is one
-  box, so the three QKV slices cannot be told apart.
-- A custom ``SavePlanner``/``LoadPlanner`` that rewrites the plans: works, but re-does
-  DCP's own chunk bookkeeping.
-- DCP's checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
-  ``__get_tensor_shard__``), the hooks DTensor itself implements. Chosen: a
-  :class:`~plait.checkpoint.pieces.Pieces` lists each contiguous slice as its own chunk
-  with its true global offsets (from :mod:`plait.parallel.layout`, which follows how
-  each plait layer cuts its weights), and DCP's own resharding reads the overlaps on
-  load. The default planners only look such hooks up on tensors, so two small planner
-  subclasses add the lookup (``lookup_object`` / ``lookup_tensor``).
+balancer migrates it), and may be several disjoint slices of the full tensor (a fused QKV
+weight's shard is q-, k- and v-head rows). ``DTensor.from_local`` would place an uneven
+shard at the even split's offset, and one DTensor is one box; so plait uses DCP's
+checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``), the hooks DTensor itself implements: a
+:class:`~plait.checkpoint.pieces.Pieces` lists each contiguous slice as its own chunk with
+its true global offsets (:mod:`plait.parallel.layout`), and DCP's own resharding reads the
+overlaps on load (two small planner subclasses look the hooks up on objects).
 
 A data-parallel model (DDP's wrapper, or FSDP2's DTensors sharded over dp) is saved and
 loaded under its plain model's names: :mod:`plait.checkpoint.replicas`.

@@ -33,12 +33,9 @@ deferred to run under the next column-parallel layer's dgrad all-reduce
 (:mod:`plait.ops.deferred`): it reaches ``weight.grad`` by the end of
 ``loss.backward()``, not through ``torch.autograd.grad``.
 
-Straggler emulation and the speed monitor's timing wrap each layer's compute,
-forward and backward: on the plain path ``F.linear`` as one region
-(``_shard.straggled``), on the fused non-sequence-parallel path each local
-GEMM piece inside the operator (``_shard.pieces``), so waiting for other ranks
-is never counted as compute. The sequence-parallel fused operators are wrapped
-whole (their exposed wire is counted).
+Straggler emulation and the speed monitor's timing wrap each layer's compute: ``F.linear``
+as one region on the plain path, each local GEMM piece on the fused one (waiting for other
+ranks is never compute); the sequence-parallel fused operators whole.
 
 ZERO-resizing, the plan and the state both layers share: :mod:`.linear_base`.
 """

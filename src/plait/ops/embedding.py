@@ -23,17 +23,12 @@ soon as it lands, in a fixed order (own rows, then pieces in order, sources in
 rank order), so repeated runs agree bit for bit. (On CUDA ``index_add_`` uses
 atomics; set ``torch.use_deterministic_algorithms(True)`` for the same promise.)
 
-Schedule. The output is laid out ``[T, B_r, D]`` (each source's tables
-contiguous) and returned as its ``[B_r, T, D]`` view. Every destination's rows
-are cut into the same number of pieces; piece j's pooled rows for every
-destination are computed into one send buffer laid out (destination, table,
-row) and its all_to_all starts at once, while piece j+1 is computed. This
-rank's own rows need no wire: they are pooled straight into the output after
-the last piece has started. Arrivals are copied into their strided place in the
-output. One piece (the fallback) is the plain path: pool everything, then one
-all_to_all whose receive buffer is the output. A bag's pooled value does not
-depend on which other bags one ``embedding_bag`` call holds, so every path is
-bit-identical to pooling the whole batch and then exchanging.
+Schedule. The output is laid out ``[T, B_r, D]`` and returned as its ``[B_r, T, D]`` view.
+Every destination's rows are cut into the same number of pieces; piece j's pooled rows for
+every destination go into one send buffer and its all_to_all starts while piece j+1 is
+computed; this rank's own rows are pooled straight into the output after the last piece has
+started. One piece is the plain path. A bag's pooled value does not depend on which other
+bags one ``embedding_bag`` call holds, so every path is bit-identical to the plain one.
 
 Checks. Before any data moves, one small exchange per call (``ctx.gather_meta``: an
 all_gather on gloo, one header-only call on shared memory) carries every

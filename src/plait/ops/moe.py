@@ -25,25 +25,17 @@ from the forward, computed while dx's pieces are on the wire. combine: dgrad
 ``dw[e] = Σ_s y_(s,e)ᵀ dout_(s,e)``, each term added as its gradient block
 arrives. Every sum runs in a fixed order, so repeated runs agree bit for bit.
 
-Schedule. Every peer's block is cut into the same number of row pieces, so even
-two ranks pipeline; piece j is one ``all_to_all_single`` carrying piece j of
-every peer's block (zero rows where a peer has none: deadlock-free on NCCL,
-unlike isend/irecv). Dispatch: every piece starts at once (nothing to compute
-first); the own block is multiplied straight from x, then each piece as it
-lands, straight into its rows of y. Combine: piece j's remote rows are
-multiplied straight into its send buffer and start at once while piece j+1 is
-computed; the own block is multiplied into the output last, and arrivals are
-copied into their rows of the output. One piece (the fallback) is the plain
-path, whose collective reads x (dispatch) or writes the output (combine)
-directly. Data that is only moved is bit-identical to the plain path; the GEMMs
-run on row pieces, and MKL/cuBLAS may round a piece's rows differently from the
-whole block's (relative difference ~1e-16 in float64).
+Schedule. Every peer's block is cut into the same number of row pieces; piece j is one
+``all_to_all_single`` carrying piece j of every peer's block (zero rows where a peer has
+none: deadlock-free on NCCL). Dispatch: every piece starts at once; the own block is
+multiplied from x, then each piece as it lands, into its rows of y. Combine: piece j's rows
+are multiplied into its send buffer and start while piece j+1 is computed; the own block
+last. One piece is the plain path. Moved data is bit-identical to it; a GEMM on row pieces
+may round differently from the whole block (~1e-16 relative in float64).
 
-Checks. Before any token moves, one small all_gather per call (the counts
-change every call) carries every rank's verdict on its own input, its dtype and
-dims, and per peer its token totals and a fingerprint of its per-expert counts;
-every rank checks every pair, so a mismatch raises the same error everywhere
-(the exact counts are fetched only then, for the message). ``ctx.validate ==
+Checks. Before any token moves, one small all_gather per call carries every rank's verdict
+on its input, its dtype and dims, and per peer its token totals and a fingerprint of its
+per-expert counts, so a mismatch raises the same error everywhere. ``ctx.validate ==
 "never"`` skips it, unless ``chunks="auto"`` needs the counts.
 """
 

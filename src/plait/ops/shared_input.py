@@ -1,12 +1,10 @@
 """Column-parallel matmuls that read one replicated input, with one input-gradient all-reduce.
 
-Attention's q, k and v projections read the same ``x``, as an MLP's gate and
-up do. Each rank's input gradient is then ``dx_r = Σ_j dy_j,r @ w_j,rᵀ``, and
-the whole one ``dx = Σ_r dx_r``: the siblings' partial sums can be added
-before one all-reduce (Megatron's "f" operator placed once before all of
-them), instead of each layer all-reducing its own ``[M, K]`` (three
-all-reduces for q/k/v, two for gate/up, as ``column_parallel_matmul`` and
-DTensor's ``ColwiseParallel`` do).
+Attention's q, k and v projections read the same ``x``, as an MLP's gate and up do. A
+rank's input gradient is ``dx_r = Σ_j dy_j,r @ w_j,rᵀ`` and the whole one ``dx = Σ_r dx_r``:
+the siblings' partial sums are added before one all-reduce (Megatron's "f" placed once),
+not one all-reduce of ``[M, K]`` per layer (three for q/k/v, two for gate/up, as
+``column_parallel_matmul`` and DTensor's ``ColwiseParallel`` make).
 
 ==========  ==========================  ==========================================
 tensor      shape on rank r             note
@@ -18,35 +16,21 @@ dx          [..., K]                    ``all_reduce(Σ_j dy_j @ w_jᵀ)``
 dw_j        [K, N_j,r]                  ``xᵀ @ dy_j``, local
 ==========  ==========================  ==========================================
 
-The input enters once per forward (``SharedInput.matmul``: the first sibling
-to read a tensor wraps it; the others that read the *same* tensor reuse the
-wrap). Each sibling's backward leaves its ``(dy_j, w_j)`` with the wrap; the
-wrap's backward (after every sibling's, as autograd orders it) runs the summed
-dgrad as one fused ``matmul_all_reduce`` over the concatenated
-``[dy_0 | dy_1 | …] @ [w_0 | w_1 | …]ᵀ``: each piece of rows on the wire as
-soon as it is computed, and the weight gradients under the last pieces: the
-siblings' own (given ``wgrad_into``, deferred there as a row-parallel layer's
-are, :mod:`plait.ops.deferred`; else computed in each sibling's backward) and
-any a row-parallel layer deferred. ``overlap=False`` is the plain path: one
-``copy_to_region`` shared by the siblings (autograd adds their ``dx``
-partials, then one blocking all-reduce).
+``SharedInput.matmul``: the first sibling to read a tensor wraps it, the others reuse the
+wrap; each sibling's backward leaves ``(dy_j, w_j)`` with it, and the wrap's backward (after
+every sibling's) runs the summed dgrad as one fused ``matmul_all_reduce`` over
+``[dy_0 | dy_1 | …] @ [w_0 | w_1 | …]ᵀ``, the weight gradients under its last pieces (the
+siblings' own given ``wgrad_into``, and any a row-parallel layer deferred,
+:mod:`plait.ops.deferred`). ``overlap=False``: one shared ``copy_to_region``.
 
-``SharedInput.linear(x, params, index)`` goes further where the siblings are
-called with their weights ``p_j`` ([N_j, K], ``nn.Linear``'s layout): the
-first sibling to read ``x`` computes every sibling's output as one GEMM
-``x @ [p_0; p_1; …]ᵀ`` (the weights concatenated anew each forward, so an
-optimizer's update is always seen) and leaves each other sibling its columns
-(views of the one [M, Σ N_j] output) for its own call to take; the backward
-is one autograd node: ``[dy_0 | dy_1 | …]`` all-reduced in pieces as
-above, the weight gradients as one GEMM ``[dy_0 | dy_1 | …]ᵀ @ x`` (split by
-rows into each weight's gradient) under its last pieces, returned through
-autograd. A sibling whose output never reaches the loss gets no gradient.
+``SharedInput.linear(x, params, index)``, for siblings with ``nn.Linear`` weights: the first
+computes every sibling's output as one GEMM ``x @ [p_0; p_1; …]ᵀ`` (concatenated anew each
+forward) and leaves the others their columns; the backward is one autograd node, the dgrad
+fused as above and the weight gradients as one GEMM under its last pieces. A sibling whose
+output never reaches the loss gets no gradient.
 
-The wire schedule (dtype, M, K, piece count) is checked across ranks in the
-forward, once per wrap, its small gather travelling under the first GEMM, as
-``column_parallel_matmul`` does. Every rank runs the same model code, so the
-same siblings share the same tensors on every rank; a model whose ranks run
-different code would already disagree on every collective.
+The wire schedule (dtype, M, K, pieces) is checked across ranks in the forward, once per wrap,
+its gather under the first GEMM, as ``column_parallel_matmul`` does.
 """
 
 from __future__ import annotations

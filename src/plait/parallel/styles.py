@@ -1,11 +1,8 @@
 """The plan vocabulary: PyTorch's parallel styles, transformers' strings, plait's own, as one.
 
-Every plan entry becomes one of the frozen styles below (``to_style``), a plain
-value that says what the module does and how its input and output are laid
-out. Layouts are PyTorch's placements: ``Replicate()`` (every rank holds the
-whole tensor) or ``Shard(d)`` (each rank its share of dim d: ``Shard(-1)``
-features, ``Shard(1)`` the sequence). plait keeps plain tensors: a module's
-output is always this rank's local tensor, never a DTensor.
+Every plan entry becomes one of the frozen styles below (``to_style``): what the module
+does and how its input and output are laid out, in PyTorch's placements (``Replicate()``,
+``Shard(d)``); a module's output is always this rank's plain local tensor, never a DTensor.
 
 ==========================================  =========================================
 PyTorch / transformers                      plait style
