@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"__main__"},              # python -m plait
     {"cli"},                   # the command line
     {"bench", "elastic"},      # benchmarks and the elastic launcher: they run the loop
-    {"training"},              # THE training loop, its config, data, resume, report; decoding
+    {"training", "inference"},  # THE training loop, its config, data, resume, report; decoding
     {"checkpoint"},            # DCP save/load, loading checkpoints slice by slice
     {"parallel"},              # parallelize(model, plan), apply_tp, data parallelism
     {"balance", "models"},     # the balancer; small models with no parallel code

@@ -11,7 +11,7 @@ import torch
 import pytest
 
 from plait.cli.main import main
-from plait.training.generate import GenerateConfig, read_prompts
+from plait.inference.generate import GenerateConfig, read_prompts
 
 pytest.importorskip("transformers")
 

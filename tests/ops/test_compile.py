@@ -164,7 +164,7 @@ def _explained():
     """torch._dynamo.explain's count for a Llama's training step and decoding step; then
     plait's decode loop compiled: warmed up at batch 4, 64 tokens at batch 4 and at batch 3
     (the same bucket) under ``fail_on_recompile``, and batch 3's tokens eager."""
-    from plait.training.decode import decode
+    from plait.inference.decode import decode
 
     single, ids, _ = _build("llama")
     model = _parallel("llama", single)

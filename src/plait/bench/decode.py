@@ -21,7 +21,7 @@ plan, each a *system*:
   before the shared-memory transport carried them in its headers: what that saves a step.
 
 For each batch size, each system decodes ``--new-tokens`` tokens greedily after a
-``--prompt-len`` prompt (``plait.training.decode``: one forward a token, KV cache), every
+``--prompt-len`` prompt (``plait.inference.decode``: one forward a token, KV cache), every
 system in turn and in balanced orders for ``--rounds`` rounds. A step takes as long as its
 slowest rank. Per system and batch: the median per-token latency over every round's
 steps (``ms_per_token``), its 99th percentile, the time to first token (median over
@@ -43,8 +43,8 @@ from ..runtime.fields import help_meta as _h
 from ..runtime import rank_context
 from ..runtime.straggler import SLOW_BY, once_per_rank
 from ..runtime.timing import agreed_max, balanced_round
-from ..training.decode import decode, step_figures
-from ..training.split import split_sizes
+from ..inference.decode import decode, step_figures
+from ..inference.split import split_sizes
 
 __all__ = ["DecodeBenchConfig", "SYSTEMS", "bench_decode", "check_slow", "kernel_budgets",
            "run_decode_bench", "summarize"]
@@ -128,7 +128,7 @@ def check_slow(specs) -> None:
 def _llama(cfg: DecodeBenchConfig):
     from types import SimpleNamespace
 
-    from ..training.generate import build_model
+    from ..inference.generate import build_model
 
     return build_model(SimpleNamespace(model="hf-llama", vocab_size=cfg.vocab_size,
                                        n_embd=cfg.n_embd, n_layer=cfg.n_layer,
@@ -189,7 +189,7 @@ def _speed_split(cfg: DecodeBenchConfig, model, prompt, speeds=None) -> dict:
     (``speeds``: measured already, on the even split; else measured here). A rank's speed
     depends on the batch: at batch 1 a layer's call costs about the same however few
     columns it holds, so speeds measured there understate a slow host's slowness at 64."""
-    from ..training.split import measure_speeds, split_by_speed
+    from ..inference.split import measure_speeds, split_by_speed
 
     if speeds is None:
         speeds, _, _ = measure_speeds(model, prompt, cfg.speed_steps)
@@ -298,16 +298,16 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[dict]:
 def _capacity(cfg: DecodeBenchConfig, models: dict, prompt) -> dict:
     """Each rank's compute and work per token in the split layers, the even split's, on this
     batch's prompt (a short decode with the layers timed)."""
-    from ..training.split import measure_speeds
+    from ..inference.split import measure_speeds
 
     speeds, compute, work = measure_speeds(models["plait"], prompt, cfg.speed_steps)
     return {"speeds": list(speeds), "compute_s": compute, "work": work}
 
 
 def _ideal(capacity: dict, even_step_s: float, step_s: float) -> dict:
-    """The capacity ideal (:func:`plait.training.split.decode_ideal`) from the even split's
+    """The capacity ideal (:func:`plait.inference.split.decode_ideal`) from the even split's
     median step and its ranks' compute and work per token."""
-    from ..training.split import decode_ideal
+    from ..inference.split import decode_ideal
 
     ideal = decode_ideal(even_step_s, capacity["compute_s"], capacity["work"])
     return {"ideal_ms": ideal * 1e3, "ratio_to_ideal": step_s / ideal,

@@ -77,7 +77,7 @@ def run_decode(args: argparse.Namespace) -> int:
                         "-compiled: a static KV cache, the step compiled; TTFT: the prompt's forward "
                         "to the first token (median over rounds); ideal: the even split's step "
                         "less its slowest rank's compute in the split layers, plus all their "
-                        "work at the ranks' summed speeds (plait.training.split.decode_ideal)")
+                        "work at the ranks' summed speeds (plait.inference.split.decode_ideal)")
     for r in timed:
         if "split" in r:
             sizes = {d.rsplit(".", 1)[-1]: s for d, s in r["split"]["sizes"].items()}

@@ -1,5 +1,5 @@
 """``plait generate``: decode prompts with a transformers causal LM on N ranks
-(:mod:`plait.training.generate`), printing the tokens and the per-token timings."""
+(:mod:`plait.inference.generate`), printing the tokens and the per-token timings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 from ..runtime.placement import run_placed
 from ..bench.report import console, print_table
-from ..training.generate import (MODELS, GenerateConfig, generate_rank, read_prompts,
+from ..inference.generate import (MODELS, GenerateConfig, generate_rank, read_prompts,
                                  text_prompts, tokenizer_of)
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_outputs, resolve_placement

@@ -1,4 +1,5 @@
-"""Training and running models: the one training loop and what commands build around it.
+"""Training models: the one training loop and what commands build around it (decoding and
+serving are :mod:`plait.inference`).
 
 - :mod:`~plait.training.loop`: :class:`Trainer`, one optimizer step with components around
   it (:mod:`~plait.training.components`: straggler emulation, balancer, checkpoints,
@@ -9,8 +10,6 @@
   models), :mod:`~plait.training.dp_tp` (``--dp``/``--tp``, ``--balance``),
   :mod:`~plait.training.resume` (checkpoints), :mod:`~plait.training.report` (``log.json``,
   the capacity ideal) and :mod:`~plait.training.run` (``train``).
-- Decoding: :mod:`~plait.training.decode`, :mod:`~plait.training.generate`
-  (``plait generate``), :mod:`~plait.training.split`.
 """
 
 __all__ = ["Trainer", "TrainConfig", "train"]

@@ -4,17 +4,17 @@ ranks' speeds no longer match it.
     served = serve(model, prompts, new_tokens=32, split="adaptive")   # every rank
     served[i].tokens, served[i].sizes, served[i].moved
 
-Each request is one :func:`plait.training.decode.decode` with a KV cache of its own, so
+Each request is one :func:`plait.inference.decode.decode` with a KV cache of its own, so
 between two requests nothing is cached that a move would have to carry: the split dims
 (``applied(model).dims``: an attention's KV-head groups, an MLP's columns) are moved there
-by :func:`plait.training.split.split_by_speed` (:func:`plait.balance.migrate`, exact), and
+by :func:`plait.inference.split.split_by_speed` (:func:`plait.balance.migrate`, exact), and
 the next request's tokens are the ones it would have decoded without the move.
 
 ``split``:
 
 - ``"even"``: as :func:`plait.parallelize` made it, never moved;
 - ``"speed"``: sized once before the first request by a few measured decoding steps
-  (:func:`plait.training.split.measure_speeds`), then kept;
+  (:func:`plait.inference.split.measure_speeds`), then kept;
 - ``"adaptive"``: ``"speed"``, and after every request the speeds its first
   ``timed_steps`` steps measured (the balancer's :class:`plait.balance.SpeedMonitor`: weight elements
   multiplied per second of each rank's own compute in the split layers, an emulated
@@ -132,7 +132,7 @@ def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str
     """Decode ``prompts`` ([B, S] ids each) one after another on every rank of ``model``'s
     group; see the module doc. ``speeds_of(i, measured)``: the speeds to act on after request
     i (default: the measured ones; a test feeds its own). ``on_request(i, served)``: called
-    after each request (every rank). ``decode_kw``: :func:`~plait.training.decode.decode`'s."""
+    after each request (every rank). ``decode_kw``: :func:`~plait.inference.decode.decode`'s."""
     from ..runtime import rank_context
     from .decode import decode
     from .split import measure_speeds, split_by_speed, split_sizes

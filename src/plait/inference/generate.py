@@ -5,7 +5,7 @@ download; sizes from the flags, one seed on every rank) or loaded from a checkpo
 directory, each rank reading its shards (:func:`plait.from_pretrained`). It is made
 parallel by its own plan (``plait.parallelize(model, "auto")``) and decodes the prompts
 (token ids; prompts of different lengths padded on the left, each row's positions its own)
-with :func:`plait.training.decode.decode`. Everything a user can get wrong (a prompt file,
+with :func:`plait.inference.decode.decode`. Everything a user can get wrong (a prompt file,
 a model name, more tokens than the model's positions, ids outside its vocabulary) is
 checked by :meth:`GenerateConfig.check` before any rank starts.
 """

@@ -1,4 +1,4 @@
-"""Shares sized by measured speed before decoding (``plait.training.split``), on virtual devices:
+"""Shares sized by measured speed before decoding (``plait.inference.split``), on virtual devices:
 each rank's clock counts its matrix products' FLOPs (``plait.balance.VirtualDevice``), the
 last rank is emulated 2 × slower, so the speeds are known exactly and so is the split.
 
@@ -27,9 +27,9 @@ def _split(world_slow: float):
     from plait.balance import static_plan
     from plait.balance.virtual import VirtualDevice
     from plait.runtime import SlowSpec, Straggler, rank_context
-    from plait.training.decode import decode
-    from plait.training.generate import build_model
-    from plait.training.split import measure_speeds, split_by_speed
+    from plait.inference.decode import decode
+    from plait.inference.generate import build_model
+    from plait.inference.split import measure_speeds, split_by_speed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = VirtualDevice().install(unmovable=False)
@@ -64,7 +64,7 @@ def test_a_2x_rank_gets_its_speeds_share_and_the_tokens_do_not_change(world):
 
 
 def test_the_decode_ideal_is_the_rest_plus_the_work_at_the_summed_speeds():
-    from plait.training.split import decode_ideal
+    from plait.inference.split import decode_ideal
 
     # 10 ms steps whose split layers took 4 ms and 8 ms (a 2 x rank) for 100 units each:
     # 2 ms elsewhere, then 200 units at 25 + 12.5 units a ms

@@ -1,4 +1,4 @@
-"""Serving with the split moved between requests (``plait.training.serve``), on virtual devices:
+"""Serving with the split moved between requests (``plait.inference.serve``), on virtual devices:
 each rank's clock counts its matrix products' FLOPs (``plait.balance.VirtualDevice``), and the
 last rank turns 2 × slower from the second request on (the straggler's step is the request's
 index), so the speeds each request measures are known exactly, and so is every decision.
@@ -30,9 +30,9 @@ def _serve(split: str, sample: bool):
     import plait
     from plait.balance.virtual import VirtualDevice
     from plait.runtime import SlowSpec, Straggler, rank_context
-    from plait.training.decode import decode
-    from plait.training.generate import build_model
-    from plait.training.serve import serve
+    from plait.inference.decode import decode
+    from plait.inference.generate import build_model
+    from plait.inference.serve import serve
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = VirtualDevice().install(unmovable=False)
@@ -78,7 +78,7 @@ def test_sampled_tokens_survive_a_move_and_even_never_moves():
 
 
 def test_predicted_gain_is_the_slowest_ranks_time_against_the_summed_speeds():
-    from plait.training.serve import predicted_gain
+    from plait.inference.serve import predicted_gain
 
     assert predicted_gain([4, 4], [1.0, 1.0]) == 0.0
     # now: max(2/1, 2/0.5) = 4; by speed: 4 / 1.5
