@@ -5,10 +5,10 @@
                                          [--merge] [--timeout S] [--docs]
     .venv/bin/python scripts/hf_sweep.py --docs-only   # docs/conformance.md from the JSON
 
-For each architecture (``plait.parallel.tiny_hf.tp_model_types()``): one launch of one
+For each architecture (``plait.testing.tiny_hf.tp_model_types()``): one launch of one
 rank builds the tiny model and runs it (3 SGD steps, ``generate()``) in float64, else
 float32; where it cannot, the architecture is "not-built" with the reason, and nothing of
-plait runs. Then one launch per world size runs ``plait.training.conformance.check`` on
+plait runs. Then one launch per world size runs ``plait.testing.conformance.check`` on
 every rank: exact, refused (one line, weights unchanged) or DIFFERENT/ERROR. Every launch
 has a deadline (``--timeout``), so one hang costs that and the sweep goes on. Results go
 to the JSON after every architecture; ``--merge`` replaces only the architectures run in
@@ -37,14 +37,14 @@ OUTCOMES = ("exact", "refused", "not-built", "DIFFERENT", "ERROR")
 
 def _probe(model_type: str) -> tuple:
     """On one rank: (dtype name or None, why not built)."""
-    from plait.training.conformance import reference_dtype
+    from plait.testing.conformance import reference_dtype
 
     dtype, why = reference_dtype(model_type)
     return (None if dtype is None else str(dtype).removeprefix("torch."), why)
 
 
 def _check(model_type: str, dtype: str) -> dict:
-    from plait.training.conformance import check
+    from plait.testing.conformance import check
 
     return check(model_type, dtype)
 
@@ -55,7 +55,7 @@ def _preload() -> None:
     ctx = importlib.import_module("plait.runtime.launch")._context()
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "plait.runtime",
                                 "transformers.models.llama.modeling_llama",
-                                "plait.training.conformance"])
+                                "plait.testing.conformance"])
 
 
 def _launch(fn, world: int, args: tuple, timeout_s: float):
@@ -176,7 +176,7 @@ def render_docs(data: dict) -> str:
         f"Refused: one line naming the module, the model's weights, buffers and modules "
         f"unchanged. Not-built: the tiny model does not run on one CPU process, for reasons "
         f"outside plait. DIFFERENT (silently other numbers) and ERROR (accepted, then failed) "
-        f"must be 0. The code: `plait.training.conformance`, `plait.parallel.tiny_hf`; what "
+        f"must be 0. The code: `plait.testing.conformance`, `plait.testing.tiny_hf`; what "
         f"`parallelize` checks before it changes a weight: `plait.parallel.probe`.",
         "",
         f"Command: `{data['command']}` ({data['started'][:10]}, commit {data.get('commit', '?')}, "
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from plait.parallel.tiny_hf import tp_model_types
+    from plait.testing.tiny_hf import tp_model_types
 
     worlds = [int(w) for w in args.ranks.split(",") if w]
     archs = [a for a in args.only.split(",") if a] or tp_model_types()

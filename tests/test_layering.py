@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "plait"
 LAYERS: list[set[str]] = [
     {"__main__"},              # python -m plait
     {"cli"},                   # the command line
-    {"bench", "elastic"},      # benchmarks and the elastic launcher: they run the loop
+    {"bench", "elastic", "testing"},  # benchmarks, the elastic launcher; the test harnesses
     {"training", "inference"},  # THE training loop, its config, data, resume, report; decoding
     {"checkpoint"},            # DCP save/load, loading checkpoints slice by slice
     {"parallel"},              # parallelize(model, plan), apply_tp, data parallelism

@@ -33,7 +33,7 @@ from plait.parallel.data import data_parallel, dp_tp_mesh, replanned, replica_si
 from plait.plan import ShardPlan
 from plait.runtime import rank_context
 from plait.runtime.straggler import SlowSpec, Straggler
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 from plait.training.components import OnStep, Straggling
 from plait.training.config import TrainConfig
 from plait.training.data import CharCorpus

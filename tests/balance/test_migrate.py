@@ -20,7 +20,7 @@ import torch.nn as nn
 from plait.balance import migrate
 from plait.balance.migrate import moved_units
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 
 N_STEPS = 8
 LAYERS = ("fc", "proj", "qk")

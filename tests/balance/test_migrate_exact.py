@@ -36,7 +36,7 @@ from plait.models import GPT, GPTConfig
 from plait.nn import ShardPlan
 from plait.parallel import apply_tp
 from plait.ops.deferred import pending
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 TOL = 1e-12
 HEADS, COLUMNS = 12, 192

@@ -18,7 +18,7 @@ from plait.bench.hetero import HeteroBenchConfig
 from plait.bench.hetero_ideal import with_ideal
 from plait.bench.scenarios import scenario_specs
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import record
 
 

@@ -13,7 +13,7 @@ from plait.bench.scenarios import factors_at, scenario_specs
 from plait.runtime import Straggler
 from plait.runtime.scenario_file import load_scenario, parse_scenario
 from plait.runtime.straggler import SlowCurve
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "scenarios")
 DRIFT, JITTER = (os.path.join(EXAMPLES, f"{n}.json") for n in ("drift", "jitter"))

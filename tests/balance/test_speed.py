@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from plait.balance import SpeedMonitor, ema, flag_stragglers, relative_speeds
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import record
 
 

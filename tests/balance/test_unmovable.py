@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from plait.nn import ColumnParallelLinear, RowParallelLinear
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import record
 
 B, D, H = 64, 512, 1536  # batch rows, model width, the MLP's columns (the dim a plan splits)

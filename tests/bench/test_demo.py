@@ -20,7 +20,7 @@ import pytest
 from plait.cli.demo import demo_config, demo_placement
 from plait.cli.main import build_parser, main
 from plait.bench.demo import LOOPBACK, QUICK_DEMO, WARMUP_STEPS, DemoConfig
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 STEPS, SLOW_FROM, FACTOR = 8, 2, 3.0
 SEQ_LEN, BATCH = 16, 4

@@ -16,7 +16,7 @@ says why in one line, and nothing of it, nor the model's plans, changes.
 
 import torch
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 
 def _tensors_differ(a, b, path=""):

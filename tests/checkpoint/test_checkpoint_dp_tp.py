@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from plait import checkpoint
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 from _ckpt_gpt import build, dp_tp, plain_full, same, train, trained_uneven, whole
 

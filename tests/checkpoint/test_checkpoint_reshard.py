@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from plait import checkpoint
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 from _ckpt_gpt import build, full, plain_full, rank, same, trained_uneven
 

@@ -18,7 +18,7 @@ import torch
 
 from plait import checkpoint
 from plait.nn.linear_base import select_features
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 from _ckpt_gpt import CFG, build, dp_tp, full, plain_full, rank, same, train, trained_uneven
 from _ckpt_gpt import whole

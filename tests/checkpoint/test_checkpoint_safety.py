@@ -30,7 +30,7 @@ from plait import checkpoint
 from plait.checkpoint import CheckpointError
 from plait.models import GPTConfig
 from plait.runtime.errors import RankError
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 from _ckpt_faults import faulty_writes
 from _ckpt_gpt import CFG, build, full, plain_full, rank, same, train

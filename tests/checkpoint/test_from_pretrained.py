@@ -26,7 +26,7 @@ import copy
 import pytest
 import torch
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import applied
 
 pytest.importorskip("transformers")

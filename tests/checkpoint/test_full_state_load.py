@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import applied
 
 pytest.importorskip("transformers")

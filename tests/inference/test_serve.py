@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import applied
 
 pytest.importorskip("transformers")

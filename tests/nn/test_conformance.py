@@ -2,7 +2,7 @@
 
 The sweep (``scripts/hf_sweep.py``, docs/conformance.md) runs every transformers causal LM
 whose config ships a tensor-parallel plan; here one architecture per layout it met, tiny
-(``plait.parallel.tiny_hf``), through ``plait.training.conformance.check`` on 2 and 3 ranks:
+(``plait.testing.tiny_hf``), through ``plait.testing.conformance.check`` on 2 and 3 ranks:
 3 SGD steps' losses and every gradient and the first logits against the same model on one
 process (float64; the bar is the precision the model computes in, or 10x its own noise
 where larger), greedy ``generate()`` tokens equal; or a refusal in one line, the model's
@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -58,7 +58,7 @@ REFUSED = {  # architecture: what the one line must say
 def _sweep(archs: list[str]) -> dict:
     """``check`` with 2 steps and no noise run: these architectures do not amplify rounding,
     so every step is held to the precision's bar (the sweep runs 3 steps and the noise)."""
-    from plait.training.conformance import check
+    from plait.testing.conformance import check
 
     return {arch: check(arch, steps=2, noise=False) for arch in archs}
 
@@ -145,7 +145,7 @@ def _against_one_process(make, *args) -> dict:
     """Output and every gradient of the parallel model against the plain one, and the
     precision the plain one computes in."""
     import plait
-    from plait.training.conformance import precision
+    from plait.testing.conformance import precision
 
     torch.set_num_threads(1)
     ref, plan, vocab = make(*args)
@@ -190,7 +190,7 @@ def test_pytorch_vocabulary_models_under_their_own_plans(world):
         titan = True
     except ImportError:
         titan = False
-    from plait.training.conformance import TOL
+    from plait.testing.conformance import TOL
 
     got = run_ranks(_pytorch_models, world, titan, timeout_s=120)
     if world == 2:  # the issue's bare shape error, with the check off: nothing adapts n_heads

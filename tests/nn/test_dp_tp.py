@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from plait.nn import ShardPlan
 from plait.parallel import MeshLayout, replica_mismatch, unsharded
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 TOL = 1e-9
 STEPS = 5
@@ -185,7 +185,7 @@ def _refused():
 
     import plait
     from plait.parallel import data_parallel, dp_tp_mesh
-    from plait.runtime.testing import raised
+    from plait.testing import raised
 
     mesh = dp_tp_mesh(2, 2)
     rank = dist.get_rank()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from plait.models import EmbeddingBagCollection
 from plait.nn import ShardPlan, ShardedEmbeddingBag
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 
 TOL = 1e-12
 ROWS = [7, 3, 11, 5, 4, 9]

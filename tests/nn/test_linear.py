@@ -15,7 +15,7 @@ import torch.nn as nn
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
 from plait.nn._shard import shard_of
 from plait.ops import explain
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 
 TOL = 1e-10
 B, S = 2, 5

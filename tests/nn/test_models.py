@@ -17,7 +17,7 @@ import torch
 from plait.models import DLRM, GPT, DLRMConfig, GPTConfig
 from plait.nn import ShardPlan
 from plait.parallel import apply_tp, full_state_dict
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 
 TOL = 1e-10
 

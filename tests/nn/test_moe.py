@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from plait.models import MoEFeedForward
 from plait.nn import MoE, ShardPlan
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 
 TOL = 1e-12
 H, F, E, TOKENS = 4, 6, 5, 11

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from plait.nn import ColumnParallelLinear, ShardPlan
 from plait.parallel import full_state_dict
-from plait.runtime.testing import raised, run_ranks
+from plait.testing import raised, run_ranks
 from plait.nn.record import applied
 
 TOL = 1e-10

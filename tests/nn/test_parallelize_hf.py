@@ -45,7 +45,7 @@ import torch
 
 from plait.nn import ShardPlan
 from plait.parallel import full_state_dict
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.nn.record import applied
 
 pytest.importorskip("transformers")

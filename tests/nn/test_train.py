@@ -21,7 +21,7 @@ import torch
 from plait.cli.train import register
 from plait.training.data import CharCorpus, ClickLog
 from plait.models import DLRM, GPT, DLRMConfig
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.training.config import TrainConfig
 from plait.training.loop import lr_at
 from plait.training.models import dlrm_loss, evaluate_dlrm, evaluate_gpt, gpt_loss

@@ -17,7 +17,7 @@ import torch
 from plait.cli.main import main
 from plait.training.data import CharCorpus
 from plait.models import GPT
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.training.config import TrainConfig
 from plait.training.models import evaluate_gpt, gpt_loss, hf_loss
 from plait.training.run import train_rank

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from plait.cli.main import main
 from plait.training.data import CharCorpus
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.training.config import TrainConfig
 from plait.training.loop import lr_at
 from plait.training.models import build_hf

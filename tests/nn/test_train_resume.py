@@ -44,7 +44,7 @@ import torch
 from plait.checkpoint import SeededStream, rng_state, set_rng_state
 from plait.cli.main import main as plait_main
 from plait.runtime.errors import RankError
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 from plait.training.config import TrainConfig
 from plait.training.run import train_rank
 from plait.training.resume import checkpoint_note

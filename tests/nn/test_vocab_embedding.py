@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from plait.parallel.layers import VocabParallelEmbedding
 from plait.plan import ShardPlan
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 V, D = 11, 4
 PLANS = {2: (7, 4), 3: (5, 2, 4)}

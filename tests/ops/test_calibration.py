@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from plait.ops.calibration import CURVE_BYTES, GEMM_ROWS, GEMM_WIDTHS, Calibration, measure
 from plait.perf.calibrate import DEFAULT_PROFILE
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 
 def _measure():

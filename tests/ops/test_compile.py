@@ -28,7 +28,7 @@ import copy
 import pytest
 import torch
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -41,7 +41,7 @@ def _build(family: str):
     """(single-process model, a batch of token ids, vocabulary) in float64."""
     g = torch.Generator().manual_seed(1)
     if family in HF:
-        from plait.parallel.tiny_hf import VOCAB, tiny_model
+        from plait.testing.tiny_hf import VOCAB, tiny_model
 
         model = tiny_model(family, dtype=torch.float64)
         if family == "mixtral":  # sharper routing than the default init

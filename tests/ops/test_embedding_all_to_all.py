@@ -17,7 +17,7 @@ from plait.ops.embedding import embedding_all_to_all
 from plait.ops.calibration import Calibration
 from plait.perf.calibrate import MachineProfile
 from plait.runtime import RankError
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 # comm-heavy enough that chunks="auto" fuses a 256 KiB exchange
 FUSE_MEMORY_BPS = 2e8  # gathers as slow as the link, so the model sees something to overlap

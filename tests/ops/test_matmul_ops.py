@@ -15,7 +15,7 @@ from plait.ops.calibration import Calibration
 from plait.ops.matmul_all_reduce import matmul_all_reduce_start
 from plait.perf.calibrate import MachineProfile
 from plait.runtime import RankError
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 TOL = 1e-10
 

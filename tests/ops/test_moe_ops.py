@@ -17,7 +17,7 @@ from plait.ops.moe import all_to_all_matmul, matmul_all_to_all
 from plait.ops.calibration import Calibration
 from plait.perf.calibrate import MachineProfile
 from plait.runtime import RankError
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 FUSE_PROFILE = MachineProfile(latency_s=1e-5, bandwidth_Bps=1e8, compute_flops=4e9,
                               source="test: fusing pays")

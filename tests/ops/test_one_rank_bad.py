@@ -25,7 +25,7 @@ from hypothesis import Phase, given, settings, strategies as st
 import plait.nn as pnn
 from plait import ops
 from plait.ops.pieces import even_sizes
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 TOL = 1e-10
 TIMEOUT_S = 60  # the group's collective timeout (and rendezvous): no case may come near it

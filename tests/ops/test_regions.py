@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 SIZES = [2, 3, 1]
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from plait.ops import explain
 from plait.ops.shared_input import SharedInput
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 TOL = 1e-10
 

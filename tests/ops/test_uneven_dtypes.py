@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from plait.ops import (all_gather_matmul, all_to_all_matmul, column_parallel_matmul,
                        embedding_all_to_all, get_context, matmul_all_reduce, matmul_all_to_all,
                        matmul_reduce_scatter)
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 WORLD, CHUNKS = 3, 3
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from plait.ops import (all_gather_matmul, all_to_all_matmul, column_parallel_matmul,
                        embedding_all_to_all, explain, matmul_all_reduce, matmul_all_to_all,
                        matmul_reduce_scatter)
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 CHUNKS = (1, 2, "auto")
 

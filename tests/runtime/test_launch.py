@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from plait.runtime import RankError, launch, rank_context
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 
 def _all_reduce_rank_tensor(scale):

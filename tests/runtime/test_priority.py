@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from plait.runtime import launch
 from plait.runtime.priority import DEFAULT_NICE, comm_priority, comm_threads, raise_comm_threads
-from plait.runtime.testing import TEST_TIMEOUT_S, run_ranks
+from plait.testing import TEST_TIMEOUT_S, run_ranks
 
 
 def _fifo_allowed() -> bool:

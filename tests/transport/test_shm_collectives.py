@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}

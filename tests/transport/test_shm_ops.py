@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
 import test_uneven_dtypes as cases  # noqa: E402  (the cases and their reference)
 
-from plait.runtime.testing import run_ranks  # noqa: E402
+from plait.testing import run_ranks  # noqa: E402
 
 
 def _tensors():

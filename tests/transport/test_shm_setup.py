@@ -22,7 +22,7 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 FAST = 10.0
 _CLONE_NEWNS, _MS_REC, _MS_PRIVATE = 0x00020000, 0x4000, 0x40000

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.runtime.testing import run_ranks
+from plait.testing import run_ranks
 
 FAST = 10.0  # a collective timeout for these tests: a hang on the old code fails fast
 

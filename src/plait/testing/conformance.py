@@ -1,7 +1,7 @@
 """One architecture through ``plait.parallelize(model, "auto")`` against the model on one process.
 
 ``check(model_type, dtype)`` runs on every rank of a launch (``plait.runtime.launch`` or
-``run_ranks``): each rank builds the tiny model (:mod:`plait.parallel.tiny_hf`, one seed)
+``run_ranks``): each rank builds the tiny model (:mod:`plait.testing.tiny_hf`, one seed)
 as the reference and a deep copy it makes parallel, then
 
 - 3 SGD steps on both, on fixed batches: each step's loss and every parameter's gradient
@@ -88,7 +88,7 @@ def _quiet() -> None:
 def reference_dtype(model_type: str):
     """The dtype the tiny model runs in on one process (float64, else float32) and the
     reason it does not run at all (None where it does)."""
-    from ..parallel.tiny_hf import NotBuilt, tiny_model
+    from .tiny_hf import NotBuilt, tiny_model
 
     _quiet()
     why = None
@@ -107,7 +107,7 @@ def reference_dtype(model_type: str):
 def _steps_and_generate(model, record=None, steps: int = STEPS) -> list:
     """``steps`` SGD steps through the training loop (:class:`plait.training.loop.Trainer`),
     then greedy tokens; ``record(step, model, loss, logits)`` after each backward."""
-    from .loop import Component, Trainer
+    from ..training.loop import Component, Trainer
 
     vocab = _vocab(model)
     last: dict = {}
@@ -173,7 +173,7 @@ def check(model_type: str, dtype_name: str = "float64", *, steps: int = STEPS,
     ``noise=False``: no run from perturbed weights, every step held to the precision's bar
     (a test of architectures known not to amplify rounding; half the time)."""
     import plait
-    from ..parallel.tiny_hf import tiny_model
+    from .tiny_hf import tiny_model
 
     torch.set_num_threads(1)
     _quiet()

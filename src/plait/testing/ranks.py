@@ -1,6 +1,6 @@
 """A pytest helper: run a function on 2 (or 4) ranks and get each rank's result.
 
-    from plait.runtime.testing import run_ranks
+    from plait.testing import run_ranks
 
     def _sum_ranks():
         t = torch.tensor([dist.get_rank()])
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .launch import launch
+from ..runtime.launch import launch
 
 __all__ = ["run_ranks", "raised", "TEST_TIMEOUT_S"]
 
