@@ -44,15 +44,15 @@ def load_shards(model: nn.Module, source, *, strict: bool = True) -> dict:
     Returns ``{"read_bytes", "tensors", "files"}``: what this rank read. A model still on
     the meta device is refused (its tensors hold no memory to copy into): call
     :func:`~plait.checkpoint.pretrained.materialize` first."""
-    on_meta = next((name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta),
-                   None)
+    state = model.state_dict(keep_vars=True)
+    on_meta = next((name for name, t in state.items() if t.is_meta), None)
     if on_meta is not None:
         raise ValueError(f"load_shards: {on_meta} is on the meta device (no memory to load "
                          "into); call plait.checkpoint.materialize(model, 'cpu') first")
     store = _store(source)
     sources = named_sources(model, store) if isinstance(store, SafetensorsDir) else \
         {name: store.leaf(name) for name in store.keys()}
-    wanted = _one_name_each(model.state_dict(keep_vars=True), sources)
+    wanted = _one_name_each(state, sources)
     layouts = model_layouts(model)
     plan = _plan(wanted, layouts, sources, strict)
     read = 0

@@ -12,6 +12,8 @@ checked by :meth:`GenerateConfig.check` before any rank starts.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -134,14 +136,8 @@ class GenerateConfig:
                              f"{n_kv} KV heads)") from None
 
     def _config(self):
-        """A checkpoint's config (its text model's), read from config.json."""
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(self.model, local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"--model {self.model}: {str(err).splitlines()[0]}") from None
-        return config.get_text_config() if hasattr(config, "get_text_config") else config
+        """A checkpoint's config (its text model's), read from config.json once."""
+        return _text_config(self.model)
 
     def limits(self) -> tuple[int, int]:
         """(vocabulary, positions) of the model, read from the checkpoint's config.json."""
@@ -177,6 +173,19 @@ class GenerateConfig:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0 to "
                              f"{vocab - 1})")
+
+
+@functools.lru_cache(maxsize=8)
+def _text_config(model: str):
+    """``model``'s config.json as transformers reads it (its text model's, for a multimodal
+    one); a ValueError in one line where it cannot."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {model}: {str(err).splitlines()[0]}") from None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def tokenizer_of(model: str):

@@ -42,14 +42,16 @@ def applied(model: nn.Module) -> Applied:
 def record(model: nn.Module, *, line: str | None = None, notes=None, dims: dict | None = None,
            group=_UNSET) -> Applied:
     """Set what is given on ``model``'s record (made on first use); returns it."""
-    old = getattr(model, _ATTR, None)
-    lines = list(old or [])
+    done = getattr(model, _ATTR, None)
+    if done is None:
+        done = Applied()
+        setattr(model, _ATTR, done)
     if line is not None:
-        lines = [line, *(lines[1:] if notes is None else [])]
+        done[:1] = [line]
     if notes is not None:
-        lines = [*lines[:1], *notes]
-    new = Applied(lines, old.dims if dims is None and old is not None else dims,
-                  group if group is not _UNSET else (old.group if old is not None and old.cut
-                                                     else _UNSET))
-    setattr(model, _ATTR, new)
-    return new
+        done[1:] = list(notes)
+    if dims is not None:
+        done.dims = dims
+    if group is not _UNSET:
+        done.group, done.cut = group, True
+    return done

@@ -353,23 +353,30 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        dx = dw = None
         with compute_region(ctx.region):
-            grads = {}
+            dx, dw = _column_backward(x2, w, dy, ctx.group, ctx.chunks, ctx.ops_ctx, ctx.metas,
+                                      *ctx.needs_input_grad[:2])
+        return dx, dw, None, None, None, None
 
-            def wgrad():  # under the dgrad's last all_reduces, with what was deferred
-                if ctx.needs_input_grad[1]:
-                    with piece():
-                        grads["dw"] = x2.t() @ dy
-                run_deferred()
-            if ctx.needs_input_grad[0]:
-                decision, transposed = _decide(DGRAD, ctx.metas, dy.element_size(), ctx.chunks,
-                                               ctx.ops_ctx)
-                dx = _fused_forward(dy.contiguous(), w.t(), ctx.group, decision, transposed,
-                                    meanwhile=wgrad)
-            else:
-                wgrad()
-        return dx, grads.get("dw"), None, None, None, None
+
+def _column_backward(x2: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group, chunks,
+                     ops_ctx: OpsContext, metas, needs_dx: bool, needs_dw: bool):
+    """``column_parallel_matmul``'s backward, ``(dx, dw)`` (None where not needed): the dgrad
+    ``Σ_ranks dy_r @ w_rᵀ`` fused, the weight's gradient ``x2ᵀ dy`` (and any deferred one)
+    under its last pieces' all-reduce. ``metas``: every rank's ``_dgrad_row``, agreed."""
+    grads = {}
+
+    def wgrad():  # under the dgrad's last all_reduces, with what was deferred
+        if needs_dw:
+            with piece():
+                grads["dw"] = x2.t() @ dy
+        run_deferred()
+    if not needs_dx:
+        wgrad()
+        return None, grads.get("dw")
+    decision, transposed = _decide(DGRAD, metas, dy.element_size(), chunks, ops_ctx)
+    dx = _fused_forward(dy.contiguous(), w.t(), group, decision, transposed, meanwhile=wgrad)
+    return dx, grads.get("dw")
 
 
 DGRAD = "column_parallel_matmul.dgrad"
@@ -460,18 +467,13 @@ def _column_grads(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group: str
     computed under its last pieces' all-reduce."""
     g, auto = group_of(group), "auto" if chunks == 0 else chunks
     ctx = get_context(g)
-    x2, dy2 = as_rows(x), as_rows(dy).contiguous()
+    x2, dy2 = as_rows(x), as_rows(dy)
     row, problem = attempt(lambda: _dgrad_row(x2, w, auto, True))
     metas = ctx.gather_meta(DGRAD, 7, row, problem)
     _same_dgrad(metas)
-    decision, transposed = _decide(DGRAD, metas, dy.element_size(), auto, ctx)
-    grads = {}
-
-    def wgrad():
-        grads["dw"] = (x2.t() @ dy2).contiguous()
     with torch.no_grad():
-        dx = _fused_forward(dy2, w.t(), g, decision, transposed, meanwhile=wgrad)
-    return [dx.reshape(x.shape).contiguous(), grads["dw"]]
+        dx, dw = _column_backward(x2, w, dy2, g, auto, ctx, metas, True, True)
+    return [dx.reshape(x.shape).contiguous(), dw.contiguous()]
 
 
 define("column_grads(Tensor x, Tensor w, Tensor dy, str group, int chunks) -> Tensor[]",
