@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..plan import ShardPlan
 from ..runtime import current as _current
+from .record import is_partial, mark_partial
 
 __all__ = ["GroupInfo", "group_info", "compute_scope", "straggled", "pieces", "shard_of", "unshard", "mark_partial_grad",
            "replace_data", "resolve_plan", "check_full"]
@@ -231,7 +232,7 @@ def mark_partial_grad(param: torch.nn.Parameter, group=None) -> None:
     each backward's fresh gradient before accumulation, so gradient
     accumulation stays right; it costs one all_reduce per parameter per backward.
     """
-    if getattr(param, "_plait_partial", False) or GroupInfo(group).world == 1:
+    if is_partial(param) or GroupInfo(group).world == 1:
         return
 
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
@@ -242,4 +243,4 @@ def mark_partial_grad(param: torch.nn.Parameter, group=None) -> None:
         return grad
 
     param.register_hook(all_reduce)
-    param._plait_partial = True
+    mark_partial(param)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
-from ..nn.record import applied
+from ..nn.record import applied, is_partial
 from ..ops.deferred import run_deferred
 from ..plan import ShardPlan
 
@@ -306,7 +306,7 @@ def choose_kind(model: nn.Module, kind: str = "auto") -> str:
     siblings = [path for path, m in model.named_modules()
                 if isinstance(m, ColumnParallelLinear) and m.shared_input is not None
                 and m.shared_input.overlap and m.defer_wgrad]
-    summed = [name for name, p in model.named_parameters() if getattr(p, "_plait_partial", 0)]
+    summed = [name for name, p in model.named_parameters() if is_partial(p)]
     layers = " and ".join([f"fused row-parallel layers ({_few(deferred)})"] * bool(deferred) +
                           [f"column-parallel siblings sharing a fused all-reduce "
                            f"({_few(siblings)})"] * bool(siblings))

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..nn import PLAIT_LAYERS
+from ..nn.record import shards_of
 from .data import unsharded
 from .experts import ExpertParallelExperts
 from .layers import VocabParallelEmbedding
@@ -30,7 +31,8 @@ def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Te
     gradients instead, by the same names (zeros where there is none; no buffers).
 
     A sharded module is one with ``full_state_dict(grads)`` (plait's layers, and those
-    ``plait.parallelize`` adds) or split in place (``_plait_shards``: transformers' experts).
+    ``plait.parallelize`` adds) or split in place (transformers' experts: its
+    :func:`plait.nn.record.shards_of`).
 
     A data-parallel model: DDP's wrapper is read through its ``.module``; under FSDP2 the
     dp-sharded tensors are gathered over dp (``full_tensor``) and plait's layers over tp
@@ -58,7 +60,7 @@ def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Te
     with unsharded(model) if fsdp else contextlib.nullcontext():
         for name, module in model.named_modules():
             prefix = f"{name}." if name else ""
-            in_place = getattr(module, "_plait_shards", None)
+            in_place = shards_of(module)
             if in_place is not None:
                 state.update({prefix + k: v
                               for k, v in in_place.full_state_dict(grads).items()})

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, unshard
 from ..nn.linear import ColumnParallelLinear
+from ..nn.record import set_shards
 import torch.distributed as dist
 
 from ..ops.regions import copy_to_region, reduce_from_region, reduce_scatter_region
@@ -259,7 +260,7 @@ def shard_local_params(module: nn.Module, units: dict[str, int], plan: ShardPlan
         full = getattr(module, name)
         local = shard_of(full.detach(), plan, rank, 0, unit=unit)
         setattr(module, name, nn.Parameter(local, requires_grad=full.requires_grad))
-    module._plait_shards = _LocalShards(module, units, plan, group)
+    set_shards(module, _LocalShards(module, units, plan, group))
 
 
 def shard_experts_ffn(module: nn.Module, path: str, group=None,
@@ -276,7 +277,7 @@ def shard_experts_ffn(module: nn.Module, path: str, group=None,
     module.down_proj = nn.Parameter(down, requires_grad=module.down_proj.requires_grad)
     if hasattr(module, "intermediate_dim"):
         module.intermediate_dim = plan.sizes[info.rank]
-    module._plait_shards = _ExpertShards(module, plan, group)
+    set_shards(module, _ExpertShards(module, plan, group))
 
     def enter(mod, args, kwargs):
         args, kwargs = list(args), dict(kwargs)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from ..nn.record import shards_of
 from ..plan import ShardPlan
 
 __all__ = ["Layout", "model_layouts", "global_shapes", "module_plans", "rows_of"]
@@ -142,7 +143,7 @@ def _module_layouts(module: nn.Module) -> dict[str, Layout | None] | None:
     from .experts import ExpertParallelExperts
     from .layers import VocabParallelEmbedding
 
-    in_place = getattr(module, "_plait_shards", None)
+    in_place = shards_of(module)
     if in_place is not None:  # transformers' experts split by their FFN dim
         rank = _rank(in_place.group)
         return {k: _along(getattr(module, k), in_place.plan, rank, dim, blocks)
@@ -207,7 +208,7 @@ def module_plans(model: nn.Module) -> dict[str, list[int]]:
     for name, module in model.named_modules():
         plan = getattr(module, "plan", None)
         if plan is None:
-            plan = getattr(getattr(module, "_plait_shards", None), "plan", None)
+            plan = getattr(shards_of(module), "plan", None)
         if isinstance(plan, ShardPlan):
             out[name] = list(plan.sizes)
     return out
