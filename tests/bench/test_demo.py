@@ -163,9 +163,9 @@ def _placement(*flags):
 
 
 def test_demo_refuses_contradictory_placement_before_anything_starts(monkeypatch, capsys):
-    import plait.cli.demo as cli
+    import plait.bench.demo as bench  # what the command runs, once the flags have passed
 
-    monkeypatch.setattr(cli, "demo", lambda *a, **k: pytest.fail("the demo started"))
+    monkeypatch.setattr(bench, "demo", lambda *a, **k: pytest.fail("the demo started"))
     for flags, named in ((["--loopback", "--hosts", "2"], "--hosts 2"),
                          (["--loopback", "--link", "1gbit"], "--link 1gbit"),
                          (["--hosts", "0", "--link", "100mbit"], "--link 100mbit")):

@@ -151,6 +151,15 @@ def _maybe_signal(row: dict, pid: int, out: str, state: dict, elapsed: float) ->
         state["signalled"] = elapsed
 
 
+WARM = ("torch", "plait.runtime.launch", "plait.training.run", "plait.training.dp_tp",
+        "plait.training.report", "plait.training.resume", "plait.bench.demo",
+        "plait.bench.demo_report", "plait.bench.decode", "plait.bench.ops",
+        "plait.bench.collectives", "plait.bench.tp", "plait.bench.tp_dp", "plait.bench.hetero",
+        "plait.bench.hetero_summary", "plait.bench.load", "plait.inference.generate",
+        "plait.elastic.launcher")
+"""What the commands import once their flags have passed: imported here once, not per row."""
+
+
 def run_rows(rows: list[dict], timeout_s: float, parallel: int) -> list[dict]:
     scratch = tempfile.mkdtemp(prefix="plait-forkrun-")
     running: dict[int, tuple[int, float, dict]] = {}  # pid → (row, start, signal state)
@@ -221,9 +230,13 @@ def _run_rows(rows: list[dict], timeout_s: float, parallel: int, scratch: str,
 
 
 if __name__ == "__main__":
+    import importlib
+
     from plait.cli.main import build_parser
 
-    build_parser()  # imports every command module, torch with them, before the forks
+    build_parser()  # every command module (they parse without torch)
+    for name in WARM:  # and what their runs import, torch with it, before the forks
+        importlib.import_module(name)
     request = json.load(sys.stdin)
     json.dump(run_rows(request["rows"], request.get("timeout_s", 120.0),
                        request.get("parallel", 4)), sys.stdout)

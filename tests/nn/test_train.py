@@ -11,14 +11,13 @@ DLRM beats always predicting the click rate, and closes a quarter of the gap bet
 guess's loss and the planted model's.
 """
 
-import argparse
 import json
 import math
 
 import pytest
 import torch
 
-from plait.cli.train import register
+from plait.cli.main import build_parser
 from plait.training.data import CharCorpus, ClickLog
 from plait.models import DLRM, GPT, DLRMConfig
 from plait.testing import run_ranks
@@ -156,10 +155,8 @@ def test_train_matches_one_process_and_learns(ranks, dtype, fields, tmp_path):
 
 
 def test_config_from_flags_and_its_errors():
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["train", "--model", "moe", "--plans", "heads=3:1,experts=1:3",
-                              "--no-overlap", "--steps", "5"])
+    args = build_parser().parse_args(["train", "--model", "moe", "--plans",
+                                      "heads=3:1,experts=1:3", "--no-overlap", "--steps", "5"])
     from plait.cli.args import dataclass_from_args
 
     cfg = dataclass_from_args(TrainConfig, args)

@@ -5,7 +5,6 @@ The validation is checked row by row: each published figure against its own tole
 local rows predict real measurements, recorded by ``plait bench`` on plait's
 development VM (tests/data/perf, see its README), never data made by the model itself."""
 
-import argparse
 import json
 import re
 import statistics
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.cli.simulate import register
+from plait.cli.main import build_parser
 from plait.perf.calibrate import MachineProfile, load_records, split_records
 from plait.perf.references import REFERENCES
 from plait.perf.validate import THRESHOLDS, local_rows, published_rows
@@ -53,9 +52,7 @@ AUTO_MISS = (
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="plait")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["simulate", *argv])
+    args = build_parser().parse_args(["simulate", *argv])
     return args.func(args)
 
 

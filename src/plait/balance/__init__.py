@@ -9,15 +9,15 @@
   rank speed (pure).
 """
 
-from .balancer import Balancer, Decision
-from .experts import ExpertPlacement, place_experts
-from .migrate import MigrationReport, migrate
-from .policy import (POLICIES, Action, PolicyConfig, imbalance, resize_fraction, resize_fractions,
-                     static_plan)
-from .semi import SemiPolicy
-from .speed import SpeedMonitor, ema, flag_stragglers, relative_speeds
+from ..runtime.lazy import exports
 
-__all__ = ["Balancer", "Decision", "SpeedMonitor", "ema", "relative_speeds", "flag_stragglers",
-           "POLICIES", "PolicyConfig", "Action", "SemiPolicy", "static_plan", "resize_fraction",
-           "resize_fractions", "imbalance", "MigrationReport", "migrate", "ExpertPlacement",
-           "place_experts"]
+_WHERE = {
+    "balancer": ("Balancer", "Decision"),
+    "experts": ("ExpertPlacement", "place_experts"),
+    "migrate": ("MigrationReport", "migrate"),
+    "policy": ("POLICIES", "Action", "PolicyConfig", "imbalance", "resize_fraction",
+               "resize_fractions", "static_plan"),
+    "semi": ("SemiPolicy",),
+    "speed": ("SpeedMonitor", "ema", "flag_stragglers", "relative_speeds"),
+}
+__getattr__, __all__ = exports(__name__, _WHERE)  # torch loads on first use (the CLI parses)

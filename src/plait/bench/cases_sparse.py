@@ -17,8 +17,7 @@ from .case import SLOTS, Case, all_to_all_equal, all_to_all_pieces
 from ..ops import all_to_all_matmul, embedding_all_to_all, matmul_all_to_all
 from ..ops.context import transport_of
 
-__all__ = ["SPARSE_CASES", "SPARSE_QUICK_SHAPES", "SPARSE_FULL_SHAPES", "EmbeddingCase",
-           "DispatchCase", "CombineCase"]
+__all__ = ["SPARSE_CASES", "EmbeddingCase", "DispatchCase", "CombineCase"]
 
 
 class _Base(Case):
@@ -185,16 +184,3 @@ class CombineCase(_MoE):
 
 
 SPARSE_CASES = {c.op: c for c in (EmbeddingCase, DispatchCase, CombineCase)}
-
-_EMB = dict(tables=4, rows=50_000, dim=128, batch=4096)
-_MOE = dict(tokens=4096, hidden=512, experts=2)
-SPARSE_QUICK_SHAPES = {
-    "embedding_all_to_all": [dict(_EMB, pool=p) for p in (8, 32)],
-    "all_to_all_matmul": [dict(_MOE, ffn=f) for f in (256, 1024)],
-    "matmul_all_to_all": [dict(_MOE, ffn=f) for f in (256, 1024)],
-}
-SPARSE_FULL_SHAPES = {
-    "embedding_all_to_all": [dict(_EMB, pool=p) for p in (4, 8, 16, 32, 64)],
-    "all_to_all_matmul": [dict(_MOE, ffn=f) for f in (128, 256, 512, 1024, 2048)],
-    "matmul_all_to_all": [dict(_MOE, ffn=f) for f in (128, 256, 512, 1024, 2048)],
-}

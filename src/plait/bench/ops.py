@@ -42,7 +42,6 @@ timed among the others).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,8 @@ from ..ops.context import transport_of
 from ..runtime.timing import agreed_max, median, time_interleaved, time_once
 from .case import (SLOTS, Case, all_gather_pieces, all_reduce_pieces, all_to_all_equal,
                    all_to_all_pieces, check_outputs, gather_equal)
-from .cases_sparse import SPARSE_CASES, SPARSE_FULL_SHAPES, SPARSE_QUICK_SHAPES
+from .cases_sparse import SPARSE_CASES
+from .config.ops import FULL_SHAPES, OPS, QUICK_SHAPES, OpsBenchConfig
 from .memory import peak_bytes
 
 __all__ = ["OpsBenchConfig", "run_ops_sweep", "QUICK_SHAPES", "FULL_SHAPES", "CASES"]
@@ -186,59 +186,7 @@ class MatmulReduceScatterCase(Case):
 
 CASES = {c.op: c for c in (MatmulAllReduceCase, AllGatherMatmulCase, MatmulReduceScatterCase)}
 CASES.update(SPARSE_CASES)
-
-# Quick: K (or N) swept so that communication runs from about half to about twice the
-# compute on the emulated 1 Gbit/s link with one thread per rank on this machine.
-QUICK_SHAPES = {
-    "matmul_all_reduce": [dict(m=1024, k=k, n=1024) for k in (1024, 2048, 4096)]
-    + [dict(m=8, k=512, n=65536)],
-    "all_gather_matmul": [dict(m=2048, k=1024, n=n) for n in (1024, 2048, 4096)],
-    "matmul_reduce_scatter": [dict(m=2048, k=k, n=1024) for k in (1024, 2048, 4096)],
-    **SPARSE_QUICK_SHAPES,
-}
-FULL_SHAPES = {
-    "matmul_all_reduce": [dict(m=1024, k=k, n=1024) for k in (256, 512, 1024, 2048, 4096, 8192)]
-    + [dict(m=m, k=8192, n=16384) for m in (1, 4, 8)],
-    "all_gather_matmul": [dict(m=2048, k=1024, n=n) for n in (256, 512, 1024, 2048, 4096, 8192)],
-    "matmul_reduce_scatter": [dict(m=2048, k=k, n=1024) for k in (256, 512, 1024, 2048, 4096, 8192)],
-    **SPARSE_FULL_SHAPES,
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpsBenchConfig:
-    """What to sweep; each field's help is its CLI flag's help."""
-
-    ops: tuple[str, ...] = field(default=tuple(QUICK_SHAPES), metadata={
-        "help": "operators to run: " + ", ".join(CASES)})
-    iters: int = field(default=11, metadata={"help": "timed iterations per variant (median reported)"})
-    min_time_s: float = field(default=0.25, metadata={"help": (
-        "seconds each variant is timed for at least: a shape whose call is short gets more "
-        "rounds than --iters, up to 4 × (0: --iters exactly)")})
-    warmup: int = field(default=1, metadata={"help": "untimed iterations per variant"})
-    fixed_chunks: tuple[int, ...] = field(default=(1, 2, 4, 8), metadata={
-        "help": "fixed piece counts timed beside auto"})
-    quick: bool = field(default=True, metadata={"help": None})
-    sweep: dict | None = field(default=None, metadata={"help": None})  # {op: [shape]}, for tests
-    # --transport; () takes PLAIT_TRANSPORT's (auto where unset)
-    transports: tuple[str, ...] = field(default=(), metadata={"help": None})
-    extra: dict = field(default_factory=dict, metadata={"help": None})
-
-    def __post_init__(self) -> None:
-        unknown = [op for op in self.ops if op not in CASES]
-        if unknown:
-            raise ValueError(f"unknown operators {unknown}; choose from {list(CASES)}")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"need iters ≥ 1 and warmup ≥ 0, got {self.iters}, {self.warmup}")
-        if not self.min_time_s >= 0:
-            raise ValueError(f"--min-time-s must be 0 or more, got {self.min_time_s}")
-        if any(int(c) < 1 for c in self.fixed_chunks):
-            raise ValueError(f"fixed chunks must be positive, got {self.fixed_chunks}")
-
-    def shapes(self) -> list[tuple[str, dict]]:
-        table = self.sweep if self.sweep is not None else QUICK_SHAPES if self.quick else FULL_SHAPES
-        return [(op, shape) for op in self.ops for shape in table.get(op, [])]
-
+assert tuple(CASES) == OPS, "bench.config.ops.OPS names each case, in order"
 
 def burst_s(bits_per_s: float) -> float:
     """How long the emulated link's token bucket can run ahead of its rate: tbf's burst is

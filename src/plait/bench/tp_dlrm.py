@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from ..runtime import rank_context
 from ..runtime.timing import agreed_max, balanced_round, median, time_once
 from ..training.loop import Trainer
 from ..training.models import make_optimizer
+from .config.tp import EmbBenchConfig
 
 __all__ = ["EmbBenchConfig", "EMB_SYSTEMS", "PLAIT_EMB_SYSTEMS", "torchrec_missing",
            "initial_tables", "batch_slice", "run_emb_bench"]
@@ -52,18 +52,6 @@ NOTES = {
                 "into the backward (lr × world: TorchRec averages sparse gradients over ranks); "
                 "each rank's own bags, ids sent to the owners by an all-to-all first",
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class EmbBenchConfig:
-    tables: int = 4
-    rows: int = 50_000
-    dim: int = 64
-    batch: int = 4096   # bags per table per step, whole batch
-    pool: int = 8       # ids per bag
-    lr: float = 20000.0  # the loss is a mean over B·T·D elements, so its gradients are tiny
-    seed: int = 0
-    chunks: int | str = "auto"  # plait-emb's pieces: "auto" (the cost model) or a count
 
 
 def torchrec_missing() -> str | None:

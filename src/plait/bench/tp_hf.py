@@ -44,11 +44,10 @@ import torch.nn.functional as F
 
 from ..runtime import parse_rate, rank_context
 
-__all__ = ["HF_PLANS", "NOTES", "ffn_width", "padded_vocab", "llama_config", "build_llama",
+__all__ = ["NOTES", "ffn_width", "padded_vocab", "llama_config", "build_llama",
            "own_plan", "torch_tp_plan", "build_hf", "split_modules", "llama_loss", "hf_wire",
            "transformers_missing", "model_info"]
 
-HF_PLANS = ("auto", "layers")
 NOTES = {
     "plait": "plait.parallelize(model, plan, overlap=True, chunks='auto'): fused operators "
              "(matmul_all_reduce for o/down; q/k/v's and gate/up's input grads summed, each "

@@ -23,11 +23,9 @@ DESCRIPTION = (
     "folder, removed at the end.")
 
 
-def register(which) -> None:
+def register(parser, _rest=None) -> None:
     """Add ``checkpoint`` to ``plait bench``'s subcommands."""
-    parser = which.add_parser("checkpoint", description=DESCRIPTION,
-                              help="how long training waits for a checkpoint, blocking "
-                                   "against asynchronous")
+    parser.description = DESCRIPTION
     add_launch_args(parser, ranks=2, deadline_s=DEFAULT_DEADLINE_S)
     add_output_args(parser)
     add_dataclass_args(parser, CheckpointBenchConfig)

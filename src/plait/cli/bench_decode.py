@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.decode import DecodeBenchConfig, bench_decode, check_slow, kernel_budgets, summarize
-from ..bench.report import console, print_summary, print_table, progress_bar, write_json
+from ..bench.config.decode import DecodeBenchConfig
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
                      resolve_placement)
@@ -21,10 +20,8 @@ DESCRIPTION = (
     "the time to first token, tokens/s, and whether the tokens equal one process's.")
 
 
-def register(which) -> None:
-    parser = which.add_parser("decode", description=DESCRIPTION,
-                              help="per-token latency of tensor-parallel decoding, against one "
-                                   "process and PyTorch TP")
+def register(parser, _rest=None) -> None:
+    parser.description = DESCRIPTION
     add_launch_args(parser, ranks=2, deadline_s=DEFAULT_DEADLINE_S)
     add_output_args(parser)
     add_dataclass_args(parser, DecodeBenchConfig)
@@ -43,6 +40,10 @@ def run_decode(args: argparse.Namespace) -> int:
     ranks, hosts, link = resolve_placement(args)
     cfg = dataclass_from_args(DecodeBenchConfig, args, defaults=QUICK_DECODE if args.quick else None)
     check_outputs(args, "json", "plot")
+    # torch loads here, once the flags have passed
+    from ..bench.decode import bench_decode, check_slow, kernel_budgets, summarize
+    from ..bench.report import console, print_summary, print_table, progress_bar, write_json
+
     slow = list(getattr(args, "slow_specs", ()))
     check_slow(slow)  # refused here, before any rank starts or a bar is drawn
     if cfg.slow_by == "kernel":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.load import LoadBenchConfig, bench_load
+from ..bench.config.load import LoadBenchConfig
 from ..bench.report import console, human_bytes, print_summary, print_table, write_json
 from .args import add_dataclass_args, dataclass_from_args
 from .common import check_outputs, positive_float
@@ -21,10 +21,8 @@ DESCRIPTION = (
     "load's seconds, and the loss against the whole load's.")
 
 
-def register(which) -> None:
-    parser = which.add_parser("load", description=DESCRIPTION,
-                              help="peak memory per rank while loading a checkpoint shard by "
-                                   "shard, against the model's size")
+def register(parser, _rest=None) -> None:
+    parser.description = DESCRIPTION
     group = parser.add_argument_group("where it runs")
     group.add_argument("--timeout", type=positive_float, default=None,
                        help="seconds before any collective gives up (default 60)")
@@ -42,6 +40,8 @@ def _gb(n: float) -> str:
 def run_load(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(LoadBenchConfig, args)
     check_outputs(args, "json")
+    from ..bench.load import bench_load  # torch: once the flags have passed
+
     stage = None if args.no_progress else (lambda text: console.print(f"[dim]{text}[/dim]"))
     records, summary = bench_load(cfg, timeout_s=args.timeout, on_stage=stage)
     rows = [[r["system"], str(r["world"]), str(r.get("rank", "–")),

@@ -27,8 +27,7 @@ from .common import add_launch_args, port_number, resolve_placement
 __all__ = ["register", "run_on_cluster"]
 
 
-def register(subparsers) -> None:
-    cluster = subparsers.add_parser("cluster", help="emulated cluster: run a command on it, clean up")
+def register(cluster, _rest=None) -> None:
     which = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
     run = which.add_parser("run", help="run COMMAND once per rank, each rank in its host's namespace")
     add_launch_args(run, deadline_s=0)  # it runs the user's own command: no deadline unless asked

@@ -13,7 +13,7 @@ from ..runtime.placement import HOST_CPU_ENV
 from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
 from ..runtime.cgroup import parse_budgets, parse_host_cpu
 
-__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "transports", "check_shm", "finite_float",
+__all__ = ["add_launch_args", "add_output_args", "resolve_placement", "placement_of_many", "transports", "check_shm", "finite_float",
            "positive_int", "non_negative_int", "positive_float", "non_negative_float",
            "port_number", "check_writable", "check_outputs", "check_readable", "max_ranks",
            "remove_empty_folders"]
@@ -105,7 +105,7 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def transports(args: argparse.Namespace, many: bool = False) -> tuple[str, ...]:
     """``--transport`` as a tuple (a comma list only where ``many``), checked; one value is
     also set as PLAIT_TRANSPORT, which the launcher hands every rank."""
-    from ..transport.select import ENV, TRANSPORTS, wanted
+    from ..transport.asked import ENV, TRANSPORTS, wanted
 
     given = getattr(args, "transport", None)
     if given is None:
@@ -155,7 +155,7 @@ def resolve_placement(args: argparse.Namespace) -> tuple[int, int, str | None]:
 def check_shm(args: argparse.Namespace, ranks: int, hosts: int) -> None:
     """``--transport shm`` (alone or in a list) on one rank, or where every rank has a host
     of its own: the ranks would each refuse it once started; refused here instead."""
-    from ..transport.select import wanted
+    from ..transport.asked import wanted
 
     given = getattr(args, "transport", None) or wanted()
     if "shm" not in [t.strip() for t in given.split(",")]:
@@ -168,6 +168,18 @@ def check_shm(args: argparse.Namespace, ranks: int, hosts: int) -> None:
                          f"(--hosts {hosts}); shared memory needs two or more on a host")
     _check_shm_room(ranks, hosts)
 
+
+
+def placement_of_many(args: argparse.Namespace):
+    """resolve_placement for a comma list of transports (none of them set for the ranks:
+    the benchmark makes each itself)."""
+    given, args.transport = args.transport, None
+    try:
+        ranks, hosts, link = resolve_placement(args)
+    finally:
+        args.transport = given
+    check_shm(args, ranks, hosts)
+    return ranks, hosts, link
 
 def _check_shm_room(ranks: int, hosts: int) -> None:
     """``/dev/shm`` must hold every rank's segment (the emulated hosts of this machine share
@@ -186,7 +198,7 @@ def _check_shm_room(ranks: int, hosts: int) -> None:
 
 def _check_checks() -> None:
     """PLAIT_CHECKS, refused here (before any rank starts) where the ranks would refuse it."""
-    from ..ops.context import checks_from_env
+    from ..transport.asked import checks_from_env
 
     checks_from_env()
 

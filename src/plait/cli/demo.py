@@ -6,24 +6,21 @@ import argparse
 import os
 import time
 
-from ..bench.report import console, print_table, progress_bar
-from ..bench.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig, demo, summarize_demo
-from ..bench.demo_report import busy_note, cores_busy, write_demo_report
-from .args import add_dataclass_args, dataclass_from_args
+from ..bench.config.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig
 from ..runtime.straggler import parse_slow, validate_slow
+from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, resolve_placement
 
 __all__ = ["register", "demo_config", "demo_placement"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "demo", help="train a GPT while one rank turns slow: plain TP against plait",
-        description="Trains the small GPT with tensor parallelism on an emulated cluster (loopback "
-                    "where one cannot be made) while the last rank turns slow part-way, under the "
-                    "plain baseline (unfused, even shards) and under plait (fused, semi "
-                    "balancer); a table at the end and a report folder with plots and an HTML page. "
-                    "--quick: a smaller model and fewer steps, about 20 s.")
+def register(parser, _rest=None) -> None:
+    parser.description = ("Trains the small GPT with tensor parallelism on an emulated cluster "
+                          "(loopback where one cannot be made) while the last rank turns slow "
+                          "part-way, under the plain baseline (unfused, even shards) and under "
+                          "plait (fused, semi balancer); a table at the end and a report folder"
+                          " with plots and an HTML page. --quick: a smaller model and fewer "
+                          "steps, about 20 s.")
     add_launch_args(parser, ranks=2)
     hosts = next(a for a in parser._actions if a.dest == "hosts")
     hosts.default = None  # the demo's default is a cluster; an explicit --hosts 0 is loopback
@@ -93,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     ranks, hosts, link = demo_placement(args)
     cfg = demo_config(args, ranks)
     check_writable(cfg.out, "--out", directory=True)  # before the runs, not after them
+    from ..bench.demo import demo, summarize_demo  # torch: once the flags have passed
+    from ..bench.demo_report import busy_note, cores_busy, write_demo_report
+    from ..bench.report import console, print_table, progress_bar
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     busy = cores_busy()
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import replace
 
 from ..bench.report import console, print_table, write_json
-from ..elastic import ElasticConfig, run_elastic, run_reference
+from ..elastic.config import ElasticConfig
 from .args import add_dataclass_args, dataclass_from_args
 from .common import check_writable
 
@@ -24,16 +24,13 @@ def parse_kill(text: str) -> tuple[int, int]:
     return int(host), int(step)
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "elastic", help="train under torchrun's elastic agents on emulated hosts and survive "
-                        "losing one",
-        description="One torchrun agent per emulated host (network namespace), c10d rendezvous "
-                    "on host 0, --nnodes MIN:MAX. --kill-host H@S kills every process of host H "
-                    "when step S is logged; the survivors restart, re-form a smaller world, "
-                    "load the last checkpoint under its plan and finish. Prints the time from "
-                    "the kill to the survivors' first step, the steps lost and the held-out "
-                    "loss beside an uninterrupted run's.")
+def register(parser, _rest=None) -> None:
+    parser.description = ("One torchrun agent per emulated host (network namespace), c10d "
+                          "rendezvous on host 0, --nnodes MIN:MAX. --kill-host H@S kills every "
+                          "process of host H when step S is logged; the survivors restart, "
+                          "re-form a smaller world, load the last checkpoint under its plan and"
+                          " finish. Prints the time from the kill to the survivors' first step,"
+                          " the steps lost and the held-out loss beside an uninterrupted run's.")
     add_dataclass_args(parser, ElasticConfig, skip=("kill_host", "kill_at"))
     parser.add_argument("--kill-host", type=parse_kill, default=None, metavar="HOST@STEP",
                         dest="kill",
@@ -56,6 +53,8 @@ def run_elastic_command(args: argparse.Namespace) -> int:
         cfg = replace(cfg, kill_host=args.kill[0], kill_at=args.kill[1])
     if args.json:
         check_writable(args.json, "--json")
+    from ..elastic.launcher import run_elastic, run_reference  # torch: once the flags passed
+
     quiet = args.no_progress
 
     def on_event(kind: str, record: dict) -> None:

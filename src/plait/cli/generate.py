@@ -6,25 +6,23 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..runtime.placement import run_placed
 from ..bench.report import console, print_table
-from ..inference.generate import (MODELS, GenerateConfig, generate_rank, read_prompts,
-                                 text_prompts, tokenizer_of)
+from ..inference.config import MODELS, GenerateConfig
+from ..inference.prompts import read_prompts, text_prompts, tokenizer_of
+from ..runtime.placement import run_placed
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_outputs, resolve_placement
 
 __all__ = ["register", "run_generate"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "generate", help="decode prompts with a transformers model, tensor-parallel",
-        description="Builds a transformers causal LM from a config (random weights, no "
-                    "download) or loads a checkpoint directory (each rank its shards), makes "
-                    "it tensor-parallel by its own plan and decodes the prompts (text through "
-                    "the checkpoint's tokenizer, or token ids) with its KV cache, each row "
-                    "ending at the model's EOS; prints the new tokens and the per-token "
-                    "timings.")
+def register(parser, _rest=None) -> None:
+    parser.description = ("Builds a transformers causal LM from a config (random weights, no "
+                          "download) or loads a checkpoint directory (each rank its shards), "
+                          "makes it tensor-parallel by its own plan and decodes the prompts "
+                          "(text through the checkpoint's tokenizer, or token ids) with its KV "
+                          "cache, each row ending at the model's EOS; prints the new tokens and"
+                          " the per-token timings.")
     add_launch_args(parser)
     add_dataclass_args(parser, GenerateConfig)
     parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
@@ -123,4 +121,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _one(cfg: GenerateConfig) -> list:
+    from ..inference.generate import generate_rank  # torch: on the ranks
+
     return generate_rank(cfg)

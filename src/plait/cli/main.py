@@ -15,6 +15,8 @@ import signal
 import sys
 import traceback
 
+from .commands import COMMANDS, add_commands
+
 __all__ = ["main", "build_parser", "package_version"]
 
 
@@ -84,17 +86,16 @@ def package_version() -> str:
         return getattr(plait, "__version__", "unknown")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import bench, cluster, demo, elastic, generate, simulate, train
-
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given ``argv``, only the command it names gets its flags (the
+    others are a line in ``--help``), so nothing else is imported."""
     parser = _Parser(
         prog="plait", description="Fused compute–collective operators and heterogeneity-aware "
                                   "tensor parallelism for PyTorch.")
     parser.add_argument("--version", action="version", version=f"plait {package_version()}")
     parser.set_defaults(verbose=False, debug=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, bench, cluster, simulate, train, generate, elastic):
-        module.register(sub)
+    add_commands(sub, COMMANDS, argv)
     return parser
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plait {package_version()}")
         return 0
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
     except SystemExit as done:  # --help, or a refusal argparse has printed in one line
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     debug = args.debug or os.environ.get("PLAIT_DEBUG", "") not in ("", "0")

@@ -23,13 +23,11 @@ __all__ = ["register", "run"]
 _DEFAULT_MEASUREMENTS = "reports/bench/*.json"
 
 
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the ``simulate`` subcommand to an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "simulate", help="performance model and cluster simulator",
-        description=("Predict step time, exposed communication, and what fusion and each "
-                     "balancing policy save; --validate shows the model beside measurements "
-                     "and published figures; --calibrate fits this machine's profile."))
+def register(p, _rest=None) -> None:
+    """``plait simulate``'s flags."""
+    p.description = ("Predict step time, exposed communication, and what fusion and each "
+                     "balancing policy save; --validate shows the model beside measurements and"
+                     " published figures; --calibrate fits this machine's profile.")
     p.add_argument("--cluster", metavar="PRESET", help="cluster preset (see --list)")
     p.add_argument("--model", metavar="PRESET", help="model preset (see --list)")
     p.add_argument("--config", metavar="PATH", help="JSON (or TOML on 3.11+) SimConfig file")
@@ -59,7 +57,6 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="with --placements: predict at this link rate between hosts instead "
                         "(e.g. 10gbit)")
     p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

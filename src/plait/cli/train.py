@@ -6,28 +6,21 @@ import argparse
 import os
 import time
 
-from ..bench.report import console, print_table, progress_bar
 from ..runtime.scenario_file import load_scenario
 from ..training.config import TrainConfig
-from ..training.dp_tp import mesh_layout, placement_line
-from ..training.report import write_train_report
-from ..training.resume import checkpoint_note
-from ..training.run import train
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement
 
 __all__ = ["register", "run_train"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "train", help="train a small GPT, MoE-GPT, DLRM, or transformers Llama or Mixtral "
-                      "with plait's parallel layers",
-        description="Trains on data that needs no download (stdlib source text for the GPTs and "
-                    "the transformers models, a synthetic Zipf click log for DLRM) and writes "
-                    "DIR/loss.png and DIR/log.json (every step; held-out loss and accuracy at "
-                    "the end). hf-llama and hf-mixtral are built from a config (random weights, "
-                    "no download) and made parallel by plait.parallelize(model, plan='auto').")
+def register(parser, _rest=None) -> None:
+    parser.description = ("Trains on data that needs no download (stdlib source text for the "
+                          "GPTs and the transformers models, a synthetic Zipf click log for "
+                          "DLRM) and writes DIR/loss.png and DIR/log.json (every step; held-out"
+                          " loss and accuracy at the end). hf-llama and hf-mixtral are built "
+                          "from a config (random weights, no download) and made parallel by "
+                          "plait.parallelize(model, plan='auto').")
     add_launch_args(parser)
     add_dataclass_args(parser, TrainConfig)
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR[@FROM[-UNTIL]]",
@@ -57,6 +50,13 @@ def run_train(args: argparse.Namespace) -> int:
         except OSError as err:
             raise ValueError(f"--slow-file {args.slow_file}: {err.strerror or err}") from None
         slow += scenario.specs(ranks, cfg.steps)
+    # torch loads here, once the flags and files have passed
+    from ..bench.report import console, progress_bar
+    from ..training.dp_tp import mesh_layout, placement_line
+    from ..training.report import write_train_report
+    from ..training.resume import checkpoint_note
+    from ..training.run import train
+
     layout = mesh_layout(cfg, ranks)
     cfg.check_plans(layout.tp)  # a refused run prints nothing before its one line
     note = checkpoint_note(cfg)  # refuses a DIR with another run's checkpoints, before work
@@ -97,6 +97,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _print_ideal(summary: dict, cfg, args: argparse.Namespace) -> None:
     """The median step against the capacity ideal (plait.training.report.capacity_ideal)."""
+    from ..bench.report import console, print_table
+
     ideal = summary.get("ideal", {})
     if "t_ideal_s" not in ideal:
         console.print(f"capacity ideal: not computed ({ideal.get('omitted', 'no figures')})",

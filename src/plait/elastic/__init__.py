@@ -10,7 +10,8 @@
 :mod:`plait.elastic.report` reads the workers' logs. See ``docs/elastic.md``.
 """
 
-from .launcher import ElasticConfig, run_elastic, run_reference
-from .report import read_incarnations, summarize
+from ..runtime.lazy import exports
 
-__all__ = ["ElasticConfig", "run_elastic", "run_reference", "read_incarnations", "summarize"]
+_WHERE = {"config": ("ElasticConfig",), "launcher": ("run_elastic", "run_reference"),
+          "report": ("read_incarnations", "summarize")}
+__getattr__, __all__ = exports(__name__, _WHERE)  # the CLI parses flags without torch

@@ -34,9 +34,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from .config import SPLITS
+
 __all__ = ["SPLITS", "Served", "predicted_gain", "serve"]
 
-SPLITS = ("even", "speed", "adaptive")
 
 
 @dataclass

@@ -9,29 +9,15 @@ interaction) and the dense vector → top MLP → one click logit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import DLRMConfig
+
 __all__ = ["DLRMConfig", "DLRM", "EmbeddingBagCollection"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DLRMConfig:
-    dense_features: int = 13
-    table_sizes: tuple[int, ...] = (1000, 2000, 500, 4000, 1500, 800, 3000, 1200)
-    embedding_dim: int = 16
-    bottom: tuple[int, ...] = (64, 32)   # hidden widths; a last layer of embedding_dim is added
-    top: tuple[int, ...] = (64, 32)      # hidden widths; a last layer of 1 is added
-
-    def __post_init__(self) -> None:
-        if not self.table_sizes or min(self.table_sizes) < 1:
-            raise ValueError(f"table_sizes {self.table_sizes} need at least one table of ≥ 1 row")
-        if min(self.dense_features, self.embedding_dim) < 1:
-            raise ValueError(f"dense_features and embedding_dim must be positive: {self}")
 
 
 def _mlp(widths: Sequence[int]) -> nn.Sequential:

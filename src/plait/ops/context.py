@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,12 +26,13 @@ import torch.distributed as dist
 from ..perf.calibrate import MachineProfile, default_profile_path
 from ..runtime.dist import _timeout_s
 from ..runtime.priority import prioritize_group
+from ..transport.asked import checks_from_env
 from .agree import attempt, refusal_pending, start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
 
-__all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of", "CHECKS",
-           "carries_checks", "checks_from_env"]
+__all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of",
+           "carries_checks"]
 
 log = logging.getLogger("plait.ops")
 
@@ -248,17 +248,6 @@ class OpsContext:
         group = self.group if self.checks_group is None else self.checks_group
         done = start_gather_checked(op, group, problem, row, width)
         return lambda: [tuple(r) for r in done()]
-
-
-CHECKS = ("carried", "gather")
-
-
-def checks_from_env() -> str:
-    """``PLAIT_CHECKS`` (``carried`` when unset), refused where it is neither."""
-    value = os.environ.get("PLAIT_CHECKS", "carried") or "carried"
-    if value not in CHECKS:
-        raise ValueError(f"PLAIT_CHECKS={value!r}: choose one of {', '.join(CHECKS)}")
-    return value
 
 
 def signature(op: str, *tensors) -> tuple | None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Replicate
 
-from ..plan import ShardPlan
+from ..plan import ShardPlan, head_split
 from .styles import Colwise, Rowwise
 
 __all__ = ["Dim", "LayerCut", "find_dims", "head_split", "resolve_plan_for"]
@@ -199,25 +199,6 @@ def _columns(parent, cols, rows, layer, linears) -> Dim:
         dim.cuts[r] = LayerCut(unit=1)
     dim.units = width
     return dim
-
-
-def head_split(n_q: int, n_kv: int, world: int, total: int | None = None) -> int:
-    """``m``, the sub-groups each KV-head group is cut into (1: whole groups), for a plan of
-    ``total`` units (default: the fewest sub-groups that give every rank one)."""
-    g = n_q // n_kv
-    if total is not None:
-        m, rest = divmod(total, n_kv)
-        if rest or m < 1 or g % m:
-            subs = [n_kv * d for d in range(1, g + 1) if g % d == 0]
-            raise ValueError(f"a plan of {total} units does not count this attention's KV-head "
-                             f"groups ({n_kv} groups of {g} query heads): it may count "
-                             f"{' or '.join(map(str, subs))} (groups, or groups cut into "
-                             "sub-groups that each copy their K/V head)")
-        return m
-    for m in range(1, g + 1):
-        if g % m == 0 and n_kv * m >= world:
-            return m
-    raise ValueError(f"{n_q} query heads cannot give each of {world} ranks a whole head")
 
 
 def resolve_plan_for(dim: Dim, plan: ShardPlan | None, world: int) -> None:

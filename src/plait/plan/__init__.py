@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["ShardPlan"]
+__all__ = ["ShardPlan", "head_split"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +154,24 @@ def _quanta(total: int, quantum: int) -> int:
     if total < 0 or total % quantum:
         raise ValueError(f"total {total} is not a non-negative multiple of the quantum {quantum}")
     return total // quantum
+
+
+def head_split(n_q: int, n_kv: int, world: int, total: int | None = None) -> int:
+    """``m``, the sub-groups each KV-head group is cut into (1: whole groups), for a plan of
+    ``total`` units (default: the fewest sub-groups that give every rank one). Attention
+    over ``n_q`` query heads in ``n_kv`` groups is planned in units of whole sub-groups;
+    where the ranks outnumber the groups, each K/V head is copied into its sub-groups."""
+    g = n_q // n_kv
+    if total is not None:
+        m, rest = divmod(total, n_kv)
+        if rest or m < 1 or g % m:
+            subs = [n_kv * d for d in range(1, g + 1) if g % d == 0]
+            raise ValueError(f"a plan of {total} units does not count this attention's KV-head "
+                             f"groups ({n_kv} groups of {g} query heads): it may count "
+                             f"{' or '.join(map(str, subs))} (groups, or groups cut into "
+                             "sub-groups that each copy their K/V head)")
+        return m
+    for m in range(1, g + 1):
+        if g % m == 0 and n_kv * m >= world:
+            return m
+    raise ValueError(f"{n_q} query heads cannot give each of {world} ranks a whole head")

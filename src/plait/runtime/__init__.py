@@ -1,16 +1,19 @@
-"""Process groups, launch, the emulated cluster, straggler emulation, errors."""
+"""Process groups, launch, the emulated cluster, straggler emulation, errors.
 
-from .cluster import EmulatedCluster, Host, cluster_support, format_rate, max_hosts, parse_rate
-from .context import RankContext, rank_context
-from .dist import Topology, default_backend, init_explicit, init_from_env, shutdown, topology
-from .errors import RankError
-from .launch import launch
-from .straggler import SlowSpec, Straggler, parse_slow, validate_slow
+Names load on first use (PEP 562), so the command line parses flags without importing
+torch: ``plait.runtime.cluster`` or ``.straggler`` alone costs no torch import.
+"""
 
-__all__ = [
-    "EmulatedCluster", "Host", "cluster_support", "format_rate", "max_hosts", "parse_rate",
-    "RankContext", "rank_context",
-    "Topology", "default_backend", "init_explicit", "init_from_env", "shutdown", "topology",
-    "RankError", "launch",
-    "SlowSpec", "Straggler", "parse_slow", "validate_slow",
-]
+from .lazy import exports
+
+_WHERE = {
+    "cluster": ("EmulatedCluster", "Host", "cluster_support", "format_rate", "max_hosts",
+                "parse_rate"),
+    "context": ("RankContext", "rank_context"),
+    "dist": ("Topology", "default_backend", "init_explicit", "init_from_env", "shutdown",
+             "topology"),
+    "errors": ("RankError",),
+    "launch": ("launch",),
+    "straggler": ("SlowSpec", "Straggler", "parse_slow", "validate_slow"),
+}
+__getattr__, __all__ = exports(__name__, _WHERE)

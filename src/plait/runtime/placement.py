@@ -9,8 +9,6 @@ from typing import Any, Callable, Sequence
 
 from .cgroup import parse_budgets, parse_host_cpu
 from .cluster import EmulatedCluster, parse_rate
-from .launch import launch
-
 __all__ = ["HOST_CPU_ENV", "LOOPBACK", "run_placed"]
 
 
@@ -30,6 +28,8 @@ def run_placed(fn: Callable[[Any], list[dict]], cfg: Any, *, ranks: int, hosts: 
     ``cfg.extra`` gains ``link``, ``hosts`` and ``host_cpu`` so every record says where it
     was measured.
     """
+    from .launch import launch  # torch: here, not where the command line parses flags
+
     if ranks < 1:
         raise ValueError(f"world size must be at least 1, got {ranks}")
     parse_rate(link)  # refuse a bad rate before anything starts

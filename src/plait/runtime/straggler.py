@@ -28,11 +28,12 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from . import current
+
+if TYPE_CHECKING:  # torch loads where a rank computes, not where the CLI parses --slow
+    import torch
 
 __all__ = ["SlowSpec", "SlowCurve", "JITTERS", "SLOW_BY", "parse_slow", "validate_slow",
            "once_per_rank", "Straggler", "compute_clock", "host_throttle"]
@@ -47,9 +48,20 @@ def compute_clock(device: torch.device | None = None):
     time, so a rank on a half-core host would read as full speed by its CPU time."""
     if _on_cpu_budget():
         return time.perf_counter
+    import torch
+
     if (device is None or device.type == "cpu") and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
+
+
+def _cuda_sync(device) -> Callable[[], None]:
+    """What waits for ``device``'s queued kernels before a clock reads it: nothing on a CPU."""
+    if device is None or device.type != "cuda":
+        return lambda: None
+    import torch
+
+    return lambda: torch.cuda.synchronize(device)
 
 
 def _on_cpu_budget() -> bool:
@@ -235,14 +247,12 @@ class Straggler:
         if factor == 1.0 or self.throttle is not None:
             yield
             return
-        cuda = device is not None and device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(device)
+        sync = _cuda_sync(device)
+        sync()
         clock = compute_clock(device) if self.clock is None else self.clock
         start = clock()
         yield
-        if cuda:
-            torch.cuda.synchronize(device)
+        sync()
         delay = (factor - 1.0) * (clock() - start)
         self.delayed_s += delay
         (time.sleep if self.sleep is None else self.sleep)(delay)

@@ -3,18 +3,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
-from ..models import DLRMConfig, GPTConfig
-from ..plan import ShardPlan
+from ..models.config import DLRMConfig, GPTConfig
+from ..plan import ShardPlan, head_split
 from ..runtime.fields import help_meta as _h
-from .dp_tp import check_parallel
-from .hf import HF_MODELS, HF_PLAN_KINDS, check_hf_plans, check_hf_sizes, require_transformers
-from .resume import check_checkpoint_flags
 
-__all__ = ["TrainConfig", "MODELS", "PRESETS"]
+__all__ = ["TrainConfig", "MODELS", "PRESETS", "HF_MODELS", "HF_PLAN_KINDS", "BALANCE",
+           "DP_MODELS", "BALANCED_MODELS", "hf_intermediate", "require_transformers"]
 
+HF_MODELS = ("hf-llama", "hf-mixtral")
+HF_PLAN_KINDS = {"hf-llama": ("heads", "mlp"), "hf-mixtral": ("heads", "experts")}
+"""What ``--plans`` may split: transformers' own plan splits attention by heads (KV-head
+groups) and Llama's MLP by columns; Mixtral's experts go whole to ranks (expert parallel)."""
 MODELS = ("gpt", "moe", "dlrm", *HF_MODELS)
+BALANCE = ("even", "resize", "migrate", "semi")
+DP_MODELS = ("gpt", "hf-llama")
+"""Models ``--dp`` above 1 is tested with (loss against one process on the global batch)."""
+BALANCED_MODELS = ("gpt", "hf-llama")
+"""Models whose sharded dims (attention heads, MLP columns) the balancer moves."""
 # what an unset flag means, per model: tiny enough to train here in about a minute
 PRESETS = {
     "gpt": dict(steps=400, batch_size=16, lr=3e-3, n_head=4),
@@ -111,11 +119,13 @@ class TrainConfig:
                                       or not self.overlap):
             raise ValueError(f"--microbatches {self.microbatches} applies to --model gpt, fused "
                              "(not --no-overlap) and not --sequence-parallel")
-        check_parallel(self)
-        check_checkpoint_flags(self)
+        _check_parallel(self)
+        _check_checkpoint_flags(self)
         self.shard_plans()  # refuse a malformed --plans now
+        if self.model in ("gpt", "moe"):
+            self.gpt_config(97)  # refuse --n-embd that --n-head does not divide, now
         if hf:
-            check_hf_sizes(self)
+            _check_hf_sizes(self)
             require_transformers(self.model)
 
     @property
@@ -143,7 +153,7 @@ class TrainConfig:
                 if kind not in allowed:
                     raise ValueError(f"--plans {kind}=… does not apply to --model {self.model} "
                                      f"(it takes {', '.join(allowed)})")
-            check_hf_plans(self, plans, world)
+            _check_hf_plans(self, plans, world)
             return
         gpt = self.gpt_config(97)
         dims = {"heads": (gpt.n_head, "heads"), "mlp": (gpt.mlp_ratio * gpt.n_embd, "columns"),
@@ -165,3 +175,93 @@ class TrainConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, n_experts=experts,
                          top_k=self.top_k, mlp_ratio=2 if experts else 4)
+
+
+def _check_parallel(cfg) -> None:
+    """Refuse, in one line, what ``--dp``, ``--tp``, ``--tp-across-hosts`` and ``--balance``
+    cannot do with the rest of ``cfg`` (called from ``TrainConfig.__post_init__``)."""
+    for name in ("dp", "tp"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be positive, got {value}")
+    if cfg.balance not in BALANCE:
+        raise ValueError(f"--balance must be one of {', '.join(BALANCE)}, got {cfg.balance!r}")
+    if cfg.dp > 1 and cfg.model not in DP_MODELS:
+        raise ValueError(f"--dp {cfg.dp} applies to --model {' and '.join(DP_MODELS)}, not to "
+                         f"{cfg.model}")
+    if cfg.dp > 1 and cfg.batch_size % cfg.dp:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over --dp "
+                         f"{cfg.dp} replicas")
+    if cfg.balance != "even" and cfg.model not in BALANCED_MODELS:
+        raise ValueError(f"--balance {cfg.balance} applies to --model "
+                         f"{' and '.join(BALANCED_MODELS)}, not to {cfg.model} (its experts or "
+                         "tables are not balanced yet)")
+    if cfg.balance != "even" and cfg.dp > 1 and cfg.overlap and not cfg.sequence_parallel:
+        raise ValueError(f"--balance {cfg.balance} with --dp {cfg.dp} needs --no-overlap: after "
+                         "a migration data parallelism is rebuilt by DDP (FSDP2's re-sharding "
+                         "is not built), and DDP does not see the weight gradients fused "
+                         "row-parallel layers add outside autograd")
+
+
+
+def require_transformers(model: str) -> None:
+    """Refuse in one line, before anything starts, an ``hf-*`` model without transformers."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"--model {model} needs transformers, which is not installed: "
+                         "pip install 'plait[hf]'")
+
+
+
+def _check_hf_sizes(cfg) -> None:
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"--n-embd {cfg.n_embd} does not divide into --n-head {cfg.n_head} "
+                         "heads of equal width")
+    if (cfg.n_embd // cfg.n_head) % 2:
+        raise ValueError(f"--n-embd {cfg.n_embd} / --n-head {cfg.n_head} gives heads "
+                         f"{cfg.n_embd // cfg.n_head} wide; rotary embeddings need an even width")
+    if cfg.n_head % cfg.kv_heads:
+        raise ValueError(f"--kv-heads {cfg.kv_heads} must divide --n-head {cfg.n_head} "
+                         "(grouped-query attention: each K/V head serves as many query heads)")
+    if cfg.model == "hf-mixtral" and not 1 <= cfg.top_k <= cfg.n_experts:
+        raise ValueError(f"--top-k {cfg.top_k} must be in [1, --n-experts {cfg.n_experts}]")
+
+
+
+def _check_checkpoint_flags(cfg) -> None:
+    """Refuse impossible checkpoint flags (called by ``TrainConfig``)."""
+    for name in ("checkpoint_every", "checkpoint_keep"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                             f"got {value!r}")
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir DIR (the checkpoints to resume from)")
+
+
+def _check_hf_plans(cfg, plans: dict[str, ShardPlan], world: int) -> None:
+    """Each dim ``parallelize`` will split, given (``--plans``) or even, fits ``world`` ranks."""
+    heads = plans.get("heads")
+    try:  # attention counts KV-head groups, or sub-groups that each copy their K/V head
+        head_split(cfg.n_head, cfg.kv_heads, world, None if heads is None else heads.total)
+    except ValueError as err:
+        where = "--plans heads" if heads is not None else \
+            f"--n-head {cfg.n_head}, --kv-heads {cfg.kv_heads} on {world} ranks"
+        raise ValueError(f"{where}: {err}") from None
+    if heads is not None:
+        heads.check(heads.total, world, what="heads", layer="--plans heads")
+    dims = {"mlp": (hf_intermediate(cfg), "columns", "--n-embd"),
+            "experts": (cfg.n_experts, "experts", "--n-experts")}
+    for kind in HF_PLAN_KINDS[cfg.model]:
+        if kind == "heads":
+            continue
+        total, what, flag = dims[kind]
+        if kind in plans:
+            plans[kind].check(total, world, what=what, layer=f"--plans {kind}")
+        elif total < world:
+            raise ValueError(f"{flag}: {total} {what} cannot give each of {world} ranks one")
+
+
+def hf_intermediate(cfg) -> int:
+    """The MLP's hidden width: 2 × width, per expert for Mixtral (SwiGLU's three matrices of
+    that width hold 6 × width² weights, near the GPT's 4 × width GELU MLP's 8 × width²)."""
+    return 2 * cfg.n_embd

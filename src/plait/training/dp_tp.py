@@ -41,14 +41,8 @@ from .components import Balancing
 from .loop import Component
 from .tally import StepTally
 
-__all__ = ["BALANCE", "DP_MODELS", "BALANCED_MODELS", "mesh_layout", "check_parallel",
-           "placement_line", "RankParallel"]
+__all__ = ["mesh_layout", "placement_line", "RankParallel"]
 
-BALANCE = ("even", "resize", "migrate", "semi")
-DP_MODELS = ("gpt", "hf-llama")
-"""Models ``--dp`` above 1 is tested with (loss against one process on the global batch)."""
-BALANCED_MODELS = ("gpt", "hf-llama")
-"""Models whose sharded dims (attention heads, MLP columns) the balancer moves."""
 # the balancer's settings for a shared machine, the values bench hetero uses by default
 EVERY, REFRESH, CONFIRM_STEPS, SPIKE_STEPS = 2, 200, 3, 12
 
@@ -64,32 +58,6 @@ def mesh_layout(cfg, ranks: int) -> MeshLayout:
         raise ValueError(f"--dp {dp} × --tp {tp} = {dp * tp} ranks, but the run has {ranks} "
                          "(--ranks, or --hosts)")
     return MeshLayout(dp=dp, tp=tp, tp_inside_host=not cfg.tp_across_hosts)
-
-
-def check_parallel(cfg) -> None:
-    """Refuse, in one line, what ``--dp``, ``--tp``, ``--tp-across-hosts`` and ``--balance``
-    cannot do with the rest of ``cfg`` (called from ``TrainConfig.__post_init__``)."""
-    for name in ("dp", "tp"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name} must be positive, got {value}")
-    if cfg.balance not in BALANCE:
-        raise ValueError(f"--balance must be one of {', '.join(BALANCE)}, got {cfg.balance!r}")
-    if cfg.dp > 1 and cfg.model not in DP_MODELS:
-        raise ValueError(f"--dp {cfg.dp} applies to --model {' and '.join(DP_MODELS)}, not to "
-                         f"{cfg.model}")
-    if cfg.dp > 1 and cfg.batch_size % cfg.dp:
-        raise ValueError(f"--batch-size {cfg.batch_size} does not split evenly over --dp "
-                         f"{cfg.dp} replicas")
-    if cfg.balance != "even" and cfg.model not in BALANCED_MODELS:
-        raise ValueError(f"--balance {cfg.balance} applies to --model "
-                         f"{' and '.join(BALANCED_MODELS)}, not to {cfg.model} (its experts or "
-                         "tables are not balanced yet)")
-    if cfg.balance != "even" and cfg.dp > 1 and cfg.overlap and not cfg.sequence_parallel:
-        raise ValueError(f"--balance {cfg.balance} with --dp {cfg.dp} needs --no-overlap: after "
-                         "a migration data parallelism is rebuilt by DDP (FSDP2's re-sharding "
-                         "is not built), and DDP does not see the weight gradients fused "
-                         "row-parallel layers add outside autograd")
 
 
 def placement_line(layout: MeshLayout, hosts: int) -> str:

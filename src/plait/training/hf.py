@@ -5,79 +5,18 @@ download, made tensor-parallel by ``plait.parallelize(model, plan="auto")``.
 ``MixtralForCausalLM``, random weights from ``cfg.seed``); ``build_hf`` makes it parallel;
 ``hf_loss`` / ``hf_logits_loss`` score next-character prediction on the char corpus exactly
 as the GPT does (every position, not transformers' own shifted ``labels`` loss, which
-drops the last one). ``check_hf_sizes`` and ``check_hf_plans`` refuse, before any rank
-starts, what the model or ``parallelize`` would refuse later, naming the flags.
+drops the last one). What the model or ``parallelize`` would refuse later is refused by
+``TrainConfig`` (:mod:`.config`) before any rank starts, naming the flags.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
-from ..plan import ShardPlan
+from .config import hf_intermediate, require_transformers
 
-__all__ = ["HF_MODELS", "HF_PLAN_KINDS", "require_transformers", "hf_model", "build_hf",
-           "hf_loss", "hf_logits_loss", "check_hf_sizes", "check_hf_plans", "hf_intermediate"]
-
-HF_MODELS = ("hf-llama", "hf-mixtral")
-HF_PLAN_KINDS = {"hf-llama": ("heads", "mlp"), "hf-mixtral": ("heads", "experts")}
-"""What ``--plans`` may split: transformers' own plan splits attention by heads (KV-head
-groups) and Llama's MLP by columns; Mixtral's experts go whole to ranks (expert parallel)."""
-
-
-def require_transformers(model: str) -> None:
-    """Refuse in one line, before anything starts, an ``hf-*`` model without transformers."""
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError(f"--model {model} needs transformers, which is not installed: "
-                         "pip install 'plait[hf]'")
-
-
-def hf_intermediate(cfg) -> int:
-    """The MLP's hidden width: 2 × width, per expert for Mixtral (SwiGLU's three matrices of
-    that width hold 6 × width² weights, near the GPT's 4 × width GELU MLP's 8 × width²)."""
-    return 2 * cfg.n_embd
-
-
-def check_hf_sizes(cfg) -> None:
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"--n-embd {cfg.n_embd} does not divide into --n-head {cfg.n_head} "
-                         "heads of equal width")
-    if (cfg.n_embd // cfg.n_head) % 2:
-        raise ValueError(f"--n-embd {cfg.n_embd} / --n-head {cfg.n_head} gives heads "
-                         f"{cfg.n_embd // cfg.n_head} wide; rotary embeddings need an even width")
-    if cfg.n_head % cfg.kv_heads:
-        raise ValueError(f"--kv-heads {cfg.kv_heads} must divide --n-head {cfg.n_head} "
-                         "(grouped-query attention: each K/V head serves as many query heads)")
-    if cfg.model == "hf-mixtral" and not 1 <= cfg.top_k <= cfg.n_experts:
-        raise ValueError(f"--top-k {cfg.top_k} must be in [1, --n-experts {cfg.n_experts}]")
-
-
-def check_hf_plans(cfg, plans: dict[str, ShardPlan], world: int) -> None:
-    """Each dim ``parallelize`` will split, given (``--plans``) or even, fits ``world`` ranks."""
-    from ..parallel.dims import head_split
-
-    heads = plans.get("heads")
-    try:  # attention counts KV-head groups, or sub-groups that each copy their K/V head
-        head_split(cfg.n_head, cfg.kv_heads, world, None if heads is None else heads.total)
-    except ValueError as err:
-        where = "--plans heads" if heads is not None else \
-            f"--n-head {cfg.n_head}, --kv-heads {cfg.kv_heads} on {world} ranks"
-        raise ValueError(f"{where}: {err}") from None
-    if heads is not None:
-        heads.check(heads.total, world, what="heads", layer="--plans heads")
-    dims = {"mlp": (hf_intermediate(cfg), "columns", "--n-embd"),
-            "experts": (cfg.n_experts, "experts", "--n-experts")}
-    for kind in HF_PLAN_KINDS[cfg.model]:
-        if kind == "heads":
-            continue
-        total, what, flag = dims[kind]
-        if kind in plans:
-            plans[kind].check(total, world, what=what, layer=f"--plans {kind}")
-        elif total < world:
-            raise ValueError(f"{flag}: {total} {what} cannot give each of {world} ranks one")
-
+__all__ = ["hf_model", "build_hf", "hf_loss", "hf_logits_loss"]
 
 def hf_model(cfg, vocab_size: int) -> torch.nn.Module:
     """The single-process transformers model of ``cfg`` from its seed, in the default dtype."""

@@ -10,7 +10,8 @@ from ..models import DLRM, GPT, DLRMConfig
 from ..parallel import apply_tp
 from .config import TrainConfig
 from .data import CharCorpus, ClickLog
-from .hf import HF_MODELS, build_hf, hf_logits_loss, hf_loss
+from .config import HF_MODELS
+from .hf import build_hf, hf_logits_loss, hf_loss
 
 __all__ = ["build_gpt", "build_dlrm", "build_hf", "make_optimizer", "gpt_loss", "dlrm_loss",
            "hf_loss", "evaluate_gpt", "evaluate_dlrm"]

@@ -37,23 +37,12 @@ from ..parallel.layout import module_plans
 from ..checkpoint.replicas import unwrap
 from .components import Checkpointing
 
-__all__ = ["SeededStream", "check_checkpoint_flags", "checkpoint_note", "resume_run",
+__all__ = ["SeededStream", "checkpoint_note", "resume_run",
            "checkpointing", "restore_balancer", "resharded_line"]
 
 # the settings that decide the trajectory besides the model's shapes: a resumed run that
 # changes one of them continues, and its first line says so
 _TRAJECTORY = ("steps", "batch_size", "lr", "seq_len", "seed")
-
-
-def check_checkpoint_flags(cfg) -> None:
-    """Refuse impossible checkpoint flags (called by ``TrainConfig``)."""
-    for name in ("checkpoint_every", "checkpoint_keep"):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
-                             f"got {value!r}")
-    if cfg.resume and not cfg.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir DIR (the checkpoints to resume from)")
 
 
 def checkpoint_note(cfg) -> str | None:

@@ -22,7 +22,7 @@ from .components import Progress, Straggling
 from .config import TrainConfig
 from .data import CharCorpus, ClickLog
 from .dp_tp import RankParallel, mesh_layout
-from .hf import HF_MODELS
+from .config import HF_MODELS
 from .loop import Trainer, cosine_schedule
 from .models import (build_dlrm, build_gpt, build_hf, dlrm_loss, evaluate_dlrm, evaluate_gpt,
                      gpt_loss, hf_loss, make_optimizer)

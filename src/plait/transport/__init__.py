@@ -6,11 +6,17 @@
   header, its pieces' flags (``Call``).
 - :mod:`.collectives`: all_reduce, all_gather, reduce_scatter, all_to_all on it
   (``ShmGroup``).
+
+Names load on first use (PEP 562): the command line reads ``transport.shm``'s sizes
+without importing torch.
 """
 
-from .calls import Call, Header
-from .collectives import GroupBroken, ShmGroup
-from .shm import PeerDied, PeerFailed, ShmSegments, ShmUnavailable, remove_stale, supported
+from ..runtime.lazy import exports
 
-__all__ = ["ShmGroup", "ShmSegments", "Call", "Header", "PeerDied", "PeerFailed",
-           "ShmUnavailable", "GroupBroken", "supported", "remove_stale"]
+_WHERE = {
+    "calls": ("Call", "Header"),
+    "collectives": ("GroupBroken", "ShmGroup"),
+    "shm": ("PeerDied", "PeerFailed", "ShmSegments", "ShmUnavailable", "remove_stale",
+            "supported"),
+}
+__getattr__, __all__ = exports(__name__, _WHERE)

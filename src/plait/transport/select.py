@@ -26,26 +26,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import torch
 import torch.distributed as dist
 
+from .asked import TRANSPORTS, wanted
 from .base import Choice, DistTransport, Done, Transport
 
 __all__ = ["TRANSPORTS", "Choice", "choose", "DistTransport", "ShmTransport", "wanted"]
 
-TRANSPORTS = ("auto", "shm", "gloo")
-ENV = "PLAIT_TRANSPORT"
-
 log = logging.getLogger("plait.transport")
-
-
-def wanted() -> str:
-    """The transport asked for: ``PLAIT_TRANSPORT`` (``auto`` when unset)."""
-    value = os.environ.get(ENV, "auto") or "auto"
-    if value not in TRANSPORTS:
-        raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(TRANSPORTS)}")
-    return value
 
 
 class ShmTransport(Transport):
