@@ -38,6 +38,7 @@ from ..runtime import parse_rate, rank_context
 from ..runtime.placement import run_placed
 from ..runtime.timing import agreed_max, median, sync, time_once
 from .config.collectives import COLLECTIVES, CollectiveBenchConfig
+from .report import counted
 
 __all__ = ["COLLECTIVES", "GLOO_SHORTFALL", "LINK_SHARE_OK", "CollectiveBenchConfig",
            "bench_collectives", "bus_factor", "link_share", "plot_bandwidth", "run_sweep",
@@ -332,7 +333,7 @@ def plot_bandwidth(records: list[dict], path, link_GBps: float | None = None) ->
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     world = records[0]["world_size"] if records else "?"
-    ax.set_title(f"plait bench collectives: {world} ranks, {records[0]['link'] if records else ''}")
+    ax.set_title(f"plait bench collectives: {counted(world, 'rank')}, {records[0]['link'] if records else ''}")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -18,7 +18,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .demo import WARMUP_STEPS, DemoConfig
+from .config.demo import WARMUP_STEPS, DemoConfig
+from .report import counted
 
 __all__ = ["write_demo_report", "busy_note", "cores_busy"]
 
@@ -135,7 +136,7 @@ def _plot_steps(records: list[dict], cfg: DemoConfig, rows: list[dict], folder: 
                  f"plait {plait['t_step_s'] * 1e3:.0f} ms ({plait['speedup_vs_plain']:.2f}× "
                  "the plain way's speed)", fontsize=10)
     _plot_compute(bx, records, cfg, marks, world)
-    fig.suptitle(f"plait demo: GPT {cfg.n_layer}×{cfg.n_embd} on {world} ranks, rank {cfg.slowed(world)} "
+    fig.suptitle(f"plait demo: GPT {cfg.n_layer}×{cfg.n_embd} on {counted(world, 'rank')}, rank {cfg.slowed(world)} "
                  f"{cfg.factor:g}× slower from step {cfg.slow_from}\n{where}", fontsize=10)
     fig.tight_layout()
     fig.savefig(folder / "step_time.png", dpi=110, bbox_inches="tight")

@@ -14,7 +14,7 @@ from rich.text import Text
 from ..runtime.records import machine_meta, write_json
 
 __all__ = ["console", "make_table", "print_table", "print_summary", "summary_text",
-           "write_json", "progress_bar", "human_bytes", "machine_meta"]
+           "write_json", "progress_bar", "human_bytes", "machine_meta", "counted"]
 
 # Piped output (CI logs, `| tee`) gets 120 columns instead of rich's 80, so tables stay whole.
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -26,6 +26,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(n: int, word: str) -> str:
+    """``1 rank``, ``2 ranks``: a count and its noun, in the number it takes."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 _FOLDED = 4  # characters a label keeps a line when labels fold

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
+from ..bench.report import console, counted, human_bytes, print_table, progress_bar, write_json
 from ..bench.checkpoint_stall import QUICK_CHECKPOINT, CheckpointBenchConfig, bench_checkpoint
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
@@ -46,7 +46,7 @@ def _print(records: list[dict], summary: dict, cfg: CheckpointBenchConfig, ranks
         "async_interval_extra_s"))])
     link = records[0]["link"] if records else ""
     steps = f"{cfg.every} step{'s' if cfg.every != 1 else ''}"
-    print_table(f"checkpoint stall on {ranks} ranks ({link}): GPT {cfg.n_layer}×{cfg.n_embd} "
+    print_table(f"checkpoint stall on {counted(ranks, 'rank')} ({link}): GPT {cfg.n_layer}×{cfg.n_embd} "
                 f"({cfg.n_head} heads), batch {cfg.batch_size}×{cfg.seq_len}, AdamW; "
                 f"{human_bytes(summary['checkpoint_bytes'])} a checkpoint",
                 ["checkpoint", "blocking stall (ms)", "async stall (ms)",

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import replace
 
 from ..bench.config.collectives import CollectiveBenchConfig
-from ..bench.report import console, human_bytes, print_table, progress_bar, write_json
+from ..bench.report import console, counted, human_bytes, print_table, progress_bar, write_json
 from ..runtime import parse_rate
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
@@ -72,7 +72,7 @@ def run_collectives(args: argparse.Namespace) -> int:
     if not pieces:  # --pieces 0: no column for them
         columns.pop(9)
         rows = [row[:9] + row[10:] for row in rows]
-    print_table(f"collectives on {ranks} ranks ({records[0]['link'] if records else ''})",
+    print_table(f"collectives on {counted(ranks, 'rank')} ({records[0]['link'] if records else ''})",
                 columns, rows,
                 caption="median over timed iterations, each reps calls back to back, per call; "
                         "each iteration's time is the slowest rank's; copy = one core's "

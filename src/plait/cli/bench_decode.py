@@ -42,7 +42,8 @@ def run_decode(args: argparse.Namespace) -> int:
     check_outputs(args, "json", "plot")
     # torch loads here, once the flags have passed
     from ..bench.decode import bench_decode, check_slow, kernel_budgets, summarize
-    from ..bench.report import console, print_summary, print_table, progress_bar, write_json
+    from ..bench.report import (console, counted, print_summary, print_table, progress_bar,
+                                write_json)
 
     slow = list(getattr(args, "slow_specs", ()))
     check_slow(slow)  # refused here, before any rank starts or a bar is drawn
@@ -66,7 +67,7 @@ def run_decode(args: argparse.Namespace) -> int:
              f"{r['ideal_ms']:.2f} ({r['ratio_to_ideal']:.2f}×)" if "ideal_ms" in r else "–",
              {True: "yes", False: "[red]NO[/red]", None: "–"}[r["same_tokens"]]] for r in timed]
     print_table(f"decoding a Llama {cfg.n_layer} × {cfg.n_embd} ({cfg.n_head} heads over "
-                f"{cfg.n_kv_head} KV heads) on {ranks} ranks: {cfg.new_tokens} tokens after "
+                f"{cfg.n_kv_head} KV heads) on {counted(ranks, 'rank')}: {cfg.new_tokens} tokens after "
                 f"{cfg.prompt_len}",
                 ["system", "batch", "ranks", "threads", "transport", "ms / token", "p99 ms",
                  "TTFT ms",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench.config.hetero import QUICK_HETERO, HeteroBenchConfig
-from ..bench.report import console, print_summary, print_table, progress_bar, write_json
+from ..bench.report import console, counted, print_summary, print_table, progress_bar, write_json
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
                      resolve_placement)
@@ -52,7 +52,7 @@ def run_hetero(args: argparse.Namespace) -> int:
     def ms(row, key):
         return _ms(row[key]) if key in row else "–"
 
-    print_table(f"heterogeneity on {ranks} ranks ({records[0]['link'] if records else ''}), "
+    print_table(f"heterogeneity on {counted(ranks, 'rank')} ({records[0]['link'] if records else ''}), "
                 f"GPT {cfg.n_layer}×{cfg.n_embd}, {cfg.steps} steps, {cfg.seeds} seed(s)",
                 ["scenario", "policy", "step (ms)", "ideal", "no straggler",
                  "× ideal (per seed)",

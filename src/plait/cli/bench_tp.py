@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from ..bench.config.tp import QUICK_TP, TPBenchConfig
-from ..bench.report import console, human_bytes, print_summary, print_table, progress_bar, write_json
+from ..bench.report import (console, counted, human_bytes, print_summary, print_table,
+                            progress_bar, write_json)
 from .args import add_dataclass_args, dataclass_from_args
 from .common import (DEFAULT_DEADLINE_S, add_launch_args, add_output_args, check_outputs,
                      resolve_placement)
@@ -73,14 +74,14 @@ def _print_tp(records: list[dict], ranks: int, cfg) -> None:
             f"{r['allreduce_per_step']} all-reduces of "
             f"{human_bytes(r['allreduce_bytes'])}{gathers} take ≥ {_ms(r['t_comm_link_s'])} ms a "
             "step at the link rate" for r in wires) if wire else ""
-        print_table(f"tensor parallelism on {ranks} ranks ({link}): {_dense_title(gpt[0])}, "
+        print_table(f"tensor parallelism on {counted(ranks, 'rank')} ({link}): {_dense_title(gpt[0])}, "
                     f"batch {m['batch_size']}×{m['seq_len']}, {gpt[0]['optimizer']}",
                     ["system", "step (ms)", "tokens/s", "× pytorch-tp",
                      f"max |Δloss|, first {cfg.compare_steps} steps", "loss first → last"],
                     _tp_rows(gpt, "speedup_vs_pytorch_tp"), caption=caption + wire_note)
     if emb:
         m = emb[0]["model"]
-        print_table(f"DLRM embeddings on {ranks} ranks ({link}): {m['tables']} tables × "
+        print_table(f"DLRM embeddings on {counted(ranks, 'rank')} ({link}): {m['tables']} tables × "
                     f"{m['rows']:,} × {m['dim']}, batch {m['batch']}, pool {m['pool']}",
                     ["system", "step (ms)", "samples/s", "× torchrec",
                      f"max |Δloss|, first {cfg.compare_steps} steps", "loss first → last"],

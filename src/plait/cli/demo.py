@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable(cfg.out, "--out", directory=True)  # before the runs, not after them
     from ..bench.demo import demo, summarize_demo  # torch: once the flags have passed
     from ..bench.demo_report import busy_note, cores_busy, write_demo_report
-    from ..bench.report import console, print_table, progress_bar
+    from ..bench.report import console, counted, print_table, progress_bar
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     busy = cores_busy()
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     console.print(f"[dim]{where}[/dim]")
     rows = summarize_demo(records, cfg)
-    print_table(f"GPT {cfg.n_layer}×{cfg.n_embd} on {ranks} ranks; rank {cfg.slowed(ranks)} "
+    print_table(f"GPT {cfg.n_layer}×{cfg.n_embd} on {counted(ranks, 'rank')}; rank {cfg.slowed(ranks)} "
                 f"{cfg.factor:g}× slower from step {cfg.slow_from}",
                 ["system", "path, policy", "step (ms)", "no straggler", "ideal", "× ideal",
                  "tokens/s", "held-out loss", "held-out acc"],

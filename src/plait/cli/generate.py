@@ -76,13 +76,15 @@ def run_generate(args: argparse.Namespace) -> int:
         if tokenizer is not None:  # text in, text out
             result.setdefault("texts", []).append(tokenizer.decode(tokens,
                                                                    skip_special_tokens=True))
-            console.print(f"prompt {i}: {args.prompt[i]}", markup=False)
-            console.print(f"  → {result['texts'][-1]}", markup=False)
+            console.print(f"prompt {i}: {args.prompt[i]}", markup=False, soft_wrap=True)
+            console.print(f"  → {result['texts'][-1]}", markup=False, soft_wrap=True)
             if ended is not None:
                 console.print(f"  [dim](ended at its EOS after {ended} tokens)[/dim]")
             continue
-        console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False)
-        console.print(f"  → {' '.join(map(str, tokens[:ended]))}", markup=False)
+        # one line each, however long: the terminal wraps it, not rich (a copy pastes whole)
+        console.print(f"prompt {i}: {' '.join(map(str, prompts[i]))}", markup=False,
+                      soft_wrap=True)
+        console.print(f"  → {' '.join(map(str, tokens[:ended]))}", markup=False, soft_wrap=True)
         if ended is not None:
             console.print(f"  [dim](ended at its EOS after {ended} tokens)[/dim]")
     if cfg.requests == "each" or cfg.split != "even":
