@@ -76,6 +76,7 @@ class InPlaceShards(Protocol):
 
     plan: ShardPlan
     group: object  # a ProcessGroup; None is the default group
+    dims: dict[str, tuple[int, int, int]]  # parameter → (split dim, blocks, elements a unit)
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]: ...
 

@@ -188,11 +188,12 @@ def experts_shape(module: nn.Module, path: str) -> tuple[int, int, int]:
     return e, h, two_f // 2
 
 
-def _ffn_dims(module: nn.Module) -> dict[str, tuple[int, int]]:
-    """Per experts parameter: the dim its FFN columns run along, and its blocks."""
+def _ffn_dims(module: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Per experts parameter: the dim its FFN columns run along, its blocks, and 1 (a plan
+    unit is one column)."""
     if getattr(module, "is_transposed", False):
-        return {"gate_up_proj": (2, 2), "down_proj": (1, 1)}
-    return {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+        return {"gate_up_proj": (2, 2, 1), "down_proj": (1, 1, 1)}
+    return {"gate_up_proj": (1, 2, 1), "down_proj": (2, 1, 1)}
 
 
 class _ExpertShards:
@@ -205,7 +206,7 @@ class _ExpertShards:
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         out = {}
-        for name, (dim, blocks) in self.dims.items():
+        for name, (dim, blocks, _) in self.dims.items():
             p = getattr(self.module, name)
             value = p.detach() if not grads else torch.zeros_like(p) if p.grad is None else p.grad
             out[name] = unshard(value.detach(), self.plan, self.group, dim, blocks=blocks)
@@ -241,6 +242,7 @@ class _LocalShards:
 
     def __init__(self, module: nn.Module, units: dict[str, int], plan: ShardPlan, group):
         self.module, self.units, self.plan, self.group = module, units, plan, group
+        self.dims = {name: (0, 1, unit) for name, unit in units.items()}  # dim 0, one block
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         out = {}
@@ -269,7 +271,7 @@ def shard_experts_ffn(module: nn.Module, path: str, group=None,
     e, h, f = experts_shape(module, path)
     info = GroupInfo(group)
     plan = resolve_plan(plan, f, info, what="expert FFN columns", layer=path)
-    (gu_dim, _), (down_dim, _) = _ffn_dims(module).values()
+    (gu_dim, *_), (down_dim, *_) = _ffn_dims(module).values()
     with torch.no_grad():
         gate_up = shard_of(module.gate_up_proj.detach(), plan, info.rank, gu_dim, blocks=2)
         down = shard_of(module.down_proj.detach(), plan, info.rank, down_dim)

@@ -18,6 +18,7 @@ CopiedHeadsLinear           weight (0), bias (0)        one per local KV sub-gro
 VocabParallelEmbedding      weight (0)                  one
 MoE, ExpertParallelExperts  w1/w2, gate_up/down (0)     one (whole experts)
 experts split in place      gate_up_proj (1), down (2)  two (gate, up) / one
+per-head parameters         (0), its heads' entries     one (transformers' local_params)
 ShardedEmbeddingBag         bags.<t>.weight             whole tables, only on their owner
 ==========================  ==========================  ====================================
 
@@ -130,8 +131,8 @@ def _linear(layer, key: str) -> Layout | None:
 
 
 def _along(param: torch.Tensor, plan: ShardPlan, rank: int, dim: int,
-           blocks: int = 1) -> Layout:
-    return _layout(param, dim, blocks * plan.total, _blocked(plan, rank, blocks, 1))
+           blocks: int = 1, unit: int = 1) -> Layout:
+    return _layout(param, dim, blocks * plan.total * unit, _blocked(plan, rank, blocks, unit))
 
 
 def _module_layouts(module: nn.Module) -> dict[str, Layout | None] | None:
@@ -144,10 +145,10 @@ def _module_layouts(module: nn.Module) -> dict[str, Layout | None] | None:
     from .layers import VocabParallelEmbedding
 
     in_place = shards_of(module)
-    if in_place is not None:  # transformers' experts split by their FFN dim
+    if in_place is not None:  # experts split by their FFN dim, or per-head parameters
         rank = _rank(in_place.group)
-        return {k: _along(getattr(module, k), in_place.plan, rank, dim, blocks)
-                for k, (dim, blocks) in in_place.dims.items()}
+        return {k: _along(getattr(module, k), in_place.plan, rank, dim, blocks, unit)
+                for k, (dim, blocks, unit) in in_place.dims.items()}
     if isinstance(module, _ParallelLinear):
         keys = ["weight"] + (["bias"] if module.bias is not None else [])
         return {k: _linear(module, k) for k in keys}
