@@ -107,7 +107,7 @@ ROWS = [
     ("hetero-scenario-file-missing", ["bench", "hetero", "--scenario-file", "nosuch.json"],
      "--scenario-file nosuch.json: No such file", ()),
     ("bench-missing", ["bench"], "required", ()),
-    ("bench-unknown", ["bench", "nccl"], "invalid choice", ()),
+    ("bench-unknown", ["bench", "nccl"], "BENCHMARK 'nccl' is not one of collectives", ()),
     # plait simulate
     ("simulate-tp-zero", ["simulate", "--tp", "0"], "--tp", ()),
     ("simulate-dp-negative", ["simulate", "--dp", "-1"], "--dp", ()),
@@ -141,7 +141,7 @@ ROWS = [
     ("demo-ranks-zero", ["demo", "--ranks", "0"], "--ranks", ()),
     ("demo-timeout-negative", ["demo", "--timeout", "-1"], "--timeout", ()),
     ("no-command", [], "required", ()),
-    ("unknown-command", ["serve"], "invalid choice", ()),
+    ("unknown-command", ["serve"], "COMMAND 'serve' is not one of demo", ()),
 ]
 
 

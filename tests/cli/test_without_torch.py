@@ -33,13 +33,14 @@ REFUSALS = [  # (argv, what the one line says)
     (["generate", "--ranks", "9"], "cannot give each of 9 ranks a whole head"),
     (["generate", "--prompt-ids", "1 x"], "'x' is not a token id"),
     (["bench", "decode", "--systems", "foo"], "--systems foo"),
-    (["bench", "ops", "--ops", "foo"], "unknown operators"),
+    (["bench", "ops", "--ops", "foo"], "--ops foo: no such operator"),
     (["bench", "tp", "--n-head", "7"], "n_head 7"),
     (["bench", "hetero", "--policies", "foo"], "--policies"),
     (["bench", "collectives", "--min-bytes", "0"], "--min-bytes 0"),
     (["bench", "load", "--size-gb", "0"], "--size-gb must be at least 0.01"),
     (["elastic", "--hosts", "0"], "--hosts must be positive"),
-    (["bench", "nope"], "invalid choice"),
+    (["bench", "nope"], "BENCHMARK 'nope' is not one of"),
+    (["trian"], "did you mean train?"),
 ]
 
 

@@ -25,20 +25,28 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         hint = hints[f.name]
+        said = _default_text(default, help_text)
         if hint is bool:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
-                                default=None, help=f"{help_text} (default: {default})")
+                                default=None, help=f"{help_text}{said}")
             continue
         if typing.get_origin(hint) is tuple:
-            default_text = ",".join(map(str, default))
             parser.add_argument(_flag(f.name), default=None, metavar="A,B,…",
-                                help=f"{help_text} (default: {default_text})")
+                                help=f"{help_text}{said}")
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        # a field whose help states its own default (None: it depends on another) says it once
-        said = "" if default is None and "default" in help_text else f" (default: {default})"
         parser.add_argument(_flag(f.name), type=finite_float if base is float else base,
                             default=None, help=f"{help_text}{said}")
+
+
+def _default_text(default, help_text: str) -> str:
+    """`` (default: X)`` after a flag's help; nothing where the help states its own default
+    or there is none to state (None, an empty list: the flag unset)."""
+    if "default" in help_text or default is None or default == ():
+        return ""
+    if isinstance(default, tuple):
+        return f" (default: {','.join(map(str, default))})"
+    return f" (default: {default})"
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, defaults: dict | None = None):

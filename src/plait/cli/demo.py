@@ -34,10 +34,11 @@ def register(parser, _rest=None) -> None:
                              + ", ".join(_flag(k, v) for k, v in QUICK_DEMO.items())
                              + " (flags given override these)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--slow", dest="demo_slow", metavar="RANK:FACTOR@FROM", default=None,
-                        help="rank RANK turns FACTOR× slower from step FROM to the end, as train "
-                             "and generate take it (default: the last rank, 2× from step 15; "
-                             f"--quick: from step {QUICK_DEMO['slow_from']})")
+    parser.add_argument("--slow", dest="demo_slow", metavar="RANK:FACTOR[@FROM]", default=None,
+                        help="rank RANK turns FACTOR× slower from step FROM to the end (train's "
+                             "and generate's --slow, without their -UNTIL: the demo's slowdown "
+                             "lasts; default: the last rank, 2× from step 15; --quick: from "
+                             f"step {QUICK_DEMO['slow_from']})")
     add_dataclass_args(parser, DemoConfig)
     parser.set_defaults(func=run)
 

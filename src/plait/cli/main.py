@@ -11,6 +11,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import signal
 import sys
 import traceback
@@ -37,6 +38,14 @@ class _Parser(argparse.ArgumentParser):
                                "stays one line")
 
     def error(self, message: str):
+        wrong = re.search(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)",
+                          message)
+        if wrong:  # a mistyped command or choice: the nearest, as for a mistyped flag
+            what, given, listed = wrong.groups()
+            choices = re.findall(r"'([^']*)'", listed)
+            near = difflib.get_close_matches(given, choices, n=1, cutoff=0.6)
+            message = (f"{what} {given!r} is not one of {', '.join(choices)}"
+                       + (f"; did you mean {near[0]}?" if near else ""))
         self.exit(2, f"plait: error: {message} (see: {self.prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):

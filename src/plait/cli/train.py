@@ -106,7 +106,11 @@ def _print_ideal(summary: dict, cfg, args: argparse.Namespace) -> None:
         return
     slowed = " ".join([f"--slow {s}" for s in args.slow]
                       + ([f"--slow-file {args.slow_file}"] if args.slow_file else [])) or "none"
-    decisions = len(summary.get("balance", {}).get("decisions", ()))
+    made = summary.get("balance", {}).get("decisions", ())
+    for d in made:  # what the balancer did, a line each (log.json has every figure)
+        console.print(f"[dim]step {d['step']:>4} {d['dim']}: {d['kind']} {d['reason']}[/dim]",
+                      soft_wrap=True)
+    decisions = len(made)
     load = summary.get("load_avg_1min", [])
     row = [cfg.balance, slowed, f"{1e3 * ideal['t_step_s']:.1f}",
            f"{1e3 * ideal['t_ideal_s']:.1f}", f"{ideal['ratio_to_ideal']:.2f}", str(decisions),

@@ -57,7 +57,8 @@ class OpsBenchConfig:
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
         if unknown:
-            raise ValueError(f"unknown operators {unknown}; choose from {list(OPS)}")
+            raise ValueError(f"--ops {','.join(unknown)}: no such operator; choose from "
+                             f"{', '.join(OPS)}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"need iters ≥ 1 and warmup ≥ 0, got {self.iters}, {self.warmup}")
         if not self.min_time_s >= 0:
