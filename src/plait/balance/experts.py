@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["ExpertPlacement", "place_experts", "even_placement", "ideal_time", "imbalance"]
+__all__ = ["ExpertPlacement", "ExpertBalancer", "place_experts", "even_placement", "ideal_time",
+           "imbalance", "moves"]
 
 _EPS = 1e-12  # a remainder this small (relative to the expert's load) is no replica
 
@@ -154,6 +155,62 @@ def place_experts(loads: Sequence[float], speeds: Sequence[float], *,
         shares = [(r, t / total if total > 0 else 1.0 / len(homes[e])) for r, t in homes[e]]
         replicas.append(tuple(shares))
     return ExpertPlacement(tuple(replicas), world)
+
+
+def moves(old: ExpertPlacement, new: ExpertPlacement) -> int:
+    """Replicas ``new`` puts on a rank that held no copy of the expert in ``old``: each is a
+    copy of the expert's weights (and in training its optimizer state) over the wire."""
+    return sum(len({r for r, _ in b} - {r for r, _ in a})
+               for a, b in zip(old.replicas, new.replicas))
+
+
+@dataclass
+class ExpertBalancer:
+    """SEMI's rule for experts: re-place when the predicted gain pays for the move.
+
+    Each ``observe`` takes a step's routed loads (the counts the all-to-all's own count
+    exchange carries: no extra round trip) and the ranks' speeds, smooths both (an EMA,
+    ``smoothing`` the newest reading's weight), and compares the slowest rank's expert time
+    under the current placement with :func:`place_experts`' placement. It moves when, for
+    ``confirm`` readings in a row, the gain is at least ``threshold`` of the step's expert
+    time and the gain over ``horizon`` steps exceeds the copies it makes times
+    ``move_cost`` (a copy's cost in steps of expert time). Jitter alone (a router's
+    counts round an even skew) predicts a gain under the threshold: no move."""
+
+    placement: ExpertPlacement
+    max_replicas: int | None = None
+    slots: int | Sequence[int] | None = None
+    smoothing: float = 0.5
+    threshold: float = 0.05
+    confirm: int = 2
+    horizon: int = 20
+    move_cost: float = 0.05
+    loads: list[float] | None = None
+    speeds: list[float] | None = None
+    streak: int = 0
+    log: list[dict] | None = None
+
+    def observe(self, step: int, loads: Sequence[float],
+                speeds: Sequence[float]) -> ExpertPlacement | None:
+        """The new placement where this reading makes a move, else None."""
+        a = self.smoothing
+        self.loads = list(map(float, loads)) if self.loads is None else \
+            [a * x + (1 - a) * y for x, y in zip(loads, self.loads)]
+        self.speeds = list(map(float, speeds)) if self.speeds is None else \
+            [a * x + (1 - a) * y for x, y in zip(speeds, self.speeds)]
+        now = max(self.placement.times(self.loads, self.speeds))
+        best = place_experts(self.loads, self.speeds, slots=self.slots,
+                             max_replicas=self.max_replicas, current=self.placement)
+        gain = (now - max(best.times(self.loads, self.speeds))) / now if now > 0 else 0.0
+        copies = moves(self.placement, best)
+        pays = gain >= self.threshold and gain * self.horizon > copies * self.move_cost
+        self.streak = self.streak + 1 if pays else 0
+        if self.streak < self.confirm:
+            return None
+        self.streak = 0
+        self.placement = best
+        self.log = (self.log or []) + [{"step": step, "gain": round(gain, 4), "copies": copies}]
+        return best
 
 
 def _slots(slots, world: int, experts: int) -> list[int]:

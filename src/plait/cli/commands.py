@@ -39,6 +39,8 @@ BENCHMARKS = {
                             "against the model's size"),
     "decode": (".bench_decode", "per-token latency of tensor-parallel decoding, against one "
                                 "process and PyTorch TP"),
+    "experts": (".bench_experts", "MoE experts placed by routed load and rank speed, hot ones "
+                                  "replicated, against even blocks"),
 }
 
 
