@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.agree import attempt, refused
-from ..ops.library import compiling, constant_result, opaque, register_opaque
+from ..ops.library import constant_result, opaque, register_opaque
 from ..ops.embedding import embedding_all_to_all
 from ..ops.pieces import even_sizes
 from ..plan import ShardPlan
@@ -112,7 +112,7 @@ class ShardedEmbeddingBag(nn.Module):
             with compute_scope(weights[0].device):
                 return torch.stack([F.embedding_bag(indices[t], w, offsets[t], mode=self.mode)
                                     for t, w in zip(self.owned, weights)], dim=1)
-        if compiling():  # the bags' lengths are data: pooling and all-to-all as one op
+        if torch.compiler.is_compiling():  # the bags' lengths are data: pooling and all-to-all as one op
             self._check_tables(indices, offsets)  # at tracing (the op checks the rest)
             mine = [indices[t] for t in self.owned]
             bags = [offsets[t] for t in self.owned]

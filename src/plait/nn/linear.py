@@ -50,7 +50,6 @@ from ..ops.agree import attempt, refused
 from ..ops.matmul_all_reduce import (InFlight, matmul_all_reduce_start, traced_column_matmul,
                                      traced_matmul_all_reduce)
 from ..ops.shared_input import SharedInput
-from ..ops.library import compiling
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ._shard import _idle, compute_scope, mark_partial_grad, shard_of
 from .linear_base import _hooked, _ParallelLinear
@@ -76,7 +75,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._gather(local, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if compiling():
+        if torch.compiler.is_compiling():
             return self._traced(x)
         if not torch.is_grad_enabled() and self._kept is None and not self.sequence_parallel:
             # no backward (a decoding step): a column-parallel forward moves no bytes, so
@@ -229,7 +228,7 @@ class RowParallelLinear(_ParallelLinear):
         return local.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if compiling():
+        if torch.compiler.is_compiling():
             y = self._traced(x)
             return y if self.bias is None else y + self.bias
         if not torch.is_grad_enabled() and self.overlap and self._kept is None and \
@@ -245,7 +244,7 @@ class RowParallelLinear(_ParallelLinear):
         not sequence-parallel: the last pieces are); ``finish()`` gives ``forward(x)``.
         Every other path is done by the time it returns. ``chunks``: this call's pieces
         (default the layer's)."""
-        if compiling():
+        if torch.compiler.is_compiling():
             return Started(InFlight(self._traced(x), []), self.bias)
         weight = self.weight  # [N, K_r]; K_r kept only, when resized
         if self._kept is not None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..ops.agree import attempt, raise_together
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
-from ..ops.library import compiling, constant_result, opaque, recomputing, register_opaque
+from ..ops.library import constant_result, opaque, recomputing, register_opaque
 from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
@@ -150,7 +150,7 @@ class MoE(nn.Module):
         x2_rows = x2.shape[0] if isinstance(x2, torch.Tensor) else 0
         if self.replicated_input:
             x2 = scatter_to_region(x2, self.group, 0)  # [T_r, H]: this rank's share
-        if compiling():  # the token counts are data: routing and dispatch run as one op
+        if torch.compiler.is_compiling():  # the token counts are data: routing and dispatch run as one op
             out = opaque([x2, self.router.weight, self.w1, self.w2],
                                          _opaque_key(self))
         else:

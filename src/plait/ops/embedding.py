@@ -52,7 +52,7 @@ from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
-from .library import compiling, group_key, group_of, opaque, opaque_key
+from .library import group_key, group_of, opaque, opaque_key
 from .pieces import check_float, even_sizes, offsets, row_parts
 
 __all__ = ["embedding_all_to_all"]
@@ -373,7 +373,7 @@ def embedding_all_to_all(tables: Sequence[torch.Tensor], indices: Sequence[torch
     ``torch.compile``: one registered op (``plait::opaque``) running this eagerly, the
     batch shares fixed in the graph, the group's own context.
     """
-    if compiling():
+    if torch.compiler.is_compiling():
         n = len(tables)
         shares = None if batch_sizes is None else tuple(int(b) for b in batch_sizes)
         return opaque([*tables, *indices, *offsets],

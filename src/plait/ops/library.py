@@ -33,11 +33,10 @@ microseconds); code reaches them under ``torch.compiler.is_compiling()``.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
-__all__ = ["group_key", "group_of", "compiling", "define", "register_opaque", "opaque",
+__all__ = ["group_key", "group_of", "define", "register_opaque", "opaque",
            "opaque_key", "constant_result", "recomputing"]
 
 _GROUPS: dict[str, object] = {}  # a group's key -> the group object plait's contexts hold
@@ -63,11 +62,6 @@ def group_key(group) -> str:
 def group_of(key: str):
     """The group object ``key`` names (as :func:`group_key` was given it)."""
     return _GROUPS[key]
-
-
-def compiling() -> bool:
-    """Whether the caller is being traced by ``torch.compile`` (False in eager mode)."""
-    return torch.compiler.is_compiling()
 
 
 _LIB = torch.library.Library("plait", "DEF")

@@ -38,7 +38,6 @@ gradient a ``matmul_all_reduce(wgrad_into=)`` deferred (:mod:`plait.ops.deferred
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .compute import compute_region, current_region, piece
@@ -47,7 +46,7 @@ from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from .pieces import as_rows, check_float, offsets, tapered
 from ..transport.calls import Carried
-from .library import compiling, define, group_key, group_of
+from .library import define, group_key, group_of
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
            "GEMV_ROWS", "traced_matmul_all_reduce", "traced_column_matmul"]
@@ -281,7 +280,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="a
     Under ``torch.compile``: one registered op (``plait::matmul_all_reduce``), the pieces,
     decision and check inside it; its weight gradient through autograd.
     """
-    if compiling():
+    if torch.compiler.is_compiling():
         return traced_matmul_all_reduce(x, w, group, chunks)
     return matmul_all_reduce_start(x, w, group, chunks=chunks, ctx=ctx,
                                    wgrad_into=wgrad_into).wait()
@@ -406,7 +405,7 @@ def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chun
     Under ``torch.no_grad()`` nothing crosses ranks: local checks only. Under
     ``torch.compile``: the local GEMM, its backward's dgrad the registered fused op.
     """
-    if compiling():
+    if torch.compiler.is_compiling():
         return traced_column_matmul(x, w, group, chunks)
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]

@@ -51,7 +51,7 @@ from .context import OpsContext, get_context, transport_of
 from ..perf.pieces import Work
 from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
 from .exchange import start_all_to_all
-from .library import compiling, group_key, group_of, opaque, opaque_key
+from .library import group_key, group_of, opaque, opaque_key
 from .pieces import check_float, offsets, row_parts
 
 __all__ = ["all_to_all_matmul", "matmul_all_to_all"]
@@ -420,7 +420,7 @@ def all_to_all_matmul(x: torch.Tensor, w: torch.Tensor, send_counts, recv_counts
     op (``plait::opaque``) running this eagerly, the counts fixed in the graph (new counts
     compile again) and the group's own context.
     """
-    if compiling():  # one op, the counts fixed in the graph (Python ints)
+    if torch.compiler.is_compiling():  # one op, the counts fixed in the graph (Python ints)
         return opaque([x, w], opaque_key("all_to_all_matmul", _direct, _direct_like,
                                          _fixed(send_counts), _fixed(recv_counts),
                                          group_key(group), chunks, False))
@@ -440,7 +440,7 @@ def matmul_all_to_all(y: torch.Tensor, w: torch.Tensor, send_counts, recv_counts
     [T_send, H] in the dispatch input's row order. Under ``torch.compile``: as
     ``all_to_all_matmul``.
     """
-    if compiling():  # one op, the counts fixed in the graph (Python ints)
+    if torch.compiler.is_compiling():  # one op, the counts fixed in the graph (Python ints)
         return opaque([y, w], opaque_key("matmul_all_to_all", _direct, _direct_like,
                                          _fixed(send_counts), _fixed(recv_counts),
                                          group_key(group), chunks, True))

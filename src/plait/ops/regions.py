@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .agree import attempt, check_same, dtype_code
 from .context import carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
-from .library import compiling, define, group_key, group_of
+from .library import define, group_key, group_of
 from .pieces import even_sizes, offsets
 from ..transport.calls import Carried
 
@@ -332,7 +332,7 @@ def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity; the backward all-reduces (entry of a tensor-parallel region, replicated x)."""
     if _world(group) == 1:
         return x
-    if compiling():
+    if torch.compiler.is_compiling():
         return _CopyTraced.apply(x, group_key(group))
     if torch.is_grad_enabled():  # the backward's all-reduce is agreed here
         _agreed("copy_to_region", x, group, None, None, split=False, needs_grad=x.requires_grad)
@@ -344,7 +344,7 @@ def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     world = _world(group)
     if world == 1:
         return x
-    if compiling():
+    if torch.compiler.is_compiling():
         return _ReduceTraced.apply(x, group_key(group))
     check = _carried("reduce_from_region", x, group, None, None, split=False, world=world)
     if check is None:
@@ -360,7 +360,7 @@ def scatter_to_region(x: torch.Tensor, group=None, dim: int = 0,
     every rank gets the whole (replicated) gradient."""
     if _world(group) == 1:
         return x
-    if compiling():
+    if torch.compiler.is_compiling():
         d = dim % x.dim()
         return _ScatterTraced.apply(x, group_key(group), d, _traced_sizes(x, d, sizes, group, True),
                                     dist.get_rank(group), False)
@@ -379,7 +379,7 @@ def gather_from_region(x: torch.Tensor, group=None, dim: int = 0,
     world = _world(group)
     if world == 1:
         return x
-    if compiling():
+    if torch.compiler.is_compiling():
         d = dim % x.dim()
         return _GatherTraced.apply(x, group_key(group), d,
                                    _traced_sizes(x, d, sizes, group, False),
@@ -401,7 +401,7 @@ def gather_for_matmul(x: torch.Tensor, group=None, dim: int = 0,
     reduce-scatters (each rank's gradient is a partial sum over its column shard)."""
     if _world(group) == 1:
         return x
-    if compiling():
+    if torch.compiler.is_compiling():
         d = dim % x.dim()
         return _GatherTraced.apply(x, group_key(group), d,
                                    _traced_sizes(x, d, sizes, group, False),
@@ -416,7 +416,7 @@ def reduce_scatter_region(x: torch.Tensor, group=None, dim: int = 0,
     """Sum over ranks and keep this rank's slice of ``dim``; the backward all-gathers."""
     if _world(group) == 1:
         return x
-    if compiling():
+    if torch.compiler.is_compiling():
         d = dim % x.dim()
         return _ScatterTraced.apply(x, group_key(group), d, _traced_sizes(x, d, sizes, group, True),
                                     dist.get_rank(group), True)

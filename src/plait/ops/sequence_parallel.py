@@ -50,7 +50,6 @@ from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
 from .pieces import (as_rows, check_float, check_sizes, even_sizes, offsets,
                      tapered)
-from .library import compiling
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -211,7 +210,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group=None, dim: int = 0
     ``torch.compile``: the gather (a registered op, its backward a reduce-scatter), then
     the GEMM.
     """
-    if compiling():
+    if torch.compiler.is_compiling():
         from .regions import gather_for_matmul
 
         return gather_for_matmul(x, group, dim, sizes) @ w
@@ -359,7 +358,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, dim: int
     ``sizes``: every rank's share of ``dim`` of the output (default: even). Under
     ``torch.compile``: the GEMM, then the reduce-scatter (a registered op).
     """
-    if compiling():
+    if torch.compiler.is_compiling():
         from .regions import reduce_scatter_region
 
         return reduce_scatter_region(x @ w, group, dim, sizes)

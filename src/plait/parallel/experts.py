@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
 from ..nn.moe import RoutedLoad
-from ..ops.library import compiling, constant_result, opaque, register_opaque
+from ..ops.library import constant_result, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
 from ..ops.regions import (copy_to_region, gather_from_region, reduce_from_region,
@@ -84,7 +84,7 @@ class ExpertParallelExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         weights = (self.gate_up_proj, self.down_proj)
         few = hidden_states.shape[0] < self.info.world  # a rank would have no tokens to send
-        if compiling():  # the token counts are data: the dispatch runs as one op
+        if torch.compiler.is_compiling():  # the token counts are data: the dispatch runs as one op
             if few:
                 return opaque([hidden_states, top_k_index, top_k_weights,
                                                *weights], _opaque_key(self, "few"))
@@ -93,7 +93,7 @@ class ExpertParallelExperts(nn.Module):
         x = scatter_to_region(hidden_states, self.group, 0)          # [T_r, H]
         w = scatter_to_region(top_k_weights, self.group, 0)          # [T_r, k]
         idx = _own_rows(top_k_index, self.info)                      # [T_r, k]
-        if compiling():
+        if torch.compiler.is_compiling():
             out = opaque([x, idx, w, *weights], _opaque_key(self, "dispatch"))
         else:
             out = straggled(lambda x: self._dispatch_combine(x, idx, w), x)

@@ -1,7 +1,8 @@
 """Which transport a group's collectives take, chosen once per group by every rank together.
 
 - ``"shm"``: the group's ranks share one host (the same boot, and the same network
-  namespace: two emulated hosts on one machine are two hosts): :class:`ShmTransport`.
+  namespace: two emulated hosts on one machine are two hosts):
+  :class:`~.collectives.ShmTransport`.
 - ``"gloo"`` (or NCCL on CUDA): ``torch.distributed`` itself: :class:`DistTransport`.
 - ``"auto"`` (the default; ``PLAIT_TRANSPORT`` or ``--transport`` set another): shared
   memory where every rank of the group is on one host, it is supported here, ``/dev/shm``
@@ -25,85 +26,16 @@ so there the call is done when it returns and the handle is already complete.
 from __future__ import annotations
 
 import logging
-import math
-import torch
+
 import torch.distributed as dist
 
 from .asked import TRANSPORTS, wanted
-from .base import Choice, DistTransport, Done, Transport
+from .base import Choice, DistTransport
+from .collectives import ShmTransport
 
 __all__ = ["TRANSPORTS", "Choice", "choose", "DistTransport", "ShmTransport", "wanted"]
 
 log = logging.getLogger("plait.transport")
-
-
-class ShmTransport(Transport):
-    """Shared memory (:class:`~plait.transport.collectives.ShmGroup`) on ``group``: it lends
-    its slots, carries checks in its headers, and its own core moves the bytes."""
-
-    lends_slots = True
-    carries_checks = True
-    pieces_overlap = False
-
-    def __init__(self, group, choice: Choice, *, timeout_s: float):
-        from .collectives import ONE_SHOT_BYTES, ShmGroup
-
-        super().__init__(group, choice, one_host=True)
-        self.shm = ShmGroup(group, timeout_s=timeout_s)  # ShmUnavailable: every rank alike
-        self.header_words = self.shm.header_words
-        self._one_shot = ONE_SHOT_BYTES  # a product or sum up to this size: one call
-
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, check=None):
-        """``check``: an operator's cross-rank check (:class:`~.calls.Carried`), carried in
-        the header of the call that moves the data."""
-        if tensor.is_contiguous():
-            self.shm.all_reduce(tensor, check=check)
-        else:
-            tensor.copy_(self.shm.all_reduce(tensor.contiguous(), check=check))
-        return Done() if async_op else None
-
-    def summed(self, tensor: torch.Tensor, check=None) -> torch.Tensor:
-        """The sum of ``tensor`` over the group as a new tensor (``tensor`` untouched);
-        ``check`` as ``all_reduce``'s. One-shot sizes: no copy of the input first."""
-        if tensor.numel() * tensor.element_size() <= self._one_shot:
-            return self.shm.summed(tensor, check=check)
-        out = tensor.contiguous().clone()
-        self.shm.all_reduce(out, check=check)
-        return out
-
-    def reduce_computed(self, fill, shape, like: torch.Tensor, check=None) -> torch.Tensor:
-        """The sum of ``fill(out)``'s terms with each rank's term written straight into its
-        slot (where the peers read it): one copy less than computing, then reducing. Up to
-        one-shot size: one call (``ShmGroup.reduce_into``); up to a turn
-        (``ShmGroup.turn_bytes``): in the slot (``ShmGroup.reduce_computed``); over a turn:
-        computed, then reduced in turns, the check in a call of its own first (each turn's
-        stages in cache: a 4 MiB product reduced in its slot ran 5 % slower)."""
-        shape = tuple(shape)
-        size = math.prod(shape) * like.element_size()
-        if size <= self._one_shot:
-            return self.shm.reduce_into(fill, like.dtype, shape, check=check)
-        held = like.new_empty(shape)  # reduced in place
-        if size > self.shm.turn_bytes:
-            fill(held)
-            self.shm.all_reduce(held, check=check)
-        else:
-            self.shm.reduce_computed(lambda slot: fill(slot.view(shape)), held, check=check)
-        return held
-
-    def gather_meta(self, op: str, row, width: int, problem, verify):
-        return self.shm.gather_meta(op, row, width, problem, verify)
-
-    def all_gather(self, out, piece, rows, async_op: bool = False, check=None):
-        self.shm.all_gather(out, piece.contiguous(), rows, check=check)
-        return Done() if async_op else None
-
-    def all_to_all(self, out, send, out_rows, in_rows, async_op: bool = False):
-        self.shm.all_to_all(out, send.contiguous(), out_rows, in_rows)
-        return Done() if async_op else None
-
-    def reduce_scatter(self, out, tensor, rows, async_op: bool = False):
-        self.shm.reduce_scatter(out, tensor.contiguous(), rows)
-        return Done() if async_op else None
 
 
 def choose(group, requested: str | None = None, *, timeout_s: float = 60.0):
