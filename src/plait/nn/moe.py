@@ -43,8 +43,9 @@ from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
-from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
-                     straggled, unshard)
+from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, replace_data,
+                     resolve_plan, straggled, unshard)
+from .placement import Homes, gather_placed, sum_replica_grads
 
 __all__ = ["MoE", "RoutedLoad", "route_top_k", "experts_reference"]
 
@@ -124,6 +125,10 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(full_w1[mine].detach().to(dtype=dtype, device=device).clone())
         self.w2 = nn.Parameter(full_w2[mine].detach().to(dtype=dtype, device=device).clone())
         mark_partial_grad(self.router.weight, group)  # each rank routes only its own tokens
+        self.homes = Homes.of_plan(self.plan)  # where each expert lives (``place`` moves them)
+        self.placed = False  # True once ``place`` left the contiguous plan
+        for p in (self.w1, self.w2):  # a replicated expert's copies sum their gradients
+            p.register_hook(_ReplicaGrads(self))
 
     @classmethod
     def from_module(cls, module, group=None, *, plan: ShardPlan | None = None, **kw):
@@ -185,10 +190,15 @@ class MoE(nn.Module):
         weights, experts = route_top_k(F.linear(x2, router), self.top_k)  # [T, k] each
         flat = experts.reshape(-1)                                     # [T·k]
         order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
-        token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)    # [E]
+        send, recv, table = self._counts(counts)
+        if self.placed:  # by destination, then expert: a copy's rows are a block of them
+            dest, sizes = self.homes.destinations(table[self.info.rank])
+            key = torch.tensor(dest, device=flat.device).repeat_interleave(
+                torch.tensor(sizes, device=flat.device)) * self.num_experts + flat[order]
+            order = order[torch.argsort(key, stable=True)]
+        token = order // self.top_k
         x_send = x2.index_select(0, token)                            # [T·k, H], (rank, expert)
-        send, recv = self._counts(counts)
         chunks = self.chunks if self.overlap else 1
         h = all_to_all_matmul(x_send, w1, send, recv, self.group, chunks=chunks)
         h = F.gelu(h)                                                 # [T_recv, F]
@@ -197,10 +207,11 @@ class MoE(nn.Module):
         return torch.zeros_like(x2).index_add(0, token, y)
 
     def _counts(self, counts: torch.Tensor, problem: Exception | None = None
-                ) -> tuple[list[list[int]], list[list[int]]]:
-        """(send_counts [W][E_d], recv_counts [W][E_r]) from every rank's per-expert counts;
-        the same gather carries every rank's verdict on its input (each rank raises if any
-        rank's was bad, before a token moves)."""
+                ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """(send_counts [W][E_d], recv_counts [W][E_r], every rank's per-expert counts
+        [W][E]) from every rank's per-expert counts; the same gather carries every rank's
+        verdict on its input (each rank raises if any rank's was bad, before a token
+        moves)."""
         row = torch.cat([counts.new_tensor([int(problem is not None)]), counts])  # [1 + E]
         everyone = row.new_empty(self.info.world * row.numel())
         all_gather_into(everyone, row, group=self.group)
@@ -208,11 +219,13 @@ class MoE(nn.Module):
         raise_together("MoE", self.group, any(row[0] for row in table), problem)
         table = [row[1:] for row in table]  # [W][E]
         self.routed.add(table)
+        if self.placed:
+            return (*self.homes.send_recv(table, self.info.rank), table)
         cuts = [self.plan.slice_of(r) for r in range(self.info.world)]
         send = [table[self.info.rank][c] for c in cuts]
         mine = cuts[self.info.rank]
         recv = [row[mine] for row in table]
-        return send, recv
+        return send, recv, table
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """``router.weight``, ``w1``, ``w2`` with every expert (a collective); ``grads``: their
@@ -220,14 +233,67 @@ class MoE(nn.Module):
         def value(p):
             return p.detach() if not grads else \
                 torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        return {"router.weight": value(self.router.weight).clone(),
-                "w1": unshard(value(self.w1), self.plan, self.group, 0),
-                "w2": unshard(value(self.w2), self.plan, self.group, 0)}
+        def whole(p):
+            return gather_placed(value(p), self.homes, self.group) if self.placed else \
+                unshard(value(p), self.plan, self.group, 0)
+        return {"router.weight": value(self.router.weight).clone(), "w1": whole(self.w1),
+                "w2": whole(self.w2)}
+
+    def place(self, homes: Homes, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Move the experts to ``homes`` (a collective: every rank, the same homes): each
+        rank keeps its new slots of the weights, their gradients and every optimizer state
+        tensor of their shape (Adam's moments), gathered whole from the old placement. The
+        parameters stay the same objects (the optimizer and hooks keep them). Returns the
+        copies that moved to a rank that had none of their expert."""
+        if homes.world != self.info.world or homes.experts != self.num_experts:
+            raise ValueError(f"a placement of {homes.experts} experts on {homes.world} ranks "
+                             f"does not fit this layer's {self.num_experts} on "
+                             f"{self.info.world}")
+        old, rank = self.homes, self.info.rank
+        moved = sum(len({r for r, _ in b} - {r for r, _ in a})
+                    for a, b in zip(old.homes, homes.homes))
+        mine = homes.slots(rank)
+        for p in (self.w1, self.w2):
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            follow = {k: v for k, v in state.items()
+                      if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim()}
+            full = {k: self._gathered(v, old) for k, v in follow.items()}
+            grad = None if p.grad is None else self._gathered(p.grad, old)
+            replace_data(p, self._gathered(p.detach(), old)[mine].clone())
+            p.grad = None if grad is None else grad[mine].clone()
+            for k, v in full.items():
+                state[k] = v[mine].clone()
+        self.homes, self.placed = homes, homes != Homes.of_plan(self.plan)
+        return moved
+
+    def _gathered(self, local: torch.Tensor, homes: Homes) -> torch.Tensor:
+        return gather_placed(local, homes, self.group) if homes != Homes.of_plan(self.plan) \
+            else unshard(local, self.plan, self.group, 0)
 
     def extra_repr(self) -> str:
+        where = (f"placed={[self.homes.slots(r) for r in range(self.info.world)]}"
+                 if self.placed else f"plan={list(self.plan.sizes)} experts")
         return (f"H={self.hidden}, F={self.ffn}, experts={self.num_experts}, k={self.top_k}, "
-                f"plan={list(self.plan.sizes)} experts, {'fused' if self.overlap else 'plain'}"
+                f"{where}, {'fused' if self.overlap else 'plain'}"
                 f"{', replicated_input' if self.replicated_input else ''}")
+
+
+class _ReplicaGrads:
+    """A parameter hook: a replicated expert's copies add their gradients (over the group;
+    no collective while nothing is replicated, on every rank alike)."""
+
+    def __init__(self, layer: MoE):
+        self.layer = weakref.ref(layer)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        layer = self.layer()
+        if layer is None or not layer.homes.replicated():
+            return grad
+        from ..ops.context import transport_of
+
+        mover = transport_of(layer.group)
+        return sum_replica_grads(grad.contiguous(), layer.homes, layer.info.rank,
+                                 mover.all_reduce)
 
 
 @constant_result
