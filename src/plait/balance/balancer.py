@@ -52,6 +52,7 @@ import torch.distributed as dist
 from ..nn.linear_base import select_features
 from ..nn.record import applied
 from ..plan import ShardPlan
+from .expert_moves import ExpertMoves
 from .migrate import MigrationReport, migrate
 from .policy import Action, PolicyConfig
 from .semi import SemiPolicy
@@ -132,6 +133,7 @@ class Balancer:
             self.policies[dim] = policy
         self.log: list[Decision] = []
         self.steps = 0
+        self.experts = ExpertMoves(model, optimizer) if self.config.name != "even" else None
         for layers in self.dims.values():
             for layer in layers:
                 layer.refresh_priority()
@@ -142,6 +144,8 @@ class Balancer:
         self.steps += 1
         if self.steps <= self.warmup:  # first calls (allocation, first-touch): not speeds
             self.monitor.discard()
+            if self.experts:
+                self.experts.discard()
             return []
         self.monitor.step()
         if self.steps % self.refresh == 0:
@@ -168,6 +172,13 @@ class Balancer:
                     done.append(self._apply(step, dim, action))
         if done:  # the readings so far were taken under the old plans
             self.monitor.restart()
+        if self.experts:  # MoE layers: experts re-placed by routed load and these speeds
+            for name, reason, slots in self.experts.step(step, speeds):
+                decision = Decision(step, name, "place", reason, slots)
+                self.log.append(decision)
+                done.append(decision)
+                if self.logs:
+                    log.info("step %d %s: place %s", step, name, reason)
         return done
 
     def _restart_steps(self) -> int:

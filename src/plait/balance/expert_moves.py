@@ -1,0 +1,69 @@
+"""Every MoE layer's experts re-placed while training: routed load and rank speed in, moves out.
+
+At each balancer step, each expert-parallel ``plait.nn.MoE`` layer hands over the tokens
+routed to each of its experts since the last step (``MoE.routed``: counted from the count
+exchange its all-to-alls already make, the same on every rank) and the balancer's speed
+monitor gives every rank's speed (agreed over the group). :class:`ExpertBalancer` (SEMI's
+rule for experts: move when the predicted gain pays for the copies) decides per layer, and
+``MoE.place`` moves the experts, their gradients and optimizer state, exactly. Every rank
+feeds the same numbers to the same rule, so every rank takes the same decision without a
+round trip of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..nn.moe import MoE
+from ..nn.placement import Homes
+from .experts import ExpertBalancer, ExpertPlacement
+
+__all__ = ["ExpertMoves"]
+
+
+class ExpertMoves:
+    """The MoE layers of ``model`` (expert-parallel over 2 ranks or more) and each one's
+    :class:`ExpertBalancer`; ``step`` returns ``(layer name, reason, experts per rank)`` for
+    each layer it re-placed. A training step's routing swings more than a benchmark's
+    skew, so a move needs a predicted gain of 8 % (``threshold``) three readings running
+    (``confirm``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 threshold: float = 0.08, confirm: int = 3):
+        self.optimizer = optimizer
+        self.layers = {name: m for name, m in model.named_modules()
+                       if isinstance(m, MoE) and m.info.world > 1}
+        self.balancers = {name: ExpertBalancer(ExpertPlacement(m.homes.homes, m.homes.world),
+                                               threshold=threshold, confirm=confirm)
+                          for name, m in self.layers.items()}
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def discard(self) -> None:
+        """Forget the loads counted so far (warm-up steps)."""
+        for layer in self.layers.values():
+            layer.routed.take()
+
+    def step(self, step: int, speeds: Sequence[float]) -> list[tuple[str, str, tuple]]:
+        done = []
+        for name, layer in self.layers.items():
+            loads = layer.routed.take()
+            if not any(loads):
+                continue
+            balancer = self.balancers[name]
+            new = balancer.observe(step, loads, speeds)
+            if new is None:
+                continue
+            moved = layer.place(Homes(new.replicas, layer.info.world), self.optimizer)
+            gain = balancer.log[-1]["gain"]
+            slots = tuple(len(layer.homes.slots(r)) for r in range(layer.info.world))
+            copies = new.copies()
+            done.append((name, f"experts placed by routed load {[round(x) for x in balancer.loads]} "
+                               f"and speeds {[round(s, 2) for s in balancer.speeds]}: predicted "
+                               f"gain {gain:.0%}, {moved} moved, {copies} replica"
+                               f"{'s' if copies != 1 else ''}; experts per rank {list(slots)}",
+                         slots))
+        return done
