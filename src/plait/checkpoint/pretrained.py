@@ -60,6 +60,8 @@ def from_pretrained(path: str | os.PathLike, plan: Mapping[str, Any] | str = "au
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             model = model_class._from_config(config, dtype=dtype)
+    if dtype == torch.float64 and getattr(config, "_experts_implementation", None) == "grouped_mm":
+        model.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64 here
     model = parallelize(model, plan, group=group, mesh=mesh, shards=shards, overlap=overlap,
                         chunks=chunks, dp_kind=None)
     materialize(model, device or _device(group, mesh))

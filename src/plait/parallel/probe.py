@@ -235,12 +235,34 @@ def _plain_experts(m, act, hidden_states, top_k_index, top_k_weights):
 
 
 # ------------------------------------------------------------------ the entry point
+def _eager_experts(model: nn.Module):
+    """transformers' experts default to torch's grouped GEMM, which takes no float64 on a
+    CPU: a float64 model's own forward (the reference this check reads) runs its experts
+    the eager way instead, and is set back after. Returns what sets it back."""
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    setter = getattr(model, "set_experts_implementation", None)
+    if impl != "grouped_mm" or setter is None or \
+            not any(p.dtype == torch.float64 for p in model.parameters()):
+        return lambda: None
+    setter("eager")
+    return lambda: setter(impl)
+
+
 def verify(model: nn.Module, dims: list[Dim], world: int, kinds: dict, plans: dict,
            summed: set[str] = frozenset()) -> Verdict:
     """Check what ``parallelize`` is about to do (see the module docstring). ``kinds``: path →
     "embedding", "linear", "experts-ep" or "experts-tp" for the modules replaced; ``plans``:
     path → ShardPlan of one-module styles; ``summed``: parameters the plan already sums
     over the ranks (replicated_with_grad_allreduce)."""
+    restore = _eager_experts(model)
+    try:
+        return _verify(model, dims, world, kinds, plans, summed)
+    finally:
+        restore()
+
+
+def _verify(model: nn.Module, dims: list[Dim], world: int, kinds: dict, plans: dict,
+            summed: set[str]) -> Verdict:
     verdict = Verdict()
     if any(p.is_meta for p in model.parameters()):
         verdict.checked = False
