@@ -34,6 +34,7 @@ if HERE not in sys.path:  # doctables beside this file, run as a script or loade
     sys.path.insert(0, HERE)
 
 from doctables.decode import decode_table  # noqa: E402
+from doctables.experts import experts_table  # noqa: E402
 from doctables.headline import headline_table  # noqa: E402
 from doctables.hetero import hetero_table, settled  # noqa: E402,F401 (tests read settled here)
 from doctables.ops import (collectives_table, ops_summary_table, ops_table,  # noqa: E402
@@ -69,6 +70,8 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench-ops-shm": shm_ops_table,
     **{name: (lambda res, name=name: decode_table(res, name)) for name in (
         "bench-decode", "bench-decode-3", "bench-decode-slow", "bench-decode-hosts")},
+    **{name: (lambda res, name=name: experts_table(res, name)) for name in (
+        "bench-experts", "bench-experts-slow", "bench-experts-3")},
     "headline": headline_table,
 }
 

@@ -74,6 +74,12 @@ COMMANDS=(
   # 3 hosts, host 2 at half the others' CPU budget (a cgroup quota): the split by the speeds
   # measured at batch 64 against the even split and the capacity ideal, in one run
   "bench-decode-slow|bench decode --hosts 3 --link 10gbit --host-cpu 0.6 --slow-by kernel --slow 2:2 --split speed --n-embd 2048 --n-head 16 --n-kv-head 4 --batch-sizes 64 --new-tokens 12 --rounds 3 --systems plait --no-progress --json {json}"
+  # MoE experts placed by routed load and rank speed, hot ones replicated, against even
+  # blocks: 8 experts, top-2, skewed routing; 2 ranks, 2 ranks with rank 1 2x slow, 3 ranks
+  # (issue 51)
+  "bench-experts|bench experts --ranks 2 --no-progress --json {json}"
+  "bench-experts-slow|bench experts --ranks 2 --slow 1:2 --no-progress --json {json}"
+  "bench-experts-3|bench experts --ranks 3 --no-progress --json {json}"
   # what the cross-rank checks cost a decoding step when each is a gloo gather of its own
   "check-cost|bench decode --ranks 2 --batch-sizes 1 --systems plait,plait-gather-checks,one-process --no-progress --json {json}"
   # serving: 8 requests in turn, rank 1 turning 2 x slow from the fourth; the split kept

@@ -20,7 +20,7 @@ Policies, interleaved step by step (each step the same loads for all of them):
 
 Per step and policy: the step time, the ideal (all rows at the ranks' summed speeds), the
 imbalance (slowest rank's time over the mean's) and the moves made. Rank speeds are each
-rank's rows over its time in the step; the ideal uses the same speeds. ``same_losses`` is
+rank's rows a second, the median of its last 5 steps; the ideal uses the same speeds. ``same_losses`` is
 None in every record: no weights are trained or moved here (moving experts with their
 optimizer state, exactly, is not built yet).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,10 @@ from .config.experts import ExpertsBenchConfig, routed_loads
 
 __all__ = ["bench_experts", "run_experts", "summarize_experts"]
 
+SPEED_WINDOW = 5
+"""Each rank's speed is the median of its last few steps' rows a second (as the speed
+monitor's window does in training): one step's reading on a shared core is noise."""
+
 
 class _Policy:
     """One policy's placement through the steps, and what it moved."""
@@ -50,7 +55,8 @@ class _Policy:
         self.name, self.cfg, self.world = name, cfg, world
         self.placement = even_placement(cfg.experts, world)
         self.balancer = None if not name.startswith("balanced") else ExpertBalancer(
-            self.placement, max_replicas=1 if name.endswith("no-replicas") else None)
+            self.placement, max_replicas=1 if name.endswith("no-replicas") else None,
+            threshold=0.08, confirm=3)  # training's settings (plait.balance.expert_moves)
         self.moves = 0
 
     def after(self, step: int, loads: list[int], speeds: list[float]) -> None:
@@ -89,7 +95,7 @@ def run_experts(cfg: ExpertsBenchConfig) -> list[dict]:
     records = []
     for scenario in cfg.scenarios:
         policies = {name: _Policy(name, cfg, world) for name in cfg.policies}
-        speeds = [None] * world
+        window = [deque(maxlen=SPEED_WINDOW) for _ in range(world)]  # rows/s, each rank
         for step in range(cfg.steps):
             loads = routed_loads(cfg, scenario, step)
             ctx.straggler.set_step(step)
@@ -107,9 +113,11 @@ def run_experts(cfg: ExpertsBenchConfig) -> list[dict]:
                 dist.all_gather(every, mine)  # the step's times and rows, every rank's
                 times = [float(t[0]) for t in every]
                 rows = [float(t[1]) for t in every]
-                speeds = [r / t if r > 0 and t > 0 else s for r, t, s in zip(rows, times, speeds)]
-                known = [s for s in speeds if s]
-                now = [s or (min(known) if known else 1.0) for s in speeds]
+                for r, (n, t) in enumerate(zip(rows, times)):
+                    if n > 0 and t > 0:  # a rank with no rows this step says nothing new
+                        window[r].append(n / t)
+                known = [statistics.median(w) for w in window if w]
+                now = [statistics.median(w) if w else min(known, default=1.0) for w in window]
                 records.append({
                     "scenario": scenario, "policy": name, "step": step, "ranks": world,
                     "t_step_s": max(times), "t_ideal_s": ideal_time(rows, now) if sum(rows)
