@@ -90,3 +90,41 @@ def test_predicted_gain_is_the_slowest_ranks_time_against_the_summed_speeds():
     for sizes, speeds in (([1, 1], [1.0]), ([1, 1], [1.0, 0.0])):
         with pytest.raises(ValueError):
             predicted_gain(sizes, speeds)
+
+
+def _serve_mixtral(world: int):
+    import plait
+    from plait.balance.virtual import VirtualDevice
+    from plait.runtime import SlowSpec, Straggler, rank_context
+    from plait.inference.decode import decode
+    from plait.inference.generate import build_model
+    from plait.inference.serve import serve
+    from plait.parallel.experts import ExpertParallelExperts
+
+    rank = dist.get_rank()
+    device = VirtualDevice().install(unmovable=False)
+    rank_context().straggler = Straggler([SlowSpec(world - 1, 2.0, from_step=1)], rank)
+    cfg = SimpleNamespace(model="hf-mixtral", vocab_size=128, n_embd=96, n_layer=2, n_head=12,
+                          n_kv_head=6, max_positions=64, seed=0)
+    ref = build_model(cfg)
+    model = plait.parallelize(copy.deepcopy(ref), "auto")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in (5, 3, 4, 2)]
+    with device:
+        served = serve(model, prompts, 6, split="adaptive", tolerance=0.05, timed_steps=3,
+                       speed_steps=3)
+    one = [decode(ref, p, 6).tokens for p in prompts]
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    return ([s.placed for s in served], [torch.equal(s.tokens, w) for s, w in zip(served, one)],
+            [m.placed for m in layers])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mixtral_experts_placed_between_requests_keep_the_tokens(world):
+    """hf-mixtral under ``--split adaptive``: after a request each expert layer's experts are
+    placed by the tokens routed to them and the speeds (hot ones copied); every request's
+    tokens stay one process's."""
+    for placed, same, layers_placed in run_ranks(_serve_mixtral, world, world):
+        assert all(same), same
+        assert any(placed) and any(layers_placed), (placed, layers_placed)
+        assert placed[-1] == 0  # the last request decides nothing

@@ -95,12 +95,15 @@ def run_generate(args: argparse.Namespace) -> int:
                       " ".join(f"{d} {s}" for d, s in r["split"].items()),
                       " ".join(f"{v:.2f}" for v in r["speeds"]) if r["speeds"] else "–",
                       "–" if r["gain"] is None else f"{r['gain']:.1%}",
-                      "yes" if r["moved"] else "–" if r["gain"] is None else "no"]
+                      ("yes" if r["moved"] else "–" if r["gain"] is None else "no")
+                      + (f"; experts of {r['placed']} layers placed" if r.get("placed") else "")]
                      for i, r in enumerate(result["requests"])],
                     caption="split: each split dim's shares (KV-head groups, MLP columns) the "
                             "request ran on; speeds after: what its first steps measured; "
                             f"moved: the split was sized again before the next request (where "
                             f"the predicted gain is --tolerance {cfg.tolerance:.0%} or more); "
+                            "experts placed: an MoE's experts moved by the tokens routed to "
+                            "them and the speeds, hot ones copied; "
                             "–: nothing decided (the last request, or --split even/speed)")
     count = len(prompts)
     print_table(f"up to {cfg.max_new_tokens} tokens × {count} prompt{'s' if count != 1 else ''} on "

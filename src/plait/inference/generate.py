@@ -121,7 +121,7 @@ def generate_rank(cfg: GenerateConfig) -> dict:
             **step_figures(times[1:] or times[:1], ids.shape[0]),
             "split": {d.rsplit(".", 1)[-1]: list(s) for d, s in out.sizes.items()},
             "speeds": list(out.speeds) if out.speeds is not None else None,
-            "gain": out.gain, "moved": out.moved})
+            "gain": out.gain, "moved": out.moved, "placed": out.placed})
     first = requests[0]
     return {"tokens": tokens, "requests": requests,
             "ttft_ms": first["ttft_ms"], "ms_per_token": statistics.median(

@@ -43,9 +43,9 @@ from ..ops.pieces import as_rows, even_sizes
 from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
-from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, replace_data,
-                     resolve_plan, straggled, unshard)
-from .placement import Homes, gather_placed, sum_replica_grads
+from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
+                     straggled, unshard)
+from .placement import Homes, ReplicaGrads, by_destination, gather_placed, move_experts
 
 __all__ = ["MoE", "RoutedLoad", "route_top_k", "experts_reference"]
 
@@ -128,7 +128,7 @@ class MoE(nn.Module):
         self.homes = Homes.of_plan(self.plan)  # where each expert lives (``place`` moves them)
         self.placed = False  # True once ``place`` left the contiguous plan
         for p in (self.w1, self.w2):  # a replicated expert's copies sum their gradients
-            p.register_hook(_ReplicaGrads(self))
+            p.register_hook(ReplicaGrads(self))
 
     @classmethod
     def from_module(cls, module, group=None, *, plan: ShardPlan | None = None, **kw):
@@ -193,10 +193,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)    # [E]
         send, recv, table = self._counts(counts)
         if self.placed:  # by destination, then expert: a copy's rows are a block of them
-            dest, sizes = self.homes.destinations(table[self.info.rank])
-            key = torch.tensor(dest, device=flat.device).repeat_interleave(
-                torch.tensor(sizes, device=flat.device)) * self.num_experts + flat[order]
-            order = order[torch.argsort(key, stable=True)]
+            order = by_destination(order, flat, table[self.info.rank], self.homes)
         token = order // self.top_k
         x_send = x2.index_select(0, token)                            # [T·k, H], (rank, expert)
         chunks = self.chunks if self.overlap else 1
@@ -249,26 +246,10 @@ class MoE(nn.Module):
             raise ValueError(f"a placement of {homes.experts} experts on {homes.world} ranks "
                              f"does not fit this layer's {self.num_experts} on "
                              f"{self.info.world}")
-        old, rank = self.homes, self.info.rank
-        moved = sum(len({r for r, _ in b} - {r for r, _ in a})
-                    for a, b in zip(old.homes, homes.homes))
-        mine = homes.slots(rank)
-        for p in (self.w1, self.w2):
-            state = optimizer.state.get(p, {}) if optimizer is not None else {}
-            follow = {k: v for k, v in state.items()
-                      if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim()}
-            full = {k: self._gathered(v, old) for k, v in follow.items()}
-            grad = None if p.grad is None else self._gathered(p.grad, old)
-            replace_data(p, self._gathered(p.detach(), old)[mine].clone())
-            p.grad = None if grad is None else grad[mine].clone()
-            for k, v in full.items():
-                state[k] = v[mine].clone()
+        moved = move_experts((self.w1, self.w2), self.homes, homes, self.info.rank,
+                             self.group, optimizer)
         self.homes, self.placed = homes, homes != Homes.of_plan(self.plan)
         return moved
-
-    def _gathered(self, local: torch.Tensor, homes: Homes) -> torch.Tensor:
-        return gather_placed(local, homes, self.group) if homes != Homes.of_plan(self.plan) \
-            else unshard(local, self.plan, self.group, 0)
 
     def extra_repr(self) -> str:
         where = (f"placed={[self.homes.slots(r) for r in range(self.info.world)]}"
@@ -276,24 +257,6 @@ class MoE(nn.Module):
         return (f"H={self.hidden}, F={self.ffn}, experts={self.num_experts}, k={self.top_k}, "
                 f"{where}, {'fused' if self.overlap else 'plain'}"
                 f"{', replicated_input' if self.replicated_input else ''}")
-
-
-class _ReplicaGrads:
-    """A parameter hook: a replicated expert's copies add their gradients (over the group;
-    no collective while nothing is replicated, on every rank alike)."""
-
-    def __init__(self, layer: MoE):
-        self.layer = weakref.ref(layer)
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        layer = self.layer()
-        if layer is None or not layer.homes.replicated():
-            return grad
-        from ..ops.context import transport_of
-
-        mover = transport_of(layer.group)
-        return sum_replica_grads(grad.contiguous(), layer.homes, layer.info.rank,
-                                 mover.all_reduce)
 
 
 @constant_result

@@ -29,7 +29,8 @@ import torch
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
 
-__all__ = ["Homes", "gather_placed", "sum_replica_grads"]
+__all__ = ["Homes", "gather_placed", "sum_replica_grads", "by_destination", "move_experts",
+           "ReplicaGrads", "copy_rows"]
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,70 @@ def sum_replica_grads(grad: torch.Tensor, homes: Homes, rank: int, all_reduce) -
         if e in slots:
             out[slots.index(e)] = buffer[i]
     return out
+
+
+def by_destination(order: torch.Tensor, flat: torch.Tensor, counts: Sequence[int],
+                   homes: Homes) -> torch.Tensor:
+    """``order`` (this rank's rows sorted by expert, ``counts[e]`` of each) re-sorted by
+    destination rank, then expert: each copy's block of an expert's rows goes to its rank,
+    and each rank receives its slots' rows in slot order, as the all-to-alls send them."""
+    dest, sizes = homes.destinations(counts)
+    device = flat.device
+    key = torch.tensor(dest, device=device).repeat_interleave(
+        torch.tensor(sizes, device=device)) * homes.experts + flat[order]
+    return order[torch.argsort(key, stable=True)]
+
+
+def copy_rows(rows: torch.Tensor, e: int, homes: Homes, rank: int) -> torch.Tensor:
+    """Of ``rows`` routed to expert e (every rank sees the same, in token order), the block
+    ``rank``'s copy takes (empty where it holds none)."""
+    copies = [r for r, _ in homes.homes[e]]
+    if rank not in copies:
+        return rows[:0]
+    j = copies.index(rank)
+    cut = homes.split(e, rows.numel())
+    start = sum(cut[:j])
+    return rows[start:start + cut[j]]
+
+
+def move_experts(params: Sequence[torch.nn.Parameter], old: Homes, new: Homes, rank: int,
+                 group, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Each parameter (its rows: ``old.slots(rank)``'s experts) to ``new.slots(rank)``'s, with
+    its gradient and every optimizer state tensor of its shape, gathered whole first (a
+    collective: every rank, the same homes). The parameters stay the same objects. Returns
+    the copies placed on a rank that held none of their expert."""
+    from ._shard import replace_data
+
+    mine = new.slots(rank)
+    for p in params:
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        follow = {k: v for k, v in state.items()
+                  if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape}
+        full = {k: gather_placed(v, old, group) for k, v in follow.items()}
+        grad = None if p.grad is None else gather_placed(p.grad, old, group)
+        replace_data(p, gather_placed(p.detach(), old, group)[mine].clone())
+        p.grad = None if grad is None else grad[mine].clone()
+        for k, v in full.items():
+            state[k] = v[mine].clone()
+    return sum(len({r for r, _ in b} - {r for r, _ in a})
+               for a, b in zip(old.homes, new.homes))
+
+
+class ReplicaGrads:
+    """A parameter hook: a replicated expert's copies add their gradients (over the layer's
+    group; no collective while nothing is replicated, on every rank alike). ``layer`` has
+    ``homes``, ``group`` and ``info`` (plait's expert layers)."""
+
+    def __init__(self, layer):
+        import weakref
+
+        self.layer = weakref.ref(layer)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        layer = self.layer()
+        if layer is None or not layer.homes.replicated():
+            return grad
+        from ..ops.context import transport_of
+
+        return sum_replica_grads(grad.contiguous(), layer.homes, layer.info.rank,
+                                 transport_of(layer.group).all_reduce)

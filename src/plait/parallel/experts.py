@@ -36,6 +36,8 @@ import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
 from ..nn.moe import RoutedLoad
+from ..nn.placement import (Homes, ReplicaGrads, by_destination, copy_rows, gather_placed,
+                            move_experts)
 from ..ops.library import constant_result, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
@@ -73,6 +75,10 @@ class ExpertParallelExperts(nn.Module):
         rank = self.info.rank
         self.gate_up_proj = nn.Parameter(shard_of(experts.gate_up_proj.detach(), self.plan, rank))
         self.down_proj = nn.Parameter(shard_of(experts.down_proj.detach(), self.plan, rank))
+        self.homes = Homes.of_plan(self.plan)  # where each expert lives (``place`` moves them)
+        self.placed = False
+        for p in (self.gate_up_proj, self.down_proj):  # a replicated expert's copies sum
+            p.register_hook(ReplicaGrads(self))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self._own_gate is not None:
@@ -110,7 +116,10 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
         token = order // k
         counts = torch.bincount(flat, minlength=self.num_experts)   # [E]
-        send, recv = self._counts(counts)
+        send, recv, table = self._counts(counts)
+        if self.placed:  # by destination, then expert: a copy's rows are a block of them
+            order = by_destination(order, flat, table[self.info.rank], self.homes)
+            token = order // k
         x_send = x.index_select(0, token)                             # [T_r·k, H]
         h = all_to_all_matmul(x_send, self._in_out(gate_up), send, recv,
                               self.group, chunks=self.chunks)         # [T_recv, 2F]
@@ -130,6 +139,12 @@ class ExpertParallelExperts(nn.Module):
         down = self.down_proj if down is None else down
         x = copy_to_region(hidden_states, self.group)                 # [T, H]
         w = copy_to_region(top_k_weights.to(x.dtype), self.group)     # [T, k]
+        if not torch.compiler.is_compiling():  # every rank sees every token: no exchange
+            self.routed.add([torch.bincount(top_k_index.reshape(-1),
+                                            minlength=self.num_experts).tolist()])
+        if self.placed:
+            return reduce_from_region(self._few_placed(x, top_k_index, w, gate_up, down),
+                                      self.group)
         mine = self.plan.slice_of(self.info.rank)
         out = torch.zeros_like(x)
         for slot in range(top_k_index.shape[-1]):
@@ -142,34 +157,71 @@ class ExpertParallelExperts(nn.Module):
                 out = out.index_add(0, rows, y * w[rows, slot, None])
         return reduce_from_region(out, self.group)
 
+    def _few_placed(self, x, top_k_index, w, gate_up, down) -> torch.Tensor:
+        """``_few_tokens``' sum on a placement: each copy of an expert computes its block of
+        the rows routed to it (in token order), so the sum over ranks counts each row once."""
+        rank, out = self.info.rank, torch.zeros_like(x)
+        slots = self.homes.slots(rank)
+        for e in top_k_index.unique().tolist():
+            if e not in slots:
+                continue
+            hit = top_k_index == e                                     # [T, k]
+            rows = copy_rows(hit.any(dim=1).nonzero().squeeze(1), e, self.homes, rank)
+            if not rows.numel():
+                continue
+            i = slots.index(e)
+            h = self._apply_gate(x[rows] @ self._in_out(gate_up)[i])
+            y = h @ self._in_out(down)[i]
+            weight = (w[rows] * hit[rows]).sum(dim=1, keepdim=True)   # its slot's weight
+            out = out.index_add(0, rows, y * weight)
+        return out
+
+    def place(self, homes: Homes, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Move the experts to ``homes`` (a collective: every rank, the same homes), with
+        their gradients and optimizer state; returns the copies placed on a rank that held
+        none of their expert (``plait.nn.placement.move_experts``)."""
+        if homes.world != self.info.world or homes.experts != self.num_experts:
+            raise ValueError(f"{self.path}: a placement of {homes.experts} experts on "
+                             f"{homes.world} ranks does not fit its {self.num_experts} on "
+                             f"{self.info.world}")
+        moved = move_experts((self.gate_up_proj, self.down_proj), self.homes, homes,
+                             self.info.rank, self.group, optimizer)
+        self.homes, self.placed = homes, homes != Homes.of_plan(self.plan)
+        return moved
+
     def _in_out(self, w: torch.Tensor) -> torch.Tensor:
         """An experts weight as [E_r, in, out] (transformers stores [E, out, in] unless
         ``is_transposed``)."""
         return w if self.transposed else w.transpose(1, 2)
 
     def _counts(self, counts: torch.Tensor):
-        """(send [W][E_d], recv [W][E_r]) from every rank's per-expert token counts."""
+        """(send [W][E_d], recv [W][E_r], every rank's counts [W][E]) from every rank's
+        per-expert token counts."""
         world = self.info.world
         everyone = counts.new_empty(world * counts.numel())
         all_gather_into(everyone, counts.contiguous(), group=self.group)
         table = everyone.view(world, -1).tolist()                     # [W][E]
         self.routed.add(table)
+        if self.placed:
+            return (*self.homes.send_recv(table, self.info.rank), table)
         cuts = [self.plan.slice_of(r) for r in range(world)]
         send = [table[self.info.rank][c] for c in cuts]
         mine = cuts[self.info.rank]
-        return send, [row[mine] for row in table]
+        return send, [row[mine] for row in table], table
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """``gate_up_proj`` and ``down_proj`` with every expert (a collective)."""
         def value(p):
             return p.detach() if not grads else \
                 torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        return {name: unshard(value(getattr(self, name)), self.plan, self.group, 0)
+        return {name: gather_placed(value(getattr(self, name)), self.homes, self.group)
+                if self.placed else unshard(value(getattr(self, name)), self.plan, self.group, 0)
                 for name in ("gate_up_proj", "down_proj")}
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, H={self.hidden}, F={self.ffn}, "
-                f"plan={list(self.plan.sizes)} experts, "
+        where = (f"placed={[self.homes.slots(r) for r in range(self.info.world)]}"
+                 if self.placed else f"plan={list(self.plan.sizes)} experts")
+        return (f"experts={self.num_experts}, H={self.hidden}, F={self.ffn}, {where}, "
                 f"{'fused' if self.overlap else 'plain'}")
 
 

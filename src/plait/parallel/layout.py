@@ -16,8 +16,8 @@ RowParallelLinear           weight (1); bias whole      one
 CopiedHeadsLinear           weight (0), bias (0)        one per local KV sub-group; only a
                                                         head's first copy is written
 VocabParallelEmbedding      weight (0)                  one
-MoE, ExpertParallelExperts  w1/w2, gate_up/down (0)     one (whole experts); a placed MoE:
-                                                        one per expert, a replica's first
+MoE, ExpertParallelExperts  w1/w2, gate_up/down (0)     one (whole experts); placed: one
+                                                        an expert, a replica's first
                                                         copy written
 experts split in place      gate_up_proj (1), down (2)  two (gate, up) / one
 per-head parameters         (0), its heads' entries     one (transformers' local_params)
@@ -156,11 +156,12 @@ def _module_layouts(module: nn.Module) -> dict[str, Layout | None] | None:
         return {k: _linear(module, k) for k in keys}
     if isinstance(module, VocabParallelEmbedding):
         return {"weight": _along(module.weight, module.plan, module.info.rank, 0)}
-    if isinstance(module, MoE) and module.placed:  # experts anywhere: one piece a slot
+    if isinstance(module, (MoE, ExpertParallelExperts)) and module.placed:  # one piece a slot
         rank, homes = module.info.rank, module.homes
         pieces = [(i, e, 1, homes.homes[e][0][0] == rank)  # a replica's first copy writes
                   for i, e in enumerate(homes.slots(rank))]
-        return {k: _layout(getattr(module, k), 0, homes.experts, pieces) for k in ("w1", "w2")}
+        keys = ("w1", "w2") if isinstance(module, MoE) else ("gate_up_proj", "down_proj")
+        return {k: _layout(getattr(module, k), 0, homes.experts, pieces) for k in keys}
     if isinstance(module, MoE):
         return {k: _along(getattr(module, k), module.plan, module.info.rank, 0)
                 for k in ("w1", "w2")}
