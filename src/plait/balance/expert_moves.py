@@ -1,6 +1,7 @@
 """Every MoE layer's experts re-placed while training: routed load and rank speed in, moves out.
 
-At each balancer step, each expert-parallel ``plait.nn.MoE`` layer hands over the tokens
+At each balancer step, each expert-parallel layer (``plait.nn.MoE``, or transformers' experts
+made expert-parallel: ``nn.placement.PlacedExperts``) hands over the tokens
 routed to each of its experts since the last step (``MoE.routed``: counted from the count
 exchange its all-to-alls already make, the same on every rank) and the balancer's speed
 monitor gives every rank's speed (agreed over the group). :class:`ExpertBalancer` (SEMI's
@@ -16,8 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ..nn.moe import MoE
-from ..nn.placement import Homes
+from ..nn.placement import Homes, PlacedExperts
 from .experts import ExpertBalancer, ExpertPlacement
 
 __all__ = ["ExpertMoves"]
@@ -34,7 +34,7 @@ class ExpertMoves:
                  threshold: float = 0.08, confirm: int = 3):
         self.optimizer = optimizer
         self.layers = {name: m for name, m in model.named_modules()
-                       if isinstance(m, MoE) and m.info.world > 1}
+                       if isinstance(m, PlacedExperts) and m.info.world > 1}
         self.balancers = {name: ExpertBalancer(ExpertPlacement(m.homes.homes, m.homes.world),
                                                threshold=threshold, confirm=confirm)
                           for name, m in self.layers.items()}

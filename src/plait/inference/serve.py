@@ -135,11 +135,10 @@ class _Experts:
 
     def __init__(self, model, tolerance: float):
         from ..balance.experts import ExpertBalancer, ExpertPlacement
-        from ..nn.moe import MoE
-        from ..parallel.experts import ExpertParallelExperts
+        from ..nn.placement import PlacedExperts
 
         self.layers = [m for m in model.modules()
-                       if isinstance(m, (MoE, ExpertParallelExperts)) and m.info.world > 1]
+                       if isinstance(m, PlacedExperts) and m.info.world > 1]
         self.balancers = [ExpertBalancer(ExpertPlacement(m.homes.homes, m.homes.world),
                                          threshold=max(tolerance, 1e-9), confirm=1,
                                          smoothing=1.0) for m in self.layers]

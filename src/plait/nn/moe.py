@@ -45,7 +45,8 @@ from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
                      straggled, unshard)
-from .placement import Homes, ReplicaGrads, by_destination, gather_placed, move_experts
+from .placement import (Homes, PlacedExperts, ReplicaGrads, by_destination, gather_placed,
+                        move_experts)
 
 __all__ = ["MoE", "RoutedLoad", "route_top_k", "experts_reference"]
 
@@ -91,7 +92,7 @@ def experts_reference(x2, weights, experts, w1, w2) -> torch.Tensor:
     return out
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, PlacedExperts):
     """Dropless top-k MoE with experts spread over ``group`` by ``plan``; see the module docstring."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int = 2, group=None, *,

@@ -29,8 +29,8 @@ import torch
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
 
-__all__ = ["Homes", "gather_placed", "sum_replica_grads", "by_destination", "move_experts",
-           "ReplicaGrads", "copy_rows"]
+__all__ = ["Homes", "PlacedExperts", "gather_placed", "sum_replica_grads", "by_destination",
+           "move_experts", "ReplicaGrads", "copy_rows"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,18 @@ class Homes:
                 dest.append(d)
                 sizes.append(n)
         return dest, sizes
+
+
+class PlacedExperts:
+    """What an expert-parallel layer that can be placed answers (``plait.nn.MoE``,
+    ``plait.parallel.experts.ExpertParallelExperts``): ``homes`` (where its experts live),
+    ``routed`` (the tokens routed to each, ``RoutedLoad``), ``info`` (its group's rank and
+    world) and ``place(homes, optimizer)``. The balancer finds such layers by this class."""
+
+    homes: Homes
+
+    def place(self, homes: Homes, optimizer=None) -> int:
+        raise NotImplementedError
 
 
 def gather_placed(local: torch.Tensor, homes: Homes, group) -> torch.Tensor:

@@ -36,8 +36,8 @@ import torch.nn as nn
 
 from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
 from ..nn.moe import RoutedLoad
-from ..nn.placement import (Homes, ReplicaGrads, by_destination, copy_rows, gather_placed,
-                            move_experts)
+from ..nn.placement import (Homes, PlacedExperts, ReplicaGrads, by_destination, copy_rows,
+                            gather_placed, move_experts)
 from ..ops.library import constant_result, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
@@ -50,7 +50,7 @@ from .layers import experts_shape
 __all__ = ["ExpertParallelExperts"]
 
 
-class ExpertParallelExperts(nn.Module):
+class ExpertParallelExperts(nn.Module, PlacedExperts):
     """Whole experts per rank of a transformers experts module; see the module docstring."""
 
     def __init__(self, experts: nn.Module, path: str, group=None, *,

@@ -21,9 +21,9 @@ MODELS = ("gpt", "moe", "dlrm", *HF_MODELS)
 BALANCE = ("even", "resize", "migrate", "semi")
 DP_MODELS = ("gpt", "hf-llama")
 """Models ``--dp`` above 1 is tested with (loss against one process on the global batch)."""
-BALANCED_MODELS = ("gpt", "moe", "hf-llama")
-"""Models whose sharded dims (attention heads, MLP columns) the balancer moves; in moe the
-MoE layers' experts too (placed by routed load and speed, hot ones replicated)."""
+BALANCED_MODELS = ("gpt", "moe", "hf-llama", "hf-mixtral")
+"""Models whose sharded dims (attention heads, MLP columns) the balancer moves; in moe and
+hf-mixtral the experts too (placed by routed load and speed, hot ones replicated)."""
 # what an unset flag means, per model: tiny enough to train here in about a minute
 PRESETS = {
     "gpt": dict(steps=400, batch_size=16, lr=3e-3, n_head=4),
