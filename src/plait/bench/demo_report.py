@@ -93,7 +93,7 @@ def _marks(ax, cfg: DemoConfig, marks: list, world: int, *, label: bool) -> None
         texts.append((step, kind, _DECISION_COLOR))
     if label:
         for x, text, color in texts[:8]:
-            ax.annotate(text, (x, 0.97), xycoords=on_top, xytext=(3, 0),
+            ax.annotate(text, (x, 0.9), xycoords=on_top, xytext=(3, 0),  # under a ▲
                         textcoords="offset points", rotation=90, va="top", ha="left",
                         fontsize=7, color=color,
                         bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.5))
