@@ -26,23 +26,31 @@ from plait.testing import run_ranks
 pytest.importorskip("transformers")
 
 
-def _serve(split: str, sample: bool):
+def _setting(name: str):
+    """(the virtual device, the single-process model, its parallel copy, 4 prompts): the
+    last rank 2 × slow from the second request on, every rank a virtual device."""
     import plait
     from plait.balance.virtual import VirtualDevice
-    from plait.runtime import SlowSpec, Straggler, rank_context
-    from plait.inference.decode import decode
     from plait.inference.generate import build_model
-    from plait.inference.serve import serve
+    from plait.runtime import SlowSpec, Straggler, rank_context
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = VirtualDevice().install(unmovable=False)
     rank_context().straggler = Straggler([SlowSpec(world - 1, 2.0, from_step=1)], rank)
-    cfg = SimpleNamespace(model="hf-llama", vocab_size=128, n_embd=96, n_layer=2, n_head=12,
+    cfg = SimpleNamespace(model=name, vocab_size=128, n_embd=96, n_layer=2, n_head=12,
                           n_kv_head=6, max_positions=64, seed=0)
     ref = build_model(cfg)
     model = plait.parallelize(copy.deepcopy(ref), "auto")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in (5, 3, 4, 2)]
+    return device, ref, model, prompts
+
+
+def _serve(split: str, sample: bool):
+    from plait.inference.decode import decode
+    from plait.inference.serve import serve
+
+    device, ref, model, prompts = _setting("hf-llama")
     kw = dict(sample=True, seed=3, temperature=0.9) if sample else {}
     with device:
         served = serve(model, prompts, 6, split=split, tolerance=0.05, timed_steps=3,
@@ -92,24 +100,12 @@ def test_predicted_gain_is_the_slowest_ranks_time_against_the_summed_speeds():
             predicted_gain(sizes, speeds)
 
 
-def _serve_mixtral(world: int):
-    import plait
-    from plait.balance.virtual import VirtualDevice
-    from plait.runtime import SlowSpec, Straggler, rank_context
+def _serve_mixtral():
     from plait.inference.decode import decode
-    from plait.inference.generate import build_model
     from plait.inference.serve import serve
     from plait.parallel.experts import ExpertParallelExperts
 
-    rank = dist.get_rank()
-    device = VirtualDevice().install(unmovable=False)
-    rank_context().straggler = Straggler([SlowSpec(world - 1, 2.0, from_step=1)], rank)
-    cfg = SimpleNamespace(model="hf-mixtral", vocab_size=128, n_embd=96, n_layer=2, n_head=12,
-                          n_kv_head=6, max_positions=64, seed=0)
-    ref = build_model(cfg)
-    model = plait.parallelize(copy.deepcopy(ref), "auto")
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in (5, 3, 4, 2)]
+    device, ref, model, prompts = _setting("hf-mixtral")
     with device:
         served = serve(model, prompts, 6, split="adaptive", tolerance=0.05, timed_steps=3,
                        speed_steps=3)
@@ -124,7 +120,7 @@ def test_mixtral_experts_placed_between_requests_keep_the_tokens(world):
     """hf-mixtral under ``--split adaptive``: after a request each expert layer's experts are
     placed by the tokens routed to them and the speeds (hot ones copied); every request's
     tokens stay one process's."""
-    for placed, same, layers_placed in run_ranks(_serve_mixtral, world, world):
+    for placed, same, layers_placed in run_ranks(_serve_mixtral, world):
         assert all(same), same
         assert any(placed) and any(layers_placed), (placed, layers_placed)
         assert placed[-1] == 0  # the last request decides nothing
