@@ -20,9 +20,10 @@ Policies, interleaved step by step (each step the same loads for all of them):
 
 Per step and policy: the step time, the ideal (all rows at the ranks' summed speeds), the
 imbalance (slowest rank's time over the mean's) and the moves made. Rank speeds are each
-rank's rows a second, the median of its last 5 steps; the ideal uses the same speeds. ``same_losses`` is
-None in every record: no weights are trained or moved here (moving experts with their
-optimizer state, exactly, is not built yet).
+rank's rows a second, the median of its last 5 steps; the ideal uses the same speeds.
+``same_losses``: each policy's last placement applied to a small float64 ``plait.nn.MoE``
+mid-training (its weights and AdamW state moved, hot experts copied) keeps the losses of
+the layer left on even blocks.
 """
 
 from __future__ import annotations
@@ -123,10 +124,50 @@ def run_experts(cfg: ExpertsBenchConfig) -> list[dict]:
                     "t_step_s": max(times), "t_ideal_s": ideal_time(rows, now) if sum(rows)
                     else 0.0, "imbalance": imbalance(times), "rows": rows,
                     "copies": policy.placement.copies(), "moves": policy.moves,
-                    "warmup": step < cfg.warmup, **cfg.extra})
+                    "warmup": step < cfg.warmup, "same_losses": None, **cfg.extra})
                 policy.after(step, loads, now)
             ctx.report({"scenario": scenario, "step": step + 1, "of": cfg.steps})
+        for name, policy in policies.items():  # the placement it ended on, applied exactly?
+            same = _same_losses(cfg, policy.placement)
+            for r in records:
+                if (r["scenario"], r["policy"]) == (scenario, name):
+                    r["same_losses"] = same
     return records if rank == 0 else []
+
+
+def _same_losses(cfg: ExpertsBenchConfig, placement: ExpertPlacement) -> bool | None:
+    """Whether a float64 ``plait.nn.MoE`` of ``cfg``'s experts, moved to ``placement`` after
+    2 of 5 AdamW steps (its copies' gradients summed, its optimizer state moved), has the
+    losses of the same layer left on even blocks (within 1e-10; every rank, a collective).
+    None where the placement leaves a rank no expert (no layer holds it)."""
+    from ..nn import MoE
+    from ..nn.placement import Homes
+
+    try:
+        homes = Homes(placement.replicas, placement.world)
+    except ValueError:
+        return None
+    rank = dist.get_rank()
+    losses = []
+    for moved in (False, True):
+        layer = MoE(16, 16, cfg.experts, cfg.top_k, dtype=torch.float64, seed=cfg.seed,
+                    chunks=1)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(cfg.seed * 31 + rank)
+        run = []
+        for step in range(5):
+            if moved and step == 2:
+                layer.place(homes, opt)
+            x = torch.randn(32, 16, generator=gen, dtype=torch.float64)
+            loss = layer(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            run.append(float(total))
+        losses.append(run)
+    return max(abs(a - b) for a, b in zip(*losses)) < 1e-10
 
 
 def bench_experts(cfg: ExpertsBenchConfig, *, ranks: int, hosts: int = 0, link=None,
@@ -155,5 +196,5 @@ def summarize_experts(records: list[dict]) -> list[dict]:
                                                         for r in timed if r["t_ideal_s"]),
                     "imbalance": statistics.median(r["imbalance"] for r in timed),
                     "moves": rows[-1]["moves"], "copies": rows[-1]["copies"],
-                    "same_losses": None})
+                    "same_losses": rows[-1]["same_losses"]})
     return out
