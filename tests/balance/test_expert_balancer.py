@@ -22,7 +22,7 @@ CFG = ExpertsBenchConfig(steps=40, warmup=6)
 def _run(scenario: str, speeds: list[float], max_replicas=None):
     """(the balancer, each step's slowest-rank time over the ideal, under the placement the
     step ran on)."""
-    placement = even_placement(CFG.experts, len(speeds))
+    placement = even_placement(CFG.n_experts, len(speeds))
     balancer = ExpertBalancer(placement, max_replicas=max_replicas)
     ratios = []
     for step in range(CFG.steps):

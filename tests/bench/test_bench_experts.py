@@ -36,7 +36,7 @@ def test_every_row_is_computed_once_under_every_policy(ranks):
 def test_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="needs --ranks 2 or more"):
         bench_experts(TINY, ranks=1)
-    with pytest.raises(ValueError, match="--top-k 9 exceeds --experts 8"):
+    with pytest.raises(ValueError, match="--top-k 9 exceeds --n-experts 8"):
         ExpertsBenchConfig(top_k=9)
     with pytest.raises(ValueError, match="--scenarios nope"):
         ExpertsBenchConfig(scenarios=("nope",))

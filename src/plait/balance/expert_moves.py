@@ -58,12 +58,13 @@ class ExpertMoves:
             if new is None:
                 continue
             moved = layer.place(Homes(new.replicas, layer.info.world), self.optimizer)
-            gain = balancer.log[-1]["gain"]
             slots = tuple(len(layer.homes.slots(r)) for r in range(layer.info.world))
-            copies = new.copies()
-            done.append((name, f"experts placed by routed load {[round(x) for x in balancer.loads]} "
-                               f"and speeds {[round(s, 2) for s in balancer.speeds]}: predicted "
-                               f"gain {gain:.0%}, {moved} moved, {copies} replica"
-                               f"{'s' if copies != 1 else ''}; experts per rank {list(slots)}",
+            split = "; ".join(f"expert {e} split " + "/".join(f"{s:.0%}" for _, s in copies)
+                              for e, copies in enumerate(new.replicas) if len(copies) > 1)
+            done.append((name, f"experts per rank {list(slots)}, {moved} moved"
+                               f"{'; ' + split if split else ''}: predicted gain "
+                               f"{balancer.log[-1]['gain']:.0%} at routed load "
+                               f"{[round(x) for x in balancer.loads]}, speeds "
+                               f"[{', '.join(f'{v:.2f}' for v in balancer.speeds)}]",
                          slots))
         return done

@@ -54,7 +54,7 @@ class _Policy:
 
     def __init__(self, name: str, cfg: ExpertsBenchConfig, world: int):
         self.name, self.cfg, self.world = name, cfg, world
-        self.placement = even_placement(cfg.experts, world)
+        self.placement = even_placement(cfg.n_experts, world)
         self.balancer = None if not name.startswith("balanced") else ExpertBalancer(
             self.placement, max_replicas=1 if name.endswith("no-replicas") else None,
             threshold=0.08, confirm=3)  # training's settings (plait.balance.expert_moves)
@@ -63,7 +63,7 @@ class _Policy:
     def after(self, step: int, loads: list[int], speeds: list[float]) -> None:
         """Read the step's loads and speeds; re-place where the policy says."""
         if self.name == "static" and step == self.cfg.warmup - 1:
-            new = place_experts([1.0] * self.cfg.experts, speeds, max_replicas=1,
+            new = place_experts([1.0] * self.cfg.n_experts, speeds, max_replicas=1,
                                 current=self.placement)
             self.moves += moves(self.placement, new) > 0
             self.placement = new
@@ -90,8 +90,8 @@ def run_experts(cfg: ExpertsBenchConfig) -> list[dict]:
     ctx = rank_context()
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(cfg.seed)
-    w1 = torch.randn(cfg.experts, cfg.hidden, cfg.ffn, generator=gen) * cfg.hidden ** -0.5
-    w2 = torch.randn(cfg.experts, cfg.ffn, cfg.hidden, generator=gen) * cfg.ffn ** -0.5
+    w1 = torch.randn(cfg.n_experts, cfg.hidden, cfg.ffn, generator=gen) * cfg.hidden ** -0.5
+    w2 = torch.randn(cfg.n_experts, cfg.ffn, cfg.hidden, generator=gen) * cfg.ffn ** -0.5
     x = torch.randn(cfg.tokens * cfg.top_k, cfg.hidden, generator=gen)
     records = []
     for scenario in cfg.scenarios:
@@ -150,7 +150,7 @@ def _same_losses(cfg: ExpertsBenchConfig, placement: ExpertPlacement) -> bool | 
     rank = dist.get_rank()
     losses = []
     for moved in (False, True):
-        layer = MoE(16, 16, cfg.experts, cfg.top_k, dtype=torch.float64, seed=cfg.seed,
+        layer = MoE(16, 16, cfg.n_experts, cfg.top_k, dtype=torch.float64, seed=cfg.seed,
                     chunks=1)
         opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(cfg.seed * 31 + rank)
@@ -175,8 +175,8 @@ def bench_experts(cfg: ExpertsBenchConfig, *, ranks: int, hosts: int = 0, link=N
     """``run_experts`` on ``ranks`` ranks; rank 0's records and where it ran."""
     if ranks < 2:
         raise ValueError("bench experts places experts over ranks: it needs --ranks 2 or more")
-    if cfg.experts < ranks:
-        raise ValueError(f"--experts {cfg.experts} leave some of the {ranks} ranks no expert")
+    if cfg.n_experts < ranks:
+        raise ValueError(f"--n-experts {cfg.n_experts} leave some of the {ranks} ranks no expert")
     records, where = run_placed(run_experts, cfg, ranks=ranks, hosts=hosts, link=link,
                                 timeout_s=timeout_s, on_progress=on_progress, slow=slow)
     return records, where

@@ -58,7 +58,7 @@ def make_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
     rules = len(columns) + 1
     boxed = sum(least) + rules <= width
     fold = not boxed and sum(least) > width
-    table = Table(title=title, caption=caption, header_style="bold",
+    table = Table(title=title, caption=caption, header_style="bold", caption_justify="left",
                   **({} if boxed else {"box": None}))
     for i, col in enumerate(columns):
         if i < labels:

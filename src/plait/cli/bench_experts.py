@@ -52,7 +52,7 @@ def run_bench_experts(args: argparse.Namespace) -> int:
     console.print(f"[dim]{where}[/dim]")
     rows = summarize_experts(records)
     slowed = ", ".join(f"rank {s.rank} {s.factor:g}×" for s in slow) or "no slow rank"
-    print_table(f"{cfg.experts} experts, top-{cfg.top_k}, {cfg.tokens} tokens a step on "
+    print_table(f"{cfg.n_experts} experts, top-{cfg.top_k}, {cfg.tokens} tokens a step on "
                 f"{counted(ranks, 'rank')} ({slowed})",
                 ["scenario", "policy", "step (ms)", "ideal (ms)", "× ideal", "imbalance",
                  "moves", "replicas", "same losses"],

@@ -107,9 +107,10 @@ def _print_ideal(summary: dict, cfg, args: argparse.Namespace) -> None:
     slowed = " ".join([f"--slow {s}" for s in args.slow]
                       + ([f"--slow-file {args.slow_file}"] if args.slow_file else [])) or "none"
     made = summary.get("balance", {}).get("decisions", ())
-    for d in made:  # what the balancer did, a line each (log.json has every figure)
-        console.print(f"[dim]step {d['step']:>4} {d['dim']}: {d['kind']} {d['reason']}[/dim]",
-                      soft_wrap=True)
+    for d in made:  # what the balancer did, a line each: its first clause (log.json: all)
+        what = d["reason"].split(":")[0]
+        console.print(f"[dim]step {d['step']:>4} {d['dim']}: {d['kind']} {what}[/dim]",
+                      markup=True, overflow="ellipsis", no_wrap=True)
     decisions = len(made)
     load = summary.get("load_avg_1min", [])
     row = [cfg.balance, slowed, f"{1e3 * ideal['t_step_s']:.1f}",

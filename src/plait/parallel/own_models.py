@@ -83,7 +83,7 @@ def apply_tp(model: nn.Module, group=None, plans: dict[str, ShardPlan] | None = 
     if not gpt:
         tables = model.embeddings
         _log_once(info, model, f"DLRM: {len(tables.num_embeddings)} tables model-parallel "
-                  f"(plan {list(tables.plan.sizes)}), MLPs data-parallel on {info.world} ranks "
+                  f"(plan {list(tables.plan.sizes)}), MLPs data-parallel on {info.world} rank{'s' if info.world != 1 else ''} "
                   f"({'fused' if overlap else 'plain'} path)")
         return model
     moe = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
@@ -93,7 +93,7 @@ def apply_tp(model: nn.Module, group=None, plans: dict[str, ShardPlan] | None = 
         model.run_blocks = interleaved_blocks(model.blocks, microbatches)
         interleaved = f", {microbatches} micro-batches interleaved"
     _log_once(info, model, f"{'MoE-GPT' if moe else 'GPT'}: {len(model.blocks)} blocks "
-              f"tensor-parallel on {info.world} ranks{experts} ({'fused' if overlap else 'plain'} "
+              f"tensor-parallel on {info.world} rank{'s' if info.world != 1 else ''}{experts} ({'fused' if overlap else 'plain'} "
               f"path{', sequence-parallel' if sequence_parallel else ''}{interleaved})")
     return model
 

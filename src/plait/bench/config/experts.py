@@ -28,7 +28,7 @@ QUICK_EXPERTS = dict(steps=24, warmup=4, tokens=1024)
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertsBenchConfig:
-    experts: int = field(default=8, metadata=_h("experts in the layer"))
+    n_experts: int = field(default=8, metadata=_h("experts in the layer"))
     top_k: int = field(default=2, metadata=_h("experts each token is routed to"))
     tokens: int = field(default=2048, metadata=_h("tokens a step (rows: tokens × top-k)"))
     hidden: int = field(default=256, metadata=_h("model width"))
@@ -49,12 +49,12 @@ class ExpertsBenchConfig:
     extra: dict = field(default_factory=dict, metadata={"help": None})
 
     def __post_init__(self) -> None:
-        for name in ("experts", "top_k", "tokens", "hidden", "ffn", "steps", "drift_every"):
+        for name in ("n_experts", "top_k", "tokens", "hidden", "ffn", "steps", "drift_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
-        if self.top_k > self.experts:
-            raise ValueError(f"--top-k {self.top_k} exceeds --experts {self.experts}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"--top-k {self.top_k} exceeds --n-experts {self.n_experts}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup {self.warmup} must leave timed steps in --steps "
                              f"{self.steps}")
@@ -71,7 +71,7 @@ class ExpertsBenchConfig:
 
 def routed_loads(cfg: ExpertsBenchConfig, scenario: str, step: int) -> list[int]:
     """Rows routed to each expert at ``step`` of ``scenario`` (they sum to tokens × top-k)."""
-    e = cfg.experts
+    e = cfg.n_experts
     order = list(range(e))
     random.Random(cfg.seed).shuffle(order)  # which expert is hot: the seed's, not expert 0
     if scenario == "uniform":
