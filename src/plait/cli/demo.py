@@ -119,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
                         f"rank's; plait {rows[1]['speedup_vs_plain']:.2f}× the plain way: "
                         f"{_fusion(rows):.2f}× without the straggler (fusion), and × ideal "
                         f"{rows[0]['ratio_to_ideal']:.2f} → {rows[1]['ratio_to_ideal']:.2f} with it "
-                        "(balancing)")
+                        "(balancing)" + (
+                            "; under 1: the ideal is built from the speeds this run measured, "
+                            "its noise with them" if min(r["ratio_to_ideal"] for r in rows) < 1
+                            else ""))
     note = busy_note(busy, os.cpu_count() or 1)
     if note:
         console.print(f"[yellow]{note}[/yellow]")

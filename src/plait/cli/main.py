@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         line, status = _explain(exc)
         if debug:
             traceback.print_exc()
+        parser = getattr(args, "_parser", None)
+        if status == 2 and parser is not None:  # a refused value: where the flags are told
+            line += f" (see: {parser.prog} --help)"
         print(f"plait: error: {line}", file=sys.stderr)
         return status
     finally:
