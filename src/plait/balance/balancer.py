@@ -236,6 +236,7 @@ class Balancer:
                                "layers": [_resize_state(layer) for layer in layers]}
                          for dim, layers in self.dims.items()},
                 "monitor": _monitor_state(self.monitor),
+                "experts": self.experts.state_dict() if self.experts else {},
                 "log": [dataclasses.asdict(d) for d in self.log]}
 
     def load_state_dict(self, state: dict) -> list[str]:
@@ -252,6 +253,10 @@ class Balancer:
             raise ValueError(f"a balancer state of (policy, ranks, replicas, dims) {saved} does "
                              f"not fit this balancer's {mine}")
         _check_monitor_state(self.monitor, state["monitor"])  # all checked before any change
+        experts = state.get("experts") or {}
+        if experts and (not self.experts or sorted(experts) != sorted(self.experts.layers)):
+            raise ValueError(f"an experts state for layers {sorted(experts)} does not fit this "
+                             f"model's {sorted(self.experts.layers) if self.experts else []}")
         for dim, policy in self.policies.items():
             policy_state = state["dims"][dim]["policy"]
             if list(state["dims"][dim]["names"]) != list(self.names[dim]):
@@ -270,7 +275,8 @@ class Balancer:
         _set_monitor_state(self.monitor, state["monitor"])
         self.steps = state["steps"]
         self.log = [_decision(d) for d in state["log"]]
-        return sorted(moves)
+        placed = self.experts.load_state_dict(experts) if experts else []
+        return sorted(moves) + placed
 
 
 class ReplicaMonitor(SpeedMonitor):

@@ -68,3 +68,34 @@ class ExpertMoves:
                                f"[{', '.join(f'{v:.2f}' for v in balancer.speeds)}]",
                          slots))
         return done
+
+    # --- checkpoints (inside the balancer's state: plait.balance.Balancer.state_dict) ----------
+    def state_dict(self) -> dict:
+        """Each layer's placement and its rule's smoothed loads, speeds, streak and log (the
+        same on every rank)."""
+        return {name: {"homes": [[[r, s] for r, s in copies] for copies in layer.homes.homes],
+                       "loads": self.balancers[name].loads,
+                       "speeds": self.balancers[name].speeds,
+                       "streak": self.balancers[name].streak, "log": self.balancers[name].log}
+                for name, layer in self.layers.items()}
+
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Place each layer as saved (``place``: weights and optimizer state move, exactly;
+        a collective) and continue its rule; returns the layers moved. A state naming other
+        layers is refused before anything moves."""
+        if sorted(state) != sorted(self.layers):
+            raise ValueError(f"an experts state for layers {sorted(state)} does not fit this "
+                             f"model's {sorted(self.layers)}")
+        moved = []
+        for name, saved in state.items():
+            layer = self.layers[name]
+            homes = Homes(tuple(tuple((int(r), float(s)) for r, s in copies)
+                                for copies in saved["homes"]), layer.info.world)
+            if homes != layer.homes:
+                layer.place(homes, self.optimizer)
+                moved.append(name)
+            balancer = self.balancers[name]
+            balancer.placement = ExpertPlacement(homes.homes, homes.world)
+            balancer.loads, balancer.speeds = saved["loads"], saved["speeds"]
+            balancer.streak, balancer.log = saved["streak"], saved["log"]
+        return moved
