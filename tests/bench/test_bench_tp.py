@@ -278,7 +278,8 @@ def test_cli_hf_llama_layers_plan(tmp_path):
 def test_cli_refuses_an_unknown_model_in_one_line(capsys):
     assert main(["bench", "tp", "--model", "bert", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["plait: error: --model 'bert': choose from gpt, hf-llama"]
+    assert err == ["plait: error: --model 'bert': choose from gpt, hf-llama "
+                   "(see: plait bench tp --help)"]
 
 
 @pytest.mark.parametrize("kw, message", [

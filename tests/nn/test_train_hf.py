@@ -196,4 +196,4 @@ def test_without_transformers_one_line_names_the_extra(tmp_path, monkeypatch, ca
     assert main(["train", *TINY, "--model", "hf-mixtral", "--out", "run"]) == 2
     err = capsys.readouterr().err
     assert err == ("plait: error: --model hf-mixtral needs transformers, which is not "
-                   "installed: pip install 'plait[hf]'\n"), err
+                   "installed: pip install 'plait[hf]' (see: plait train --help)\n"), err
