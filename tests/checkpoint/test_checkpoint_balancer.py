@@ -22,15 +22,13 @@ step 8, confirmed over 3 steps), and would migrate only from step 19 on (``spike
    before it handed its ``RankParallel`` over) step 12's loss already differs: rank 1 computes all its features again.
 """
 
-import shutil
-from dataclasses import replace
-from pathlib import Path
-
 import torch
 
 from plait.runtime.launch import launch
 from plait.runtime.straggler import parse_slow
 from plait.training.config import TrainConfig
+
+from _resume import killed_then_resumed
 
 STEPS, EVERY, RESUME_AT = 18, 4, 12
 SIZES = dict(model="gpt", steps=STEPS, n_layer=1, n_head=4, n_embd=32, seq_len=16,
@@ -49,24 +47,8 @@ def _train_rank(cfg: TrainConfig) -> dict:
             "decisions": out["balance"]["decisions"], "final": out["balance"]["final_state"]}
 
 
-def _killed_then_resumed(cfg: TrainConfig, resumed_dir: str) -> tuple[dict, dict]:
-    """The run never stopped, then, in the same ranks with everything built anew, a run
-    resumed from a copy of its checkpoints up to step-12 (as if killed after it)."""
-    import torch.distributed as dist
-
-    from plait.balance.virtual import VirtualDevice
-
-    device = VirtualDevice().install()  # in this rank's process only
-    with device:
-        first = _train_rank(cfg)
-    if dist.get_rank() == 0:
-        resumed = Path(resumed_dir)
-        resumed.mkdir()
-        for step in range(EVERY, RESUME_AT + 1, EVERY):
-            shutil.copytree(Path(cfg.checkpoint_dir) / f"step-{step}", resumed / f"step-{step}")
-    dist.barrier()
-    with device:
-        return first, _train_rank(replace(cfg, checkpoint_dir=resumed_dir, resume=True))
+def _killed_then_resumed(cfg: TrainConfig, resumed_dir: str):
+    return killed_then_resumed(cfg, resumed_dir, _train_rank, EVERY, RESUME_AT)
 
 
 def test_balanced_run_resumes_with_its_balancer(tmp_path):

@@ -12,15 +12,13 @@ and so did its losses, in the last digits a sum's order sets (checked by hand: s
 3.174798598949413 against 3.1747985989494145).
 """
 
-import shutil
-from dataclasses import replace
-from pathlib import Path
-
 import torch
 
 from plait.runtime.launch import launch
 from plait.runtime.straggler import parse_slow
 from plait.training.config import TrainConfig
+
+from _resume import killed_then_resumed
 
 STEPS, EVERY, RESUME_AT = 16, 4, 8
 SIZES = dict(model="moe", steps=STEPS, n_layer=1, n_head=4, n_embd=64, seq_len=32,
@@ -38,21 +36,7 @@ def _train_rank(cfg: TrainConfig) -> dict:
 
 
 def _killed_then_resumed(cfg: TrainConfig, resumed_dir: str):
-    import torch.distributed as dist
-
-    from plait.balance.virtual import VirtualDevice
-
-    device = VirtualDevice().install()
-    with device:
-        first = _train_rank(cfg)
-    if dist.get_rank() == 0:
-        resumed = Path(resumed_dir)
-        resumed.mkdir()
-        for step in range(EVERY, RESUME_AT + 1, EVERY):
-            shutil.copytree(Path(cfg.checkpoint_dir) / f"step-{step}", resumed / f"step-{step}")
-    dist.barrier()
-    with device:
-        return first, _train_rank(replace(cfg, checkpoint_dir=resumed_dir, resume=True))
+    return killed_then_resumed(cfg, resumed_dir, _train_rank, EVERY, RESUME_AT)
 
 
 def test_placed_experts_resume_with_their_placement(tmp_path):

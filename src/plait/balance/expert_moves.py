@@ -28,15 +28,17 @@ class ExpertMoves:
     :class:`ExpertBalancer`; ``step`` returns ``(layer name, reason, experts per rank)`` for
     each layer it re-placed. A training step's routing swings more than a benchmark's
     skew, so a move needs a predicted gain of 8 % (``threshold``) three readings running
-    (``confirm``)."""
+    (``confirm``). Serving reads once a request and acts on that one reading (``confirm``
+    1, ``smoothing`` 1)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 threshold: float = 0.08, confirm: int = 3):
+                 threshold: float = 0.08, confirm: int = 3, smoothing: float = 0.5):
         self.optimizer = optimizer
         self.layers = {name: m for name, m in model.named_modules()
                        if isinstance(m, PlacedExperts) and m.info.world > 1}
         self.balancers = {name: ExpertBalancer(ExpertPlacement(m.homes.homes, m.homes.world),
-                                               threshold=threshold, confirm=confirm)
+                                               threshold=threshold, confirm=confirm,
+                                               smoothing=smoothing)
                           for name, m in self.layers.items()}
 
     def __bool__(self) -> bool:

@@ -127,35 +127,6 @@ class _Sampler:
         return speeds
 
 
-class _Experts:
-    """The model's expert-parallel layers placed anew between requests: each layer's tokens
-    routed to each expert during the request (its count exchange's, the same on every rank)
-    and the ranks' speeds, through :class:`plait.balance.experts.ExpertBalancer` (one
-    reading a request: it moves on the first that predicts ``tolerance`` or more)."""
-
-    def __init__(self, model, tolerance: float):
-        from ..balance.experts import ExpertBalancer, ExpertPlacement
-        from ..nn.placement import PlacedExperts
-
-        self.layers = [m for m in model.modules()
-                       if isinstance(m, PlacedExperts) and m.info.world > 1]
-        self.balancers = [ExpertBalancer(ExpertPlacement(m.homes.homes, m.homes.world),
-                                         threshold=max(tolerance, 1e-9), confirm=1,
-                                         smoothing=1.0) for m in self.layers]
-
-    def place(self, request: int, speeds) -> int:
-        from ..nn.placement import Homes
-
-        placed = 0
-        for layer, balancer in zip(self.layers, self.balancers):
-            loads = layer.routed.take()
-            new = balancer.observe(request, loads, speeds) if any(loads) else None
-            if new is not None:
-                layer.place(Homes(new.replicas, layer.info.world))
-                placed += 1
-        return placed
-
-
 def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str = "even",
           tolerance: float = 0.05, timed_steps: int = 8, speed_steps: int = 8,
           speeds_of: Callable[[int, tuple], tuple] | None = None,
@@ -164,6 +135,7 @@ def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str
     group; see the module doc. ``speeds_of(i, measured)``: the speeds to act on after request
     i (default: the measured ones; a test feeds its own). ``on_request(i, served)``: called
     after each request (every rank). ``decode_kw``: :func:`~plait.inference.decode.decode`'s."""
+    from ..balance.expert_moves import ExpertMoves
     from ..runtime import rank_context
     from .decode import decode
     from .split import measure_speeds, split_by_speed, split_sizes
@@ -180,7 +152,9 @@ def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str
         speeds, _, _ = measure_speeds(model, prompts[0][:1], speed_steps)
         split_by_speed(model, speeds)
     sampler = _Sampler(model, timed_steps) if split == "adaptive" else None
-    experts = _Experts(model, tolerance) if sampler is not None else None
+    # expert layers placed anew between requests by their routed loads and the speeds
+    experts = ExpertMoves(model, None, threshold=max(tolerance, 1e-9), confirm=1,
+                          smoothing=1.0) if sampler is not None else None
     served = []
     for i, prompt in enumerate(prompts):
         if straggler is not None:
@@ -200,7 +174,7 @@ def serve(model, prompts: Sequence[torch.Tensor], new_tokens: int, *, split: str
                 if done.gain >= tolerance:
                     split_by_speed(model, speeds)
                     done.moved = True
-                done.placed = experts.place(i, speeds)
+                done.placed = len(experts.step(i, speeds))
         elif sampler is not None:
             sampler.stop()
         served.append(done)

@@ -44,9 +44,8 @@ from ..ops.regions import gather_from_region, scatter_to_region
 from ..plan import ShardPlan
 from ..runtime.compat import all_gather_into
 from ._shard import (GroupInfo, check_full, compute_scope, mark_partial_grad, resolve_plan,
-                     straggled, unshard)
-from .placement import (Homes, PlacedExperts, ReplicaGrads, by_destination, gather_placed,
-                        move_experts)
+                     straggled)
+from .placement import PlacedExperts, by_destination
 
 __all__ = ["MoE", "RoutedLoad", "route_top_k", "experts_reference"]
 
@@ -126,10 +125,7 @@ class MoE(nn.Module, PlacedExperts):
         self.w1 = nn.Parameter(full_w1[mine].detach().to(dtype=dtype, device=device).clone())
         self.w2 = nn.Parameter(full_w2[mine].detach().to(dtype=dtype, device=device).clone())
         mark_partial_grad(self.router.weight, group)  # each rank routes only its own tokens
-        self.homes = Homes.of_plan(self.plan)  # where each expert lives (``place`` moves them)
-        self.placed = False  # True once ``place`` left the contiguous plan
-        for p in (self.w1, self.w2):  # a replicated expert's copies sum their gradients
-            p.register_hook(ReplicaGrads(self))
+        self._placeable((self.w1, self.w2))  # ``place`` moves them; copies sum gradients
 
     @classmethod
     def from_module(cls, module, group=None, *, plan: ShardPlan | None = None, **kw):
@@ -217,13 +213,7 @@ class MoE(nn.Module, PlacedExperts):
         raise_together("MoE", self.group, any(row[0] for row in table), problem)
         table = [row[1:] for row in table]  # [W][E]
         self.routed.add(table)
-        if self.placed:
-            return (*self.homes.send_recv(table, self.info.rank), table)
-        cuts = [self.plan.slice_of(r) for r in range(self.info.world)]
-        send = [table[self.info.rank][c] for c in cuts]
-        mine = cuts[self.info.rank]
-        recv = [row[mine] for row in table]
-        return send, recv, table
+        return (*self._send_recv(table), table)
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """``router.weight``, ``w1``, ``w2`` with every expert (a collective); ``grads``: their
@@ -231,32 +221,12 @@ class MoE(nn.Module, PlacedExperts):
         def value(p):
             return p.detach() if not grads else \
                 torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        def whole(p):
-            return gather_placed(value(p), self.homes, self.group) if self.placed else \
-                unshard(value(p), self.plan, self.group, 0)
-        return {"router.weight": value(self.router.weight).clone(), "w1": whole(self.w1),
-                "w2": whole(self.w2)}
-
-    def place(self, homes: Homes, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """Move the experts to ``homes`` (a collective: every rank, the same homes): each
-        rank keeps its new slots of the weights, their gradients and every optimizer state
-        tensor of their shape (Adam's moments), gathered whole from the old placement. The
-        parameters stay the same objects (the optimizer and hooks keep them). Returns the
-        copies that moved to a rank that had none of their expert."""
-        if homes.world != self.info.world or homes.experts != self.num_experts:
-            raise ValueError(f"a placement of {homes.experts} experts on {homes.world} ranks "
-                             f"does not fit this layer's {self.num_experts} on "
-                             f"{self.info.world}")
-        moved = move_experts((self.w1, self.w2), self.homes, homes, self.info.rank,
-                             self.group, optimizer)
-        self.homes, self.placed = homes, homes != Homes.of_plan(self.plan)
-        return moved
+        return {"router.weight": value(self.router.weight).clone(),
+                "w1": self._whole(value(self.w1)), "w2": self._whole(value(self.w2))}
 
     def extra_repr(self) -> str:
-        where = (f"placed={[self.homes.slots(r) for r in range(self.info.world)]}"
-                 if self.placed else f"plan={list(self.plan.sizes)} experts")
         return (f"H={self.hidden}, F={self.ffn}, experts={self.num_experts}, k={self.top_k}, "
-                f"{where}, {'fused' if self.overlap else 'plain'}"
+                f"{self._where()}, {'fused' if self.overlap else 'plain'}"
                 f"{', replicated_input' if self.replicated_input else ''}")
 
 

@@ -112,15 +112,58 @@ class Homes:
 
 
 class PlacedExperts:
-    """What an expert-parallel layer that can be placed answers (``plait.nn.MoE``,
-    ``plait.parallel.experts.ExpertParallelExperts``): ``homes`` (where its experts live),
-    ``routed`` (the tokens routed to each, ``RoutedLoad``), ``info`` (its group's rank and
-    world) and ``place(homes, optimizer)``. The balancer finds such layers by this class."""
+    """An expert-parallel layer whose experts can be placed anywhere (``plait.nn.MoE``,
+    ``plait.parallel.experts.ExpertParallelExperts``); the balancer and serving find such
+    layers by this class. The layer sets ``plan`` (its experts' ShardPlan), ``info``,
+    ``group``, ``num_experts`` and ``routed`` (a ``RoutedLoad``), and calls ``_placeable``
+    with its expert parameters once they exist; this class keeps ``homes`` and answers
+    ``place``, the whole tensors and the all-to-alls' counts alike for both."""
 
     homes: Homes
+    placed: bool  # homes is not the plan's: the count table and whole tensors follow homes
 
-    def place(self, homes: Homes, optimizer=None) -> int:
-        raise NotImplementedError
+    def _placeable(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self._expert_params = tuple(params)
+        self.homes, self.placed = Homes.of_plan(self.plan), False
+        for p in params:  # a replicated expert's copies sum their gradients
+            p.register_hook(ReplicaGrads(self))
+
+    def place(self, homes: Homes, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Move the experts to ``homes`` (a collective: every rank, the same homes): each
+        rank keeps its new slots of the weights, their gradients and every optimizer state
+        tensor of their shape (Adam's moments), gathered whole from the old placement. The
+        parameters stay the same objects (the optimizer and hooks keep them). Returns the
+        copies placed on a rank that held none of their expert."""
+        if homes.world != self.info.world or homes.experts != self.num_experts:
+            raise ValueError(f"a placement of {homes.experts} experts on {homes.world} ranks "
+                             f"does not fit this layer's {self.num_experts} on "
+                             f"{self.info.world}")
+        moved = move_experts(self._expert_params, self.homes, homes, self.info.rank,
+                             self.group, optimizer)
+        self.homes, self.placed = homes, homes != Homes.of_plan(self.plan)
+        return moved
+
+    def _whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The full [E, ...] tensor of this rank's experts' rows (a collective)."""
+        if self.placed:
+            return gather_placed(local, self.homes, self.group)
+        from ._shard import unshard
+
+        return unshard(local, self.plan, self.group, 0)
+
+    def _send_recv(self, table: Sequence[Sequence[int]]) -> tuple[list, list]:
+        """The all-to-alls' (send [W][E_d], recv [W][E_r]) from every rank's per-expert
+        counts (``table[r][e]``), by the placement or the plan's contiguous blocks."""
+        rank = self.info.rank
+        if self.placed:
+            return self.homes.send_recv(table, rank)
+        cuts = [self.plan.slice_of(r) for r in range(self.info.world)]
+        return [table[rank][c] for c in cuts], [row[cuts[rank]] for row in table]
+
+    def _where(self) -> str:
+        """Where the experts are, for ``extra_repr``."""
+        return (f"placed={[self.homes.slots(r) for r in range(self.info.world)]}"
+                if self.placed else f"plan={list(self.plan.sizes)} experts")
 
 
 def gather_placed(local: torch.Tensor, homes: Homes, group) -> torch.Tensor:

@@ -34,10 +34,9 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled, unshard
+from ..nn._shard import GroupInfo, resolve_plan, shard_of, straggled
 from ..nn.moe import RoutedLoad
-from ..nn.placement import (Homes, PlacedExperts, ReplicaGrads, by_destination, copy_rows,
-                            gather_placed, move_experts)
+from ..nn.placement import PlacedExperts, by_destination, copy_rows
 from ..ops.library import constant_result, opaque, register_opaque
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.pieces import even_sizes
@@ -75,10 +74,7 @@ class ExpertParallelExperts(nn.Module, PlacedExperts):
         rank = self.info.rank
         self.gate_up_proj = nn.Parameter(shard_of(experts.gate_up_proj.detach(), self.plan, rank))
         self.down_proj = nn.Parameter(shard_of(experts.down_proj.detach(), self.plan, rank))
-        self.homes = Homes.of_plan(self.plan)  # where each expert lives (``place`` moves them)
-        self.placed = False
-        for p in (self.gate_up_proj, self.down_proj):  # a replicated expert's copies sum
-            p.register_hook(ReplicaGrads(self))
+        self._placeable((self.gate_up_proj, self.down_proj))  # copies sum their gradients
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self._own_gate is not None:
@@ -176,19 +172,6 @@ class ExpertParallelExperts(nn.Module, PlacedExperts):
             out = out.index_add(0, rows, y * weight)
         return out
 
-    def place(self, homes: Homes, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """Move the experts to ``homes`` (a collective: every rank, the same homes), with
-        their gradients and optimizer state; returns the copies placed on a rank that held
-        none of their expert (``plait.nn.placement.move_experts``)."""
-        if homes.world != self.info.world or homes.experts != self.num_experts:
-            raise ValueError(f"{self.path}: a placement of {homes.experts} experts on "
-                             f"{homes.world} ranks does not fit its {self.num_experts} on "
-                             f"{self.info.world}")
-        moved = move_experts((self.gate_up_proj, self.down_proj), self.homes, homes,
-                             self.info.rank, self.group, optimizer)
-        self.homes, self.placed = homes, homes != Homes.of_plan(self.plan)
-        return moved
-
     def _in_out(self, w: torch.Tensor) -> torch.Tensor:
         """An experts weight as [E_r, in, out] (transformers stores [E, out, in] unless
         ``is_transposed``)."""
@@ -202,26 +185,18 @@ class ExpertParallelExperts(nn.Module, PlacedExperts):
         all_gather_into(everyone, counts.contiguous(), group=self.group)
         table = everyone.view(world, -1).tolist()                     # [W][E]
         self.routed.add(table)
-        if self.placed:
-            return (*self.homes.send_recv(table, self.info.rank), table)
-        cuts = [self.plan.slice_of(r) for r in range(world)]
-        send = [table[self.info.rank][c] for c in cuts]
-        mine = cuts[self.info.rank]
-        return send, [row[mine] for row in table], table
+        return (*self._send_recv(table), table)
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """``gate_up_proj`` and ``down_proj`` with every expert (a collective)."""
         def value(p):
             return p.detach() if not grads else \
                 torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        return {name: gather_placed(value(getattr(self, name)), self.homes, self.group)
-                if self.placed else unshard(value(getattr(self, name)), self.plan, self.group, 0)
+        return {name: self._whole(value(getattr(self, name)))
                 for name in ("gate_up_proj", "down_proj")}
 
     def extra_repr(self) -> str:
-        where = (f"placed={[self.homes.slots(r) for r in range(self.info.world)]}"
-                 if self.placed else f"plan={list(self.plan.sizes)} experts")
-        return (f"experts={self.num_experts}, H={self.hidden}, F={self.ffn}, {where}, "
+        return (f"experts={self.num_experts}, H={self.hidden}, F={self.ffn}, {self._where()}, "
                 f"{'fused' if self.overlap else 'plain'}")
 
 
