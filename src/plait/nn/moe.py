@@ -65,6 +65,7 @@ class RoutedLoad:
 
     def __init__(self, experts: int):
         self.tokens, self.calls = [0] * experts, 0
+        self._held = None  # counts added as a tensor, read on the host only at ``take``
 
     def add(self, table: list[list[int]]) -> None:
         """``table[r][e]``: rank r's tokens for expert e in this call."""
@@ -74,9 +75,19 @@ class RoutedLoad:
             self.tokens[e] += sum(column)
         self.calls += 1
 
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """This call's tokens per expert as a tensor, already the same on every rank (every
+        rank saw every token): kept where it is, no device-to-host copy per call."""
+        if recomputing():
+            return
+        self._held = counts if self._held is None else self._held + counts
+        self.calls += 1
+
     def take(self) -> list[int]:
         """The tokens since the last ``take`` (and start again)."""
-        out, self.tokens, self.calls = self.tokens, [0] * len(self.tokens), 0
+        out = self.tokens if self._held is None else \
+            [a + b for a, b in zip(self.tokens, self._held.tolist())]
+        self.tokens, self.calls, self._held = [0] * len(self.tokens), 0, None
         return out
 
 

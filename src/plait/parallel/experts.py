@@ -136,8 +136,8 @@ class ExpertParallelExperts(nn.Module, PlacedExperts):
         x = copy_to_region(hidden_states, self.group)                 # [T, H]
         w = copy_to_region(top_k_weights.to(x.dtype), self.group)     # [T, k]
         if not torch.compiler.is_compiling():  # every rank sees every token: no exchange
-            self.routed.add([torch.bincount(top_k_index.reshape(-1),
-                                            minlength=self.num_experts).tolist()])
+            self.routed.add_counts(torch.bincount(top_k_index.reshape(-1),
+                                                  minlength=self.num_experts))
         if self.placed:
             return reduce_from_region(self._few_placed(x, top_k_index, w, gate_up, down),
                                       self.group)
