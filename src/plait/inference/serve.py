@@ -20,7 +20,9 @@ the next request's tokens are the ones it would have decoded without the move.
   multiplied per second of each rank's own compute in the split layers, an emulated
   slowdown included; one exchange a request) size the split again where the shares by
   speed (in whole units, as they would be moved) are predicted to shorten some split dim's
-  time by ``tolerance`` or more (:func:`predicted_gain`).
+  time by ``tolerance`` or more (:func:`predicted_gain`); expert layers are placed anew by
+  the tokens the request routed to each expert and the speeds
+  (:class:`plait.balance.expert_moves.ExpertMoves`).
 
 Only the sampled steps are timed: a timed layer takes its timing path, which a decoding
 step at batch 1 pays for in Python. The straggler emulation's step is the request's index,
