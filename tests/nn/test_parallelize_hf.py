@@ -251,22 +251,21 @@ def _all_reduces(overlap):
     Llama (2 layers, the model's own plan) sends: q/k/v's and gate/up's input grads are
     summed before one each, so 4 a layer (o, down forward; attention and MLP input grads)
     and 2 more (the embedding's lookups, the LM head's input grad); DTensor sends 7 a layer."""
-    import torch.distributed as dist
-
     import plait
+    from plait.transport import base
 
     par = plait.parallelize(_model("small", torch.float64), "auto", overlap=overlap, chunks=1)
     ids = _batch(par.config.vocab_size)
-    calls, real = [], dist.all_reduce
+    calls, real = [], base.dist_all_reduce  # every all-reduce of plait's gloo transport
 
     def counted(tensor, *a, **kw):
         calls.append(tuple(tensor.shape))
         return real(tensor, *a, **kw)
-    dist.all_reduce = counted
+    base.dist_all_reduce = counted
     try:
         par(input_ids=ids, labels=ids).loss.backward()
     finally:
-        dist.all_reduce = real
+        base.dist_all_reduce = real
     try:  # fused siblings add their weight gradients outside autograd: DDP would lose them
         plait.parallel.choose_kind(par, "ddp")
         refused = None

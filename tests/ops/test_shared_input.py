@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from plait.ops import explain
+from plait.transport import base
 from plait.ops.shared_input import SharedInput
 from plait.testing import run_ranks
 
@@ -16,16 +17,16 @@ TOL = 1e-10
 def _backward_counting_all_reduces(outs, grads) -> list[tuple]:
     """``autograd.backward(outs, grads)``; the shape of every all-reduce it sent."""
     calls = []
-    real = dist.all_reduce
+    real = base.dist_all_reduce
 
     def counted(tensor, *a, **kw):
         calls.append(tuple(tensor.shape))
         return real(tensor, *a, **kw)
-    dist.all_reduce = counted
+    base.dist_all_reduce = counted
     try:
         torch.autograd.backward(outs, grads)
     finally:
-        dist.all_reduce = real
+        base.dist_all_reduce = real
     return calls
 
 

@@ -20,8 +20,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.compat import all_gather_into
 from ..runtime.progress import mark
+from ..transport.base import dist_all_gather
 from ..transport.calls import dtype_code, dtype_named
 
 __all__ = ["attempt", "refused", "check_chunks", "chunks_code", "check_same", "dtype_code",
@@ -132,7 +132,7 @@ def start_gather_checked(op: str, group, problem: Exception | None, row: Sequenc
     assert len(mine) == width + 1, (op, mine, width)
     mine = torch.tensor(mine, dtype=torch.int64, device=meta_device(group))
     everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
-    work = all_gather_into(everyone, mine, group=group, async_op=True)
+    work = dist_all_gather(everyone, mine, group, async_op=True)
 
     def result() -> list[list[int]]:
         work.wait()

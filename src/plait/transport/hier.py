@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Choice, DistTransport, Done
+from .base import Choice, DistTransport, Done, dist_all_reduce
 from .collectives import ShmGroup, chunk_bounds
 from .shm import ShmUnavailable
 
@@ -80,7 +80,7 @@ class HierTransport(DistTransport):
         i = self.index  # past the lanes: an empty chunk
         mine = flat[bounds[i]:bounds[i + 1]] if i < self.lanes else flat[:0]
         if self.cross_group is not None:
-            dist.all_reduce(mine, group=self.cross_group)               # 2: chunk i over hosts
+            dist_all_reduce(mine, self.cross_group)                     # 2: chunk i over hosts
         if self.inside is not None:
             out = torch.empty_like(flat)
             rows = [bounds[i + 1] - bounds[i] if i < self.lanes else 0 for i in range(self.local)]
