@@ -33,7 +33,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from plait.runtime.cgroup import (cpu_controller, make_cgroup, remove_cgroup,  # noqa: E402
+from plait.runtime.slow.cgroup import (cpu_controller, make_cgroup, remove_cgroup,  # noqa: E402
                                   thread_sched)
 
 CASES = [(20, 0.0), (20, 3.0), (20, 6.0), (5, 0.0), (5, 3.0)]  # (matmuls, spin ms)

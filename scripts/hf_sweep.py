@@ -177,7 +177,7 @@ def render_docs(data: dict) -> str:
         f"unchanged. Not-built: the tiny model does not run on one CPU process, for reasons "
         f"outside plait. DIFFERENT (silently other numbers) and ERROR (accepted, then failed) "
         f"must be 0. The code: `plait.testing.conformance`, `plait.testing.tiny_hf`; what "
-        f"`parallelize` checks before it changes a weight: `plait.parallel.probe`.",
+        f"`parallelize` checks before it changes a weight: `plait.parallel.exactness`.",
         "",
         f"Command: `{data['command']}` ({data['started'][:10]}, commit {data.get('commit', '?')}, "
         f"{data['total_s'] / 60:.0f} min on {data['host']['cores']} cores, torch "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Before anything imports torch: OpenMP reads OMP_NUM_THREADS once, as torch loads, and a
 # setting made after that left this process one thread per core (straggler emulation's
-# clock, runtime.straggler.compute_clock, follows the thread count). Nothing this file
+# clock, runtime.slow.straggler.compute_clock, follows the thread count). Nothing this file
 # imports at its top imports torch; the test modules, collected after it, do.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -67,7 +67,7 @@ def read_tbf(netns: str, dev: str) -> dict:
 def budgets_here() -> None:
     """Skip (a failure under PLAIT_REQUIRE_ALL, as for namespaces) where CPU budgets cannot be
     enforced: no writable cgroup cpu controller."""
-    from plait.runtime.cgroup import cpu_controller, cpu_support
+    from plait.runtime.slow.cgroup import cpu_controller, cpu_support
 
     reason = cpu_support(cpu_controller())
     if reason is not None:

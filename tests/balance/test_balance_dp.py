@@ -2,7 +2,7 @@
 plait's GPT in float64, the loop ``plait train --dp 2 --tp 2 --balance POLICY --no-overlap``
 runs (``plait.training.dp_tp.RankParallel``: DDP over dp, the balancer on each tp group with
 its speeds agreed over dp), rank 1 (replica 0, tp position 1) made 3 × slower at compute.
-Every rank is a virtual device (:mod:`plait.balance.virtual`, timed by its products' FLOPs,
+Every rank is a virtual device (:mod:`plait.testing.virtual`, timed by its products' FLOPs,
 planning by speed alone), so the speeds read (1, 1/3) exactly and the first decision is known:
 3 warm-up steps, then an exchange every 2 steps; the window of 5 is half full after step 8
 and the imbalance has lasted ``CONFIRM_STEPS`` = 3 steps at step 10.
@@ -32,7 +32,7 @@ from plait.models import GPT
 from plait.parallel.data import data_parallel, dp_tp_mesh, replanned, replica_signature
 from plait.plan import ShardPlan
 from plait.runtime import rank_context
-from plait.runtime.straggler import SlowSpec, Straggler
+from plait.runtime.slow.straggler import SlowSpec, Straggler
 from plait.testing import raised, run_ranks
 from plait.training.components import OnStep, Straggling
 from plait.training.config import TrainConfig
@@ -62,7 +62,7 @@ def _state(run: RankParallel) -> dict:
 
 
 def _train(cfg: TrainConfig) -> dict:
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     # timed by FLOPs, by speed alone (the unmovable reading is test_unmovable's): the speeds
     # are (1, 1/3) exactly at every exchange, so when and what the balancer decides is known

@@ -20,9 +20,9 @@ from plait.balance import SpeedMonitor, speed
 from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero
 from plait.bench.hetero_ideal import with_ideal
 from plait.runtime import EmulatedCluster, SlowSpec, Straggler, launch, rank_context
-from plait.runtime.cgroup import (CpuController, cpu_budget, cpu_controller,
+from plait.runtime.slow.cgroup import (CpuController, cpu_budget, cpu_controller,
                                   cpu_throttled, make_cgroup, plait_cgroups, set_cpu_budget)
-from plait.runtime.straggler import host_throttle
+from plait.runtime.slow.straggler import host_throttle
 
 from conftest import budgets_here, needs_netns
 
@@ -109,7 +109,7 @@ class _Clocks:
 def _on_a_cpu_budget(monkeypatch) -> _Clocks:
     """This process as a rank on a host with a CPU budget, its clocks ``_Clocks``: the
     compute clock (``compute_clock``) is the wall clock."""
-    from plait.runtime import straggler
+    from plait.runtime.slow import straggler
 
     clocks = _Clocks()
     monkeypatch.setattr(straggler, "_on_cpu_budget", lambda: True)

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from plait.bench.hetero import HeteroBenchConfig, bench_hetero, run_hetero
 from plait.bench.hetero_ideal import neighbour_factors, with_ideal
-from plait.bench.scenarios import Neighbour, factors_at, scenario_specs
+from plait.runtime.slow.scenarios import Neighbour, factors_at, scenario_specs
 from plait.runtime import EmulatedCluster, Straggler, launch, rank_context
-from plait.runtime.cgroup import (NoisyNeighbour, cgroup_pids, cpu_controller,
+from plait.runtime.slow.cgroup import (NoisyNeighbour, cgroup_pids, cpu_controller,
                                   plait_cgroups)
 
 from conftest import budgets_here, needs_netns

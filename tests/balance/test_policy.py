@@ -322,8 +322,8 @@ def test_semi_makes_no_decision_under_the_shipped_jitter_file(world):
     last rank: a resize, then a migration. (The run itself, on a shared machine, is not a
     fair judge of the first claim: a CI run's real load, 1.42 × on one rank, was rightly
     bridged by two resizes in the jitter run and missed by the interleaved run with none.)"""
-    from plait.bench.scenarios import factors_at
-    from plait.runtime.scenario_file import parse_scenario
+    from plait.runtime.slow.scenarios import factors_at
+    from plait.runtime.slow.scenario_file import parse_scenario
 
     data = json.load(open(JITTER))
     cfg = PolicyConfig(confirm_steps=3, spike_steps=12)

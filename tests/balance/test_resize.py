@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from plait.balance import Balancer, PolicyConfig
 from plait.bench.hetero import HeteroBenchConfig
 from plait.bench.hetero_ideal import with_ideal
-from plait.bench.scenarios import scenario_specs
+from plait.runtime.slow.scenarios import scenario_specs
 from plait.nn import ColumnParallelLinear, RowParallelLinear, ShardPlan
 from plait.testing import run_ranks
 from plait.nn.record import record
@@ -168,7 +168,7 @@ def _balanced_gpt(policies):
     """A float64 GPT (fused, 2 pieces) trained with AdamW under each policy in turn on 2 ranks
     timed by FLOPs, rank 1 emulated 2× slower for the steps before SLOW_UNTIL; the balancer's
     decisions, every step's loss and the final plans. Also the single-process GPT's losses."""
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.models import GPT, GPTConfig
     from plait.parallel import apply_tp
     from plait.runtime import SlowSpec, Straggler, rank_context

@@ -9,10 +9,10 @@ import statistics
 import pytest
 
 from plait.bench.hetero import HeteroBenchConfig
-from plait.bench.scenarios import factors_at, scenario_specs
+from plait.runtime.slow.scenarios import factors_at, scenario_specs
 from plait.runtime import Straggler
-from plait.runtime.scenario_file import load_scenario, parse_scenario
-from plait.runtime.straggler import SlowCurve
+from plait.runtime.slow.scenario_file import load_scenario, parse_scenario
+from plait.runtime.slow.straggler import SlowCurve
 from plait.testing import run_ranks
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "scenarios")
@@ -165,8 +165,8 @@ def test_bench_hetero_runs_the_file_as_one_more_scenario_and_records_it():
 
 def _control_run(control):
     """Rank side: bench hetero's run of a small GPT on 2 ranks, semi on the control file, the
-    ranks virtual devices (timed by their products' FLOPs, :mod:`plait.balance.virtual`)."""
-    from plait.balance.virtual import VirtualDevice
+    ranks virtual devices (timed by their products' FLOPs, :mod:`plait.testing.virtual`)."""
+    from plait.testing.virtual import VirtualDevice
     from plait.bench.hetero import run_hetero
 
     device = VirtualDevice().install()  # in this rank's process only

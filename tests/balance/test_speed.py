@@ -69,7 +69,7 @@ def _monitor_on_virtual_devices(every, steps, slow_until):
     fast as rank 0; for plans 1:1 and 3:1 (rank 1 with a third of rank 0's work, so its time
     equals rank 0's), plain and fused: after each exchange the speeds, layer 1's speeds and
     the stragglers and the newest 2 readings; per step the bytes the monitor sent."""
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.runtime import SlowSpec, Straggler, rank_context
 
     device = VirtualDevice().install(unmovable=False)  # in this rank's process only
@@ -130,7 +130,7 @@ def _migrated_on_virtual_devices(steps):
     window 5, no warm-up): after each exchange that no decision followed, (step, speeds,
     confidence, the plan's sizes); the decisions (step, kind, sizes, reason)."""
     from plait.balance import Balancer, PolicyConfig
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.runtime import SlowSpec, Straggler, rank_context
 
     world = dist.get_world_size()

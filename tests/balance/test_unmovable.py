@@ -1,5 +1,5 @@
 """The speed monitor's unmovable time (``SpeedMonitor.fixed()``) and the plans the balancer
-makes from it, on ranks that are virtual devices (:mod:`plait.balance.virtual`): a rank's
+makes from it, on ranks that are virtual devices (:mod:`plait.testing.virtual`): a rank's
 clock moves only by its matrix products' FLOPs, so every reading is a ratio of FLOP counts
 known from the shapes and is checked to 1e-9, and the plan is ``static_plan``'s for it
 exactly. A rank that also spends longer on work no plan moves is given less than its speed's
@@ -59,7 +59,7 @@ def _measured(n_extra: int):
     after each exchange the unmovable times. Rank 0 does the same extra work in an
     evaluation before each step, which begins no step."""
     from plait.balance import SpeedMonitor
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     device = VirtualDevice().install()  # in this rank's process only
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,7 +111,7 @@ def _balanced(n_extra: int):
     ``n_extra`` products outside them each step: the decisions (step, kind, sizes) and the
     policy's basis (speeds) and unmovable times at the migration."""
     from plait.balance import Balancer, PolicyConfig
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.runtime import SlowSpec, Straggler, rank_context
 
     device = VirtualDevice().install()  # in this rank's process only

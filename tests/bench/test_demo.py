@@ -4,7 +4,7 @@ produce, and its refusals.
 The CLI run is checked for its structure (every run, figure, table line and file the report
 must have), not for its timings. What the straggler does to the compute the balancer reads,
 and when the balancer acts on it, is checked in a run of :func:`plait.bench.demo.run_demo` on ranks
-that are virtual devices (:mod:`plait.balance.virtual`: timed by their products' FLOPs), where
+that are virtual devices (:mod:`plait.testing.virtual`: timed by their products' FLOPs), where
 both are exact: on a shared 2-core machine a step time swings by half its size.
 """
 
@@ -78,7 +78,7 @@ def test_the_decisions_log_lists_the_decisions(run):
 
 
 def _demo_on_virtual_devices(cfg: DemoConfig) -> list[dict]:
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.bench.demo import run_demo
 
     device = VirtualDevice().install()  # in this rank's process only

@@ -9,10 +9,10 @@ from pathlib import Path
 def killed_then_resumed(cfg, resumed_dir: str, train, every: int, resume_at: int):
     """``train(cfg)`` never stopped, then ``train`` again, everything built anew, resumed from
     a copy of its checkpoints up to ``step-{resume_at}`` (as if killed after it); each rank a
-    virtual device (:mod:`plait.balance.virtual`), so the balancer decides alike both times."""
+    virtual device (:mod:`plait.testing.virtual`), so the balancer decides alike both times."""
     import torch.distributed as dist
 
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     device = VirtualDevice().install()  # in this rank's process only
     with device:

@@ -5,7 +5,7 @@ Each rank runs ``plait train``'s own (``plait.training.run.train_rank``), whose 
 ``checkpoint_after`` are given its ``RankParallel``, so the checkpoints hold each rank's
 balancer state and a resume restores it (``plait.training.resume.restore_balancer``). Rank 1 is 4 × slower at
 compute (straggler emulation) and every rank a virtual device (timed by its products' FLOPs,
-:mod:`plait.balance.virtual`), so the semi policy resizes it to half its heads and MLP columns
+:mod:`plait.testing.virtual`), so the semi policy resizes it to half its heads and MLP columns
 (``max_skip`` 0.5 clips it) at step 10 exactly (3 warm-up steps, the window half full after
 step 8, confirmed over 3 steps), and would migrate only from step 19 on (``spike_steps``
 12); the run stops at 18.
@@ -25,7 +25,7 @@ step 8, confirmed over 3 steps), and would migrate only from step 19 on (``spike
 import torch
 
 from plait.runtime.launch import launch
-from plait.runtime.straggler import parse_slow
+from plait.runtime.slow.straggler import parse_slow
 from plait.training.config import TrainConfig
 
 from _resume import killed_then_resumed

@@ -15,7 +15,7 @@ and so did its losses, in the last digits a sum's order sets (checked by hand: s
 import torch
 
 from plait.runtime.launch import launch
-from plait.runtime.straggler import parse_slow
+from plait.runtime.slow.straggler import parse_slow
 from plait.training.config import TrainConfig
 
 from _resume import killed_then_resumed

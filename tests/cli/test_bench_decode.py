@@ -12,7 +12,7 @@ import pytest
 
 from plait.bench.decode import DecodeBenchConfig, kernel_budgets
 from plait.cli.main import main
-from plait.runtime.straggler import SlowSpec
+from plait.runtime.slow.straggler import SlowSpec
 
 pytest.importorskip("transformers")
 

@@ -30,7 +30,7 @@ def _setting(name: str):
     """(the virtual device, the single-process model, its parallel copy, 4 prompts): the
     last rank 2 × slow from the second request on, every rank a virtual device."""
     import plait
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.inference.generate import build_model
     from plait.runtime import SlowSpec, Straggler, rank_context
 

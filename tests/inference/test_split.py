@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 def _split(world_slow: float):
     import plait
     from plait.balance import static_plan
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
     from plait.runtime import SlowSpec, Straggler, rank_context
     from plait.inference.decode import decode
     from plait.inference.generate import build_model

@@ -1,7 +1,7 @@
 """``plait train --balance migrate --slow 1:3`` on 2 ranks: the balancer in the training loop.
 
 One launch, rank 1 computing 3 × slower (runtime straggler emulation), float64 on every
-rank, every rank a virtual device (timed by its products' FLOPs, :mod:`plait.balance.virtual`),
+rank, every rank a virtual device (timed by its products' FLOPs, :mod:`plait.testing.virtual`),
 so the speeds read (1, 1/3) exactly and when the balancer acts is known. The GPT is trained
 without a balancer (``--balance even``), then under ``migrate``: 3 warm-up steps, an exchange
 every 2 steps, the window of 5 half full after step 8 and the imbalance confirmed over 3
@@ -31,7 +31,7 @@ EVEN = TrainConfig(model="gpt", steps=14, n_layer=1, n_head=4, n_embd=64, seq_le
 
 
 def _even_then_migrate() -> dict:
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     device = VirtualDevice().install()  # in this rank's process only
     torch.set_default_dtype(torch.float64)

@@ -30,7 +30,7 @@ LAYER = {"moe": "blocks.0.mlp", "hf-mixtral": "model.layers.0.mlp.experts"}
 
 
 def _even_then_balanced(name: str) -> dict:
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     even = CONFIGS[name]
     device = VirtualDevice().install()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from plait.runtime import EmulatedCluster, launch, rank_context
-from plait.runtime.cgroup import (CpuController, NoisyNeighbour, cgroup_pids, cpu_controller,
+from plait.runtime.slow.cgroup import (CpuController, NoisyNeighbour, cgroup_pids, cpu_controller,
                                   cpu_support, find_cpu_controller, make_cgroup, parse_budgets,
                                   plait_cgroups, quota_for, remove_cgroup)
 from plait.runtime.leftovers import remove_leftovers

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from plait.runtime import SlowSpec, Straggler, parse_slow, validate_slow
-from plait.runtime.straggler import compute_clock
+from plait.runtime.slow.straggler import compute_clock
 
 
 @pytest.mark.parametrize("text, spec", [

@@ -8,7 +8,7 @@ what compute does not explain is 10 − 8 = 2 ms; the ideal 7.33 ms, × ideal 1.
 
 A run: one launch of 2 ranks, rank 1 3 × slower (straggler emulation), the same GPT under
 ``--balance even`` and then ``semi``, on ranks that are virtual devices (timed by their
-products' FLOPs, :mod:`plait.balance.virtual`). Every step's record carries every rank's timed
+products' FLOPs, :mod:`plait.testing.virtual`). Every step's record carries every rank's timed
 compute, work and slowdown; the ideal recomputed here from those figures is the reported one,
 and the figures are the balancer's own speed monitor's. Even's slowest rank computes exactly
 2 × what the capacity needs (3 u against 2 · 3 u / 4); semi resizes at step 10 and migrates
@@ -62,7 +62,7 @@ def test_ideal_resized_steps_and_agreed_plans():
 
 
 def _even_then_semi() -> dict:
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     device = VirtualDevice().install()  # in this rank's process only
     with device:

@@ -14,7 +14,7 @@ rank (``2 · layers`` figures): one *reading* each. The speed is the median of t
 ``window`` readings (a preemption does not move it); ``confidence()`` is how full that window
 is; after a plan change :meth:`restart` drops the readings taken under the old plan.
 
-Clock (:func:`plait.runtime.straggler.compute_clock`): on a one-thread CPU rank, the thread's
+Clock (:func:`plait.runtime.slow.straggler.compute_clock`): on a one-thread CPU rank, the thread's
 CPU time plus the emulation's sleeps in the region (ranks sharing cores are otherwise measured
 slow whenever another rank runs mid-GEMM); wall time otherwise, and on a host with a CPU
 budget, where a throttled rank waits for its quota and is seen slow as it is (the thread's CPU
@@ -45,7 +45,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.straggler import compute_clock
+from ..runtime.slow.straggler import compute_clock
 
 __all__ = ["SpeedMonitor", "LayerTimer", "ema", "relative_speeds", "flag_stragglers",
            "window_speed"]

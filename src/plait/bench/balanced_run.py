@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 from ..balance import Balancer, PolicyConfig
 from ..runtime import rank_context
-from ..runtime.cgroup import cpu_budget, cpu_throttled
-from ..runtime.straggler import Straggler
+from ..runtime.slow.cgroup import cpu_budget, cpu_throttled
+from ..runtime.slow.straggler import Straggler
 from ..runtime.timing import agreed_max
 from ..training.components import Balancing, Straggling
 from ..training.config import TrainConfig
 from ..training.data import CharCorpus
 from ..training.loop import Component, Trainer, cosine_schedule
 from ..training.models import build_gpt, evaluate_gpt, gpt_loss, make_optimizer
-from .scenarios import Neighbour
+from ..runtime.slow.scenarios import Neighbour
 
 __all__ = ["BalancedRun"]
 
@@ -95,7 +95,7 @@ class BalancedRun:
     """A GPT of ``cfg`` trained under ``policy`` with ``specs`` slowing ranks (every rank
     makes one, in the same order). ``throttle``: the straggler's kernel throttle
     (``--slow-by kernel``); ``noisy``: this host's paused
-    :class:`~plait.runtime.cgroup.NoisyNeighbour`, resumed for each of this run's steps that
+    :class:`~plait.runtime.slow.cgroup.NoisyNeighbour`, resumed for each of this run's steps that
     a :class:`Neighbour` in ``specs`` on this rank covers; ``accounting`` (the same on every
     rank): record the kernel's figures of this host's cgroup per step (always with
     ``throttle``)."""

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ..inference.decode import decode, step_figures
 from ..inference.split import split_sizes
 from ..runtime import rank_context
-from ..runtime.straggler import once_per_rank
+from ..runtime.slow.straggler import once_per_rank
 from ..runtime.timing import agreed_max, balanced_round
 from .config.decode import ALONE, COMPILED, SYSTEMS, DecodeBenchConfig
 
@@ -105,7 +105,7 @@ def baseline_threads() -> int:
 
     cores = dist.get_world_size() * torch.get_num_threads()
     cores = min(cores, len(os.sched_getaffinity(0)))
-    from ..runtime.cgroup import cpu_budget
+    from ..runtime.slow.cgroup import cpu_budget
 
     host = getattr(rank_context(), "host", None)
     budget = cpu_budget(host.cgroup) if host is not None and host.cgroup else None
@@ -314,7 +314,7 @@ def kernel_budgets(ranks: int, hosts: int, slow) -> list[float]:
     factor. Refused unless every rank has its own host and every slowdown lasts the run."""
     import os
 
-    from ..runtime.cgroup import MIN_BUDGET, parse_budgets, parse_host_cpu
+    from ..runtime.slow.cgroup import MIN_BUDGET, parse_budgets, parse_host_cpu
     from ..runtime.placement import HOST_CPU_ENV
 
     if not hosts or hosts != ranks:

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from ..balance import PolicyConfig
 from ..runtime import rank_context
 from ..runtime.placement import LOOPBACK
-from ..runtime.straggler import SlowSpec
+from ..runtime.slow.straggler import SlowSpec
 from ..runtime.timing import balanced_round
 from ..training.data import CharCorpus
 from .balanced_run import BalancedRun
 from .config.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig
 from .hetero_ideal import ideal_step
-from .scenarios import factors_at
+from ..runtime.slow.scenarios import factors_at
 
 __all__ = ["DemoConfig", "SYSTEMS", "QUICK_DEMO", "WARMUP_STEPS", "LOOPBACK", "run_demo", "demo",
            "summarize_demo"]

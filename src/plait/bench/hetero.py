@@ -7,7 +7,7 @@ interleaved step by step in balanced orders (each run in each place and after ea
 run equally often, :func:`plait.runtime.timing.balanced_round`), every step started
 together, so load on a shared machine that drifts lands on every policy of the seed alike.
 
-The scenarios (:mod:`plait.bench.scenarios`) slow ranks by sleeping (``--slow-by sleep``,
+The scenarios (:mod:`plait.runtime.slow.scenarios`) slow ranks by sleeping (``--slow-by sleep``,
 ``(F − 1)`` × each compute piece, on top of any host CPU budget) or by the kernel
 (``--slow-by kernel``: one rank per host, and before every step each host's cgroup CPU
 quota is set to its budget ÷ ``F``, so the slow host is slow at everything it runs; each
@@ -33,14 +33,14 @@ import torch.distributed as dist
 from ..balance import PolicyConfig
 from ..ops.agree import attempt, gather_checked
 from ..runtime import rank_context
-from ..runtime.cgroup import NoisyNeighbour, cpu_budget
-from ..runtime.straggler import host_throttle
+from ..runtime.slow.cgroup import NoisyNeighbour, cpu_budget
+from ..runtime.slow.straggler import host_throttle
 from ..runtime.timing import balanced_round
 from ..training.data import CharCorpus
 from .balanced_run import BalancedRun
 from .config.hetero import QUICK_HETERO, HeteroBenchConfig
 from .hetero_ideal import with_ideal
-from .scenarios import Neighbour, factors_at, scenario_specs
+from ..runtime.slow.scenarios import Neighbour, factors_at, scenario_specs
 
 __all__ = ["HeteroBenchConfig", "QUICK_HETERO", "run_hetero", "bench_hetero"]
 

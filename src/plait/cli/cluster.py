@@ -19,7 +19,7 @@ import sys
 import time
 
 from ..runtime import EmulatedCluster
-from ..runtime.cgroup import cpu_controller, join_cgroup, plait_cgroups, remove_cgroup
+from ..runtime.slow.cgroup import cpu_controller, join_cgroup, plait_cgroups, remove_cgroup
 from ..runtime.cluster import NETNS_PREFIX, _netns_names, remove_stale_namespaces
 from ..runtime.leftovers import NETNS_OWNED, owner_alive, remove_leftovers
 from .common import add_launch_args, port_number, resolve_placement

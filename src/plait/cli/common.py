@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..runtime.placement import HOST_CPU_ENV
 from ..runtime import max_hosts, parse_rate, parse_slow, validate_slow
-from ..runtime.cgroup import parse_budgets, parse_host_cpu
+from ..runtime.slow.cgroup import parse_budgets, parse_host_cpu
 
 __all__ = ["add_launch_args", "add_output_args", "resolve_placement", "placement_of_many", "transports", "check_shm", "finite_float",
            "positive_int", "non_negative_int", "positive_float", "non_negative_float",

@@ -7,7 +7,7 @@ import os
 import time
 
 from ..bench.config.demo import QUICK_DEMO, WARMUP_STEPS, DemoConfig
-from ..runtime.straggler import parse_slow, validate_slow
+from ..runtime.slow.straggler import parse_slow, validate_slow
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, resolve_placement
 

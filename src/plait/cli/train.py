@@ -6,7 +6,7 @@ import argparse
 import os
 import time
 
-from ..runtime.scenario_file import load_scenario
+from ..runtime.slow.scenario_file import load_scenario
 from ..training.config import TrainConfig
 from .args import add_dataclass_args, dataclass_from_args
 from .common import add_launch_args, check_writable, remove_empty_folders, resolve_placement

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..plan import head_split
 from ..runtime.fields import help_meta as _h
-from ..runtime.straggler import once_per_rank
+from ..runtime.slow.straggler import once_per_rank
 
 __all__ = ["GenerateConfig", "MODELS", "SPLITS"]
 

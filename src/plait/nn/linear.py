@@ -33,10 +33,8 @@ deferred to run under the next column-parallel layer's dgrad all-reduce
 (:mod:`plait.ops.deferred`): it reaches ``weight.grad`` by the end of
 ``loss.backward()``, not through ``torch.autograd.grad``.
 
-Straggler emulation and the speed monitor's timing wrap each layer's compute: ``F.linear``
-as one region on the plain path, each local GEMM piece on the fused one (waiting for other
-ranks is never compute); the sequence-parallel fused operators whole.
-
+Straggler emulation and the speed monitor's timing wrap each layer's compute (``F.linear``
+on the plain path, each local GEMM piece on the fused one; waiting is never compute).
 ZERO-resizing, the plan and the state both layers share: :mod:`.linear_base`.
 """
 

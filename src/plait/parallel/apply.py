@@ -36,7 +36,7 @@ from .experts import ExpertParallelExperts
 from .full_state import take_shares
 from .layers import (CopiedHeadsLinear, VocabParallelEmbedding, experts_shape, shard_experts_ffn,
                      shard_local_params, sum_tail_grad)
-from .probe import Verdict, verify
+from .exactness import Verdict, verify
 from .resolve import auto_plan, check_shards, expand, shard_for, split_shards
 from .styles import (BatchParallel, Colwise, ExpertsEP, ExpertsTP, LocalParams, PlaitMoE,
                      Prepare, Replicated, Rowwise, SequenceParallel, SharedRope,
@@ -74,7 +74,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, Any] | str = "auto", *, gro
     collective); ``chunks``: their pieces ("auto": the cost model's choice).
     ``check``: before any weight changes, run the model once on example token ids and
     simulate every rank's share of each split module on this process against the module's
-    own forward and backward (:mod:`plait.parallel.probe`): a fused q/k/v read per head, an
+    own forward and backward (:mod:`plait.parallel.exactness`): a fused q/k/v read per head, an
     attention that views by a global head count, a per-head norm's or an activation's
     parameters, a scaled embedding are handled; what cannot be split exactly is refused.
 

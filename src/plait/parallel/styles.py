@@ -36,8 +36,7 @@ PrepareModuleInput / PrepareModuleOutput    Prepare(): moves tensors between lay
                                             rotary-key features summed over ranks
 ==========================================  =========================================
 
-Unit heads (``unit_colwise``) need nothing extra: plait always splits attention by
-whole heads (see ``plait.parallel.dims``).
+Unit heads (``unit_colwise``) need nothing extra: attention is split by whole heads.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Process groups, launch, the emulated cluster, straggler emulation, errors.
+"""Process groups, launch, the emulated cluster, slow ranks (:mod:`.slow`), errors.
 
 Names load on first use (PEP 562), so the command line parses flags without importing
-torch: ``plait.runtime.cluster`` or ``.straggler`` alone costs no torch import.
+torch: ``plait.runtime.cluster`` or ``.slow.straggler`` alone costs no torch import.
 """
 
 from .lazy import exports
@@ -14,6 +14,6 @@ _WHERE = {
              "topology"),
     "errors": ("RankError",),
     "launch": ("launch",),
-    "straggler": ("SlowSpec", "Straggler", "parse_slow", "validate_slow"),
+    "slow.straggler": ("SlowSpec", "Straggler", "parse_slow", "validate_slow"),
 }
 __getattr__, __all__ = exports(__name__, _WHERE)

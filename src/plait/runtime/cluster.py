@@ -13,7 +13,7 @@ so in one line; ``EmulatedCluster.emulated`` tells which one you got.
 
 ``cpu=`` gives each host a CPU budget in cores (``[1, 0.5]``: host 1 has half
 a core), enforced by the kernel's cgroup ``cpu`` controller on the host's
-ranks and everything they start (:mod:`plait.runtime.cgroup`). None, the
+ranks and everything they start (:mod:`plait.runtime.slow.cgroup`). None, the
 default, throttles nothing. A budget that cannot be enforced is an error,
 not a fallback: a benchmark that asked for a slow host must get one.
 """
@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from .cgroup import (CpuController, NoisyNeighbour, cpu_controller, cpu_support, make_cgroup,
+from .slow.cgroup import (CpuController, NoisyNeighbour, cpu_controller, cpu_support, make_cgroup,
                      parse_budgets, quota_for, remove_cgroup)
 from .leftovers import remove_leftovers
 

@@ -9,7 +9,7 @@ from . import current
 from .cluster import Host
 from .dist import Topology
 from .progress import ProgressBoard
-from .straggler import Straggler
+from .slow.straggler import Straggler
 
 __all__ = ["RankContext", "rank_context"]
 
@@ -41,7 +41,7 @@ def rank_context() -> RankContext:
         import os
 
         from .dist import topology
-        from .straggler import parse_slow
+        from .slow.straggler import parse_slow
 
         topo = topology()
         specs = [parse_slow(s) for s in os.environ.get("PLAIT_SLOW", "").split(",") if s]

@@ -38,7 +38,7 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
-from .cgroup import join_cgroup
+from .slow.cgroup import join_cgroup
 from .cluster import EmulatedCluster, Host
 from .context import RankContext, _set_rank_context
 from .dist import init_explicit, shutdown, _timeout_s
@@ -46,7 +46,7 @@ from .errors import (RankError, all_timed_out, describe_exit, host_label, is_sec
                      raise_first)
 from .leftovers import LAUNCH_DIR_PREFIX, owner_alive, remove_leftovers
 from .progress import ProgressBoard
-from .straggler import SlowSpec, Straggler, validate_slow
+from .slow.straggler import SlowSpec, Straggler, validate_slow
 from .watchdog import Watchdog, process_state
 
 VERBOSE_ENV = "PLAIT_VERBOSE"  # set by ``plait -v``: every rank logs plait's debug lines
@@ -197,7 +197,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (), kwargs:
     its hosts in contiguous blocks); None runs on loopback. ``timeout_s``:
     every collective's timeout (default PLAIT_TIMEOUT_S or 60 s).
     ``threads``: torch threads per rank (default: cores ÷ ranks, at least 1).
-    ``slow``: straggler emulation, see :mod:`plait.runtime.straggler`.
+    ``slow``: straggler emulation, see :mod:`plait.runtime.slow.straggler`.
     ``deadline_s``: stop everything if the whole run takes longer (default
     PLAIT_DEADLINE_S where set, which the ``plait`` commands set; else none).
     ``on_progress(rank, payload)``: called in the caller for each

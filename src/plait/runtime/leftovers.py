@@ -2,7 +2,7 @@
 
 Everything plait makes on the machine carries its maker's pid in its name:
 network namespaces ``plait-<pid>x<hex>-h0`` (and their bridge and veths, which go
-with them), the hosts' CPU-budget cgroups of the same names (runtime.cgroup; what
+with them), the hosts' CPU-budget cgroups of the same names (runtime.slow.cgroup; what
 still runs in one is stopped, as the host it emulated is gone) and launch folders
 ``plait-launch-<pid>-…`` and ``plait-elastic-<pid>-…`` in the temporary directory; what
 still runs in a namespace whose maker is gone is stopped first. When the next run starts it
@@ -21,7 +21,7 @@ import signal
 import subprocess
 import tempfile
 
-from .cgroup import cpu_controller, plait_cgroups, remove_cgroup
+from .slow.cgroup import cpu_controller, plait_cgroups, remove_cgroup
 
 __all__ = ["ELASTIC_DIR_PREFIX", "LAUNCH_DIR_PREFIX", "owner_alive", "remove_leftovers"]
 

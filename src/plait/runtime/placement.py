@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from .cgroup import parse_budgets, parse_host_cpu
+from .slow.cgroup import parse_budgets, parse_host_cpu
 from .cluster import EmulatedCluster, parse_rate
 __all__ = ["HOST_CPU_ENV", "LOOPBACK", "run_placed"]
 
@@ -23,7 +23,7 @@ def run_placed(fn: Callable[[Any], list[dict]], cfg: Any, *, ranks: int, hosts: 
                host_cpu: float | Sequence[float] | None = None) -> tuple[list[dict], str]:
     """``fn(cfg)`` on every rank; rank 0's records and a line saying where it ran.
 
-    ``host_cpu``: each host's CPU budget in cores (runtime.cgroup); None takes
+    ``host_cpu``: each host's CPU budget in cores (runtime.slow.cgroup); None takes
     ``PLAIT_HOST_CPU`` where the command line set it, else no budget.
     ``cfg.extra`` gains ``link``, ``hosts`` and ``host_cpu`` so every record says where it
     was measured.

@@ -15,7 +15,7 @@ __all__ = ["Straggling", "Balancing", "Checkpointing", "Progress", "OnStep"]
 
 
 class Straggling(Component):
-    """The straggler emulation's step (:mod:`plait.runtime.straggler`).
+    """The straggler emulation's step (:mod:`plait.runtime.slow.straggler`).
 
     Without ``straggler``: this rank's own (the launcher's ``--slow``), told each step. With
     one: a run's own, put in the rank's context for that run's steps only and taken out after
@@ -53,7 +53,7 @@ class Straggling(Component):
 
     def _take_out(self) -> None:
         from ..runtime import rank_context
-        from ..runtime.straggler import Straggler
+        from ..runtime.slow.straggler import Straggler
 
         rank_context().straggler = Straggler([], self.rank)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...runtime.fields import help_meta as _h
-from ...runtime.straggler import SLOW_BY
+from ...runtime.slow.straggler import SLOW_BY
 
 __all__ = ["DecodeBenchConfig", "SYSTEMS", "COMPILED", "ALONE", "DEFAULT_SYSTEMS"]
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from ...balance.policy import POLICIES
 from ...runtime.fields import help_meta as _h
-from ...runtime.scenario_file import Scenario, load_scenario
-from ...runtime.straggler import SLOW_BY
+from ...runtime.slow.scenario_file import Scenario, load_scenario
+from ...runtime.slow.straggler import SLOW_BY
 from ...training.config import TrainConfig
-from ..scenarios import DEFAULT_SCENARIOS, SCENARIOS
+from ...runtime.slow.scenarios import DEFAULT_SCENARIOS, SCENARIOS
 
 __all__ = ["HeteroBenchConfig", "QUICK_HETERO"]
 

@@ -9,10 +9,10 @@ CPU budget is divided by ``F``):
 - ``graded``: ranks 4 ×, 2 ×, 1 ×, 1 × slower (on 4 ranks; fewer ranks take the first ones);
 - ``spike``: the last rank 3 × slower for ``spike_len`` steps from ``spike_at``, then normal;
 - ``noisy-neighbour``: from ``spike_at`` on, a CPU-bound process
-  (:class:`plait.runtime.cgroup.NoisyNeighbour`) runs on the last rank's host, inside its
+  (:class:`plait.runtime.slow.cgroup.NoisyNeighbour`) runs on the last rank's host, inside its
   CPU budget, as another tenant's job would: nothing is emulated, the rank gets less of
   its host (:class:`Neighbour`);
-- a scenario file (``--scenario-file PATH``, :mod:`plait.runtime.scenario_file`): per-rank
+- a scenario file (``--scenario-file PATH``, :mod:`plait.runtime.slow.scenario_file`): per-rank
   slowdowns that change with the step (drift, jitter), run under the file's name.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime.straggler import SlowCurve, SlowSpec
+from .straggler import SlowCurve, SlowSpec
 
 __all__ = ["SCENARIOS", "DEFAULT_SCENARIOS", "scenario_specs", "Neighbour", "factors_at"]
 

@@ -1,7 +1,7 @@
 """A virtual device: a rank whose clock moves only by the work it does, so every reading the
 balancer takes, and every decision it makes, is known in advance whatever the machine's load.
 
-    from plait.balance.virtual import VirtualDevice
+    from plait.testing.virtual import VirtualDevice
 
     device = VirtualDevice().install()        # in the rank's own process
     with device:                              # the steps' compute is counted
@@ -92,10 +92,10 @@ class VirtualDevice(TorchDispatchMode):
         the monitor reads no unmovable time (plans by speed alone), as on CUDA."""
         import importlib
 
-        from ..runtime import straggler
-        from . import speed
+        from ..runtime.slow import straggler
+        from ..balance import speed
 
-        migrate = importlib.import_module(".migrate", __package__)  # the package exports a function
+        migrate = importlib.import_module("plait.balance.migrate")  # the package exports a function
 
         clocks = SimpleNamespace(thread_time=self.read, perf_counter=time.perf_counter,
                                  sleep=lambda seconds: None)

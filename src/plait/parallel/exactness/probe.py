@@ -25,7 +25,7 @@ of every module the plan touches, and in float64 on this process:
   ``act(gate) · up`` then ``down``, weighted and summed; experts split by their FFN dim: the
   sum of the ranks' outputs.
 
-The simulation of a split module is :mod:`plait.parallel.simulate`. What it decides
+The simulation of a split module is :mod:`.split`. What it decides
 (:class:`Verdict`) the build and swap apply; what cannot run exactly is a
 ``ValueError`` naming the module, raised before any weight changes. A model that cannot be
 run on example ids (no input embedding, weights on the meta device) is not checked, and
@@ -41,9 +41,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..nn._shard import shard_of
-from .dims import Dim
-from .simulate import _TOL, Verdict, _first, _map, _Refused, _rel, _to, check_dim, dtype_for
+from ...nn._shard import shard_of
+from ..dims import Dim
+from .split import check_dim, dtype_for
+from .verdict import TOL, Refused, Verdict, first_tensor, map_tensors, relative_error, to_dtype
 
 __all__ = ["Verdict", "verify", "example_ids"]
 
@@ -114,7 +115,7 @@ def _snapshot(x):
 
 
 def _detach(x):
-    return _map(x, lambda t: t.detach().clone())
+    return map_tensors(x, lambda t: t.detach().clone())
 
 
 def _extra_state(module: nn.Module, allowed=("weight", "bias")) -> list[str]:
@@ -128,7 +129,7 @@ def _check_embedding(path: str, module: nn.Embedding, captured: tuple, verdict: 
         return
     extra = _extra_state(module, ("weight", "embed_scale"))
     if extra:
-        raise _Refused(f"{path}: {type(module).__name__} holds {', '.join(extra)} beside its "
+        raise Refused(f"{path}: {type(module).__name__} holds {', '.join(extra)} beside its "
                        "weight, which plait's vocabulary-parallel embedding would drop: leave it "
                        "out of the plan")
     args, kwargs = captured
@@ -136,17 +137,17 @@ def _check_embedding(path: str, module: nn.Embedding, captured: tuple, verdict: 
     with torch.no_grad():
         got = module(ids)
         plain = F.embedding(ids, module.weight, module.padding_idx)
-        if _rel(got, plain) == 0.0:
+        if relative_error(got, plain) == 0.0:
             return
         scale = getattr(module, "embed_scale", None)
         if scale is not None:
             s = torch.as_tensor(scale).to(module.weight.dtype)
-            if _rel(got, plain * s) == 0.0:
+            if relative_error(got, plain * s) == 0.0:
                 verdict.scales[path] = torch.as_tensor(scale).detach().clone()
                 verdict.notes.append((path, f"{type(module).__name__}: its lookups scaled by "
                                             "embed_scale, as its forward does"))
                 return
-    raise _Refused(f"{path}: {type(module).__name__}'s forward is not nn.Embedding's lookup "
+    raise Refused(f"{path}: {type(module).__name__}'s forward is not nn.Embedding's lookup "
                    "(nor a lookup scaled by embed_scale); plait's vocabulary-parallel "
                    "embedding would not compute it: leave it out of the plan")
 
@@ -154,7 +155,7 @@ def _check_embedding(path: str, module: nn.Embedding, captured: tuple, verdict: 
 def _check_linear(path: str, module: nn.Linear, captured: tuple) -> None:
     extra = _extra_state(module)
     if extra:
-        raise _Refused(f"{path}: {type(module).__name__} holds {', '.join(extra)} beside its "
+        raise Refused(f"{path}: {type(module).__name__} holds {', '.join(extra)} beside its "
                        "weight and bias, which plait's parallel linear would drop: leave it out "
                        "of the plan")
     if type(module).forward is nn.Linear.forward:
@@ -164,8 +165,8 @@ def _check_linear(path: str, module: nn.Linear, captured: tuple) -> None:
     with torch.no_grad():
         got = module(x)
         plain = F.linear(x, module.weight, module.bias)
-    if _rel(_first(got), plain) > _TOL.get(plain.dtype, 1e-3):
-        raise _Refused(f"{path}: {type(module).__name__}'s forward is not nn.Linear's "
+    if relative_error(first_tensor(got), plain) > TOL.get(plain.dtype, 1e-3):
+        raise Refused(f"{path}: {type(module).__name__}'s forward is not nn.Linear's "
                        "(x·Wᵀ + b); plait's parallel linear would not compute it")
 
 
@@ -173,28 +174,28 @@ def _check_experts(path: str, module: nn.Module, captured: tuple, world: int, ep
                    plan=None) -> None:
     """Experts made expert-parallel: plait computes act(gate)·up then down per (token, expert),
     weighted and summed; split by FFN columns: the module's own forward on each share."""
-    from .layers import experts_shape
+    from ..layers import experts_shape
 
     e, h, f = experts_shape(module, path)
     dtype = dtype_for(module, captured)
-    args, kwargs = _to(captured, dtype)
+    args, kwargs = to_dtype(captured, dtype)
     ref = copy.deepcopy(module).to(dtype).eval()
     names = ["hidden_states", "top_k_index", "top_k_weights"]
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     if set(bound) != set(names):
-        raise _Refused(f"{path}: {type(module).__name__} is not called with (hidden_states, "
+        raise Refused(f"{path}: {type(module).__name__} is not called with (hidden_states, "
                        "top_k_index, top_k_weights), as plait's experts are")
     with torch.no_grad():
-        want = _first(ref(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+        want = first_tensor(ref(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
         if ep:
             act = getattr(module, "act_fn", None)
             if act is None:
-                raise _Refused(f"{path}: {type(module).__name__} has no act_fn; plait's "
+                raise Refused(f"{path}: {type(module).__name__} has no act_fn; plait's "
                                "expert-parallel experts compute act(gate)·up, then down")
             got = _plain_experts(ref, act, **bound)
         else:
-            from ..plan import ShardPlan
+            from ...plan import ShardPlan
 
             plan = plan or ShardPlan.even(f, world)
             got = 0
@@ -206,12 +207,12 @@ def _check_experts(path: str, module: nn.Module, captured: tuple, world: int, ep
                 m.down_proj = nn.Parameter(shard_of(ref.down_proj, plan, r, 1 if t else 2))
                 if hasattr(m, "intermediate_dim"):
                     m.intermediate_dim = plan.sizes[r]
-                got = got + _first(m(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
-    err = _rel(got, want)
-    if err > _TOL.get(dtype, 1e-3):
+                got = got + first_tensor(m(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+    err = relative_error(got, want)
+    if err > TOL.get(dtype, 1e-3):
         how = ("act(gate)·up, then down, per expert" if ep else
                "its forward on each rank's FFN columns, summed")
-        raise _Refused(f"{path}: {type(module).__name__}'s forward differs from what plait "
+        raise Refused(f"{path}: {type(module).__name__}'s forward differs from what plait "
                        f"computes ({how}) by {err:.1e}: leave its experts out of the plan")
 
 
@@ -292,6 +293,6 @@ def _verify(model: nn.Module, dims: list[Dim], world: int, kinds: dict, plans: d
             else:
                 _check_experts(path, modules[path], captured[path], world, kind == "experts-ep",
                                plans.get(path))
-    except _Refused as err:
+    except Refused as err:
         raise ValueError(str(err)) from None
     return verdict

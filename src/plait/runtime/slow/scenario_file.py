@@ -25,7 +25,7 @@ A scenario file is a JSON object (``examples/scenarios/`` has four)::
     sin(2π (step + phase) / period), period ≥ 2 steps required; with ``"rank": "all"`` the
     default phase puts rank r r/p of a period after rank 0.
 
-Entries for the same rank multiply. The file becomes :class:`~plait.runtime.straggler.SlowCurve`
+Entries for the same rank multiply. The file becomes :class:`~plait.runtime.slow.straggler.SlowCurve`
 values, the straggler emulation's (``Scenario.specs(world, steps)``). A refusal is one line
 naming the file and the field: ``drift.json: slow[0].factor[1][1] must be a number ≥ 1, got
 0.5``. The x of the points is steps, not seconds: a run's steps are what the benchmark's

@@ -11,13 +11,13 @@ sleep, so the emulated slowness does not steal CPU from other ranks.
 
 Or the kernel makes the slowdown (``throttle``, ``bench hetero --slow-by kernel``): at every
 step the factor ``F`` goes to ``throttle(F)``, which sets the rank's host's CPU budget to its
-full budget ÷ ``F`` (:func:`host_throttle`, a cgroup cpu quota, :mod:`plait.runtime.cgroup`),
+full budget ÷ ``F`` (:func:`host_throttle`, a cgroup cpu quota, :mod:`plait.runtime.slow.cgroup`),
 and nothing sleeps. The host is then slow at everything it runs, collectives' CPU and Python
 included, and its compute is timed by the wall clock (:func:`compute_clock`).
 
 A slowdown is a :class:`SlowSpec` (one factor over a window of steps, ``--slow``) or a
 :class:`SlowCurve` (a factor that changes with the step: piecewise-linear drift times
-periodic or seeded random jitter; what a scenario file, :mod:`plait.runtime.scenario_file`,
+periodic or seeded random jitter; what a scenario file, :mod:`plait.runtime.slow.scenario_file`,
 becomes). Both answer ``factor_at(step)``; a rank's factors multiply.
 """
 
@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from . import current
+from .. import current
 
 if TYPE_CHECKING:  # torch loads where a rank computes, not where the CLI parses --slow
     import torch
@@ -205,7 +205,7 @@ class Straggler:
 
     ``clock`` (seconds, no argument) measures the compute, default :func:`compute_clock`
     of the device; ``sleep(seconds)`` waits out the delay, default :func:`time.sleep` (looked
-    up when it sleeps, so a virtual device, :mod:`plait.balance.virtual`, can stand in).
+    up when it sleeps, so a virtual device, :mod:`plait.testing.virtual`, can stand in).
     ``throttle(factor)``: the kernel makes the slowdown instead (see the module docstring);
     ``set_step`` then calls it with every step's factor, 1 included, and ``compute()``
     delays nothing.

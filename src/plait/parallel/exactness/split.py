@@ -8,78 +8,26 @@ sums settle, rows may feed rows), and a backward whose row gradients are the sam
 rank (the all-reduce's backward). Multi-head latent attention's rotary-key gradient is
 summed in a second backward pass (``sum_tail_grad``). ``check_dim`` tries the fused layers'
 readings (blocks, then per head), with and without the head-count attributes set to a
-rank's, and decides which parameters' gradients plait must sum; what fails is ``_Refused``
+rank's, and decides which parameters' gradients plait must sum; what fails is ``Refused``
 (a ValueError naming the module). Pure: no process group.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from ..nn._shard import shard_of
-from .dims import Dim
+from ...nn._shard import shard_of
+from ..dims import Dim
+from .verdict import TOL, Refused, Verdict, first_tensor, relative_error, to_dtype
 
 __all__ = ["Verdict", "check_dim", "dtype_for"]
 
-_TOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 _HEAD_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head", "n_local_heads",
                "num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_local_kv_heads",
                "n_kv_head")
-
-
-@dataclass
-class Verdict:
-    """What ``verify`` found: per-rank attribute values to set on a dim's module, parameters
-    whose gradients are a rank's share (summed by plait), embeddings' scales, and notes."""
-
-    # dim → attribute → its value on each rank
-    attrs: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    partial: set[str] = field(default_factory=set)   # parameter names (model paths)
-    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding path → scale
-    notes: list[tuple[str, str]] = field(default_factory=list)
-    checked: bool = True
-
-
-class _Refused(ValueError):
-    pass
-
-
-def _map(x, fn):
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, tuple):
-        return tuple(_map(v, fn) for v in x)
-    if isinstance(x, list):
-        return [_map(v, fn) for v in x]
-    if isinstance(x, dict):
-        return {k: _map(v, fn) for k, v in x.items()}
-    return x
-
-
-def _to(x, dtype):
-    return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def _first(out) -> torch.Tensor:
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
-
-
-def _rel(a, b, floor: float = 0.0) -> float:
-    """max|a - b| / max(max|b|, floor)."""
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else float("inf")
-    if a.shape != b.shape:
-        return float("inf")
-    if b.numel() == 0:
-        return 0.0
-    scale = max(float(b.detach().abs().max()), floor)
-    return float((a.detach() - b.detach()).abs().max()) / (scale if scale > 0 else 1.0)
 
 
 # ------------------------------------------------------------------ a dim, rank by rank
@@ -88,8 +36,8 @@ class _Sim:
 
     def __init__(self, dim: Dim, module: nn.Module, captured: tuple, world: int, dtype):
         self.dim, self.module, self.world, self.dtype = dim, module, world, dtype
-        self.args, self.kwargs = _to(captured, dtype)
-        self.tol = _TOL.get(dtype, 1e-3)
+        self.args, self.kwargs = to_dtype(captured, dtype)
+        self.tol = TOL.get(dtype, 1e-3)
         self.seed = 0
 
     def _rank_module(self, rank: int, attrs: dict, totals: dict, partials: dict,
@@ -143,9 +91,9 @@ class _Sim:
         """The worst relative difference of the ranks' outputs, and why it failed to run."""
         with torch.no_grad():
             try:
-                want = _first(self._run(self._reference(False)))
+                want = first_tensor(self._run(self._reference(False)))
             except Exception as err:  # noqa: BLE001
-                raise _Refused(f"{self.dim.name}: its forward does not replay on the inputs "
+                raise Refused(f"{self.dim.name}: its forward does not replay on the inputs "
                                f"plait recorded ({type(err).__name__}: {_line(err)}), so its "
                                "split cannot be checked (parallelize(..., check=False) skips "
                                "the check)") from None
@@ -153,7 +101,7 @@ class _Sim:
                 outs = self._ranks(attrs, grad=False)
             except Exception as err:  # noqa: BLE001 - what fails here fails on the ranks
                 return float("inf"), f"{type(err).__name__}: {_line(err)}"
-        return max(_rel(_first(o), want) for o in outs), ""
+        return max(relative_error(first_tensor(o), want) for o in outs), ""
 
     def _ranks(self, attrs: dict, grad: bool, detach_cols: bool = False, boxes=None):
         """Every rank's output: passes until the row-parallel sums settle (rows may feed rows)."""
@@ -180,7 +128,7 @@ class _Sim:
         names = [n for n, p in self.module.named_parameters()
                  if p.requires_grad and not any(n == s or n.startswith(s + ".") for s in split)]
         with torch.no_grad():
-            want = _first(self._run(self._reference(False)))
+            want = first_tensor(self._run(self._reference(False)))
         g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1),
                         dtype=want.dtype)
         ref_all = _grads(self._reference(False), self, g, names)
@@ -226,7 +174,7 @@ def _grads_of(m: nn.Module, out, x, g: torch.Tensor, names: list[str]) -> dict:
     """The gradients of ``names`` (and of the input ``x``, as ``""``) for output gradient g."""
     params = dict(m.named_parameters())
     wrt = [params[n] for n in names] + ([x] if x is not None else [])
-    got = torch.autograd.grad(_first(out), wrt, g, allow_unused=True)
+    got = torch.autograd.grad(first_tensor(out), wrt, g, allow_unused=True)
     return dict(zip(names + ([""] if x is not None else []), got))
 
 
@@ -323,7 +271,7 @@ def _head_attrs(dim: Dim, module: nn.Module, world: int) -> dict[str, list[int]]
 
 def _runs_in(module: nn.Module, captured: tuple, dtype) -> bool:
     """Whether the module's own forward runs in ``dtype`` (a kernel may take no float64)."""
-    args, kwargs = _to(captured, dtype)
+    args, kwargs = to_dtype(captured, dtype)
     try:
         with torch.no_grad():
             copy.deepcopy(module).to(dtype)(*args, **kwargs)
@@ -373,7 +321,7 @@ def check_dim(dim: Dim, module: nn.Module, captured: tuple, world: int, verdict:
         if chosen:
             break
     if chosen is None:
-        raise _Refused(_why_not(dim, module, tried))
+        raise Refused(_why_not(dim, module, tried))
     layout, attrs = chosen
     if attrs:
         verdict.attrs[dim.name] = attrs
@@ -410,7 +358,7 @@ def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: V
     try:
         grads = sim.gradients(attrs)
     except Exception as err:  # noqa: BLE001
-        raise _Refused(f"{dim.name}: its backward fails on a rank's share ({_line(err)})") \
+        raise Refused(f"{dim.name}: its backward fails on a rank's share ({_line(err)})") \
             from None
     prefix = dim.name + "." if dim.name else ""
     for name, (after, whole, ranks) in grads.items():
@@ -420,8 +368,8 @@ def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: V
             filled = [r if r is not None else torch.zeros_like(whole) for r in ranks]
             want = after if after is not None else torch.zeros_like(whole)
             scale = float(whole.abs().max())
-            if not all(_rel(r, want, scale) <= sim.tol for r in filled):
-                raise _Refused(f"{dim.name}: its input's gradient through a path outside its "
+            if not all(relative_error(r, want, scale) <= sim.tol for r in filled):
+                raise Refused(f"{dim.name}: its input's gradient through a path outside its "
                                "split linears is not whole on a rank (a replicated layer "
                                "feeding a rank's share of the heads or columns)")
             continue
@@ -431,18 +379,18 @@ def _check_grads(dim: Dim, module: nn.Module, sim: _Sim, attrs: dict, verdict: V
         after = after if after is not None else torch.zeros_like(whole)
         filled = [r if r is not None else torch.zeros_like(whole) for r in ranks]
         scale = float(whole.abs().max())
-        whole_on_each = all(_rel(r, after, scale) <= sim.tol for r in filled)
+        whole_on_each = all(relative_error(r, after, scale) <= sim.tol for r in filled)
         if whole_on_each and prefix + name not in summed:
             continue  # the part after the split is whole on every rank; before it, too
-        if _rel(sum(filled), after, scale) <= sim.tol:
+        if relative_error(sum(filled), after, scale) <= sim.tol:
             if float((whole - after).abs().max()) > sim.tol * scale:
-                raise _Refused(f"{prefix}{name}: used both before and after the split of "
+                raise Refused(f"{prefix}{name}: used both before and after the split of "
                                f"{dim.name}: its gradient would be part whole, part a share")
             if prefix + name not in summed:
                 verdict.partial.add(prefix + name)
             continue
         if whole_on_each:
-            raise _Refused(f"{prefix}{name}: the plan sums its gradient over the ranks "
+            raise Refused(f"{prefix}{name}: the plan sums its gradient over the ranks "
                            "(replicated_with_grad_allreduce), but every rank computes it whole")
-        raise _Refused(f"{prefix}{name}: its gradient on a rank's share of {dim.name} is "
+        raise Refused(f"{prefix}{name}: its gradient on a rank's share of {dim.name} is "
                        "neither the whole nor a part of it")
