@@ -102,7 +102,7 @@ def _decoding_calls():
     and the good call after each still exact."""
     import torch.distributed as dist
     from plait import ops
-    from plait.ops.agree import refused
+    from plait.ops.context import refused
     from plait.ops.context import get_context
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -3,7 +3,7 @@
 A layer's compute region (``plait.nn._shard.compute_scope`` / ``straggled``, where the
 straggler emulation wraps too) reports to the layer's ``compute_timer``, which
 :meth:`SpeedMonitor.attach` sets: the local GEMM on the plain path, each local piece on the
-fused ``matmul_all_reduce`` and ``column_parallel_matmul`` (``plait.ops.compute``), so
+fused ``matmul_all_reduce`` and ``column_parallel_matmul`` (``plait.ops.pieces``), so
 waiting for another rank's pieces is never this rank's compute (sequence-parallel and MoE
 operators are still timed whole, their exposed wire included).
 

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..balance import PolicyConfig
-from ..ops.agree import attempt, gather_checked
+from ..ops.agree import gather_checked
+from ..ops.context import attempt
 from ..runtime import rank_context
 from ..runtime.slow.cgroup import NoisyNeighbour, cpu_budget
 from ..runtime.slow.straggler import host_throttle

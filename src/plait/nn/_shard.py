@@ -128,7 +128,7 @@ def straggled(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.
 
 class _PieceRegion:
     """A layer's compute region entered once per piece of a fused operator
-    (``plait.ops.compute``): straggler emulation and timing around each local GEMM only."""
+    (``plait.ops.pieces``): straggler emulation and timing around each local GEMM only."""
 
     def __init__(self, device, timer):
         self.device, self.timer = device, timer
@@ -142,7 +142,7 @@ def pieces(compute, x: torch.Tensor, timer=None, work: float = 0.0) -> torch.Ten
     """``compute(x)``, a fused operator, with the layer's compute region around each of its
     local pieces, forward and backward, and not around its waits for other ranks: a fast
     rank waiting on a slow one is not measured (or emulated) slow. ``work`` counted once."""
-    from ..ops.compute import compute_region, current_region
+    from ..ops.pieces import compute_region, current_region
 
     if timer is not None:
         timer.count(work)

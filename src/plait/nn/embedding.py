@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.agree import attempt, refused
+from ..ops.context import attempt, refused
 from ..ops.library import constant_result, opaque, register_opaque
 from ..ops.embedding import embedding_all_to_all
 from ..ops.pieces import even_sizes

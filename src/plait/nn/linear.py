@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
-from ..ops.agree import attempt, refused
+from ..ops.context import attempt, refused
 from ..ops.matmul_all_reduce import (InFlight, matmul_all_reduce_start, traced_column_matmul,
                                      traced_matmul_all_reduce)
 from ..ops.shared_input import SharedInput

@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.agree import attempt, raise_together
+from ..ops.agree import raise_together
+from ..ops.context import attempt
 from ..ops.moe import all_to_all_matmul, matmul_all_to_all
 from ..ops.library import constant_result, opaque, recomputing, register_opaque
 from ..ops.pieces import as_rows, even_sizes

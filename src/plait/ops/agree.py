@@ -13,9 +13,7 @@ peers join, the moment one rank's shapes change alone (the balancer does that).
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,8 +22,7 @@ from ..runtime.progress import mark
 from ..transport.base import dist_all_gather
 from ..transport.calls import dtype_code, dtype_named
 
-__all__ = ["attempt", "refused", "check_chunks", "chunks_code", "check_same", "dtype_code",
-           "gather_checked",
+__all__ = ["check_chunks", "chunks_code", "check_same", "dtype_code", "gather_checked",
            "start_gather_checked", "meta_device", "raise_together"]
 
 
@@ -69,44 +66,6 @@ def _shown(name: str, value) -> str:
 def check_chunks(op: str, chunks) -> None:
     if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"{op}: chunks must be 'auto' or a positive integer, got {chunks!r}")
-
-
-_REFUSED: ContextVar = ContextVar("plait_refused", default=None)
-
-
-@contextlib.contextmanager
-def refused(problem: Exception | None) -> Iterator[None]:
-    """Have the next operator's check refuse ``problem`` on every rank (None: nothing).
-
-    For a caller (a layer) whose own check of this rank's arguments failed before the
-    operator it calls: raised here, it would leave the other ranks waiting in that
-    operator's check. Call an operator that checks across ranks inside the block.
-    """
-    token = _REFUSED.set(problem)
-    try:
-        yield
-    finally:
-        _REFUSED.reset(token)
-
-
-def refusal_pending() -> bool:
-    """Whether the next operator's check must refuse (inside :func:`refused`): a plan
-    cached from an earlier call (:meth:`plait.ops.context.OpsContext.carried_plan`) must
-    not stand in for that check."""
-    return _REFUSED.get() is not None
-
-
-def attempt(check):
-    """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``; or
-    ``(None, the problem)`` inside ``refused(problem)`` (then ``check`` is not called)."""
-    given = _REFUSED.get()
-    if given is not None:
-        _REFUSED.set(None)  # one operator's check refuses it
-        return None, given
-    try:
-        return check(), None
-    except (TypeError, ValueError) as err:
-        return None, err
 
 
 def meta_device(group) -> torch.device:

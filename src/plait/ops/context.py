@@ -6,6 +6,8 @@ An :class:`OpsContext` holds the calibration that ``chunks="auto"`` reads
 why (``explain``). One context per group,
 made on first use and kept for the group's lifetime; pass ``ctx=`` to an
 operator to use another (a test, a benchmark that wants its own profile).
+A call's own context is here too: a rank's refusal that every rank's next check must
+make (:func:`refused`, :func:`attempt`).
 
 The checks run on a sibling group of the same ranks (made with the context),
 not on the group itself: a process group runs its collectives in the order
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,17 +31,56 @@ from ..perf.calibrate import MachineProfile, default_profile_path
 from ..runtime.dist import _timeout_s
 from ..runtime.priority import prioritize_group
 from ..transport.asked import checks_from_env
-from .agree import attempt, refusal_pending, start_gather_checked
+from .agree import start_gather_checked
 from .calibration import Calibration, from_profile, measure
 from ..perf.pieces import Work, predict
 
 __all__ = ["Decision", "OpsContext", "get_context", "explain", "transport_of",
-           "carries_checks"]
+           "carries_checks", "attempt", "refused", "refusal_pending"]
 
 log = logging.getLogger("plait.ops")
 
 MIN_PIECE_BYTES = 64 * 1024  # below this a piece is all latency on every link
 MIN_GAIN = 0.05  # fuse only when the model predicts at least this much: "never slower by surprise"
+
+
+# --- a rank's refusal, made by every rank's next check ----------------------------
+_REFUSED: ContextVar = ContextVar("plait_refused", default=None)
+
+
+@contextlib.contextmanager
+def refused(problem: Exception | None) -> Iterator[None]:
+    """Have the next operator's check refuse ``problem`` on every rank (None: nothing).
+
+    For a caller (a layer) whose own check of this rank's arguments failed before the
+    operator it calls: raised here, it would leave the other ranks waiting in that
+    operator's check. Call an operator that checks across ranks inside the block.
+    """
+    token = _REFUSED.set(problem)
+    try:
+        yield
+    finally:
+        _REFUSED.reset(token)
+
+
+def refusal_pending() -> bool:
+    """Whether the next operator's check must refuse (inside :func:`refused`): a plan
+    cached from an earlier call (:meth:`plait.ops.context.OpsContext.carried_plan`) must
+    not stand in for that check."""
+    return _REFUSED.get() is not None
+
+
+def attempt(check):
+    """``(check(), None)``, or ``(None, the ValueError/TypeError it raised)``; or
+    ``(None, the problem)`` inside ``refused(problem)`` (then ``check`` is not called)."""
+    given = _REFUSED.get()
+    if given is not None:
+        _REFUSED.set(None)  # one operator's check refuses it
+        return None, given
+    try:
+        return check(), None
+    except (TypeError, ValueError) as err:
+        return None, err
 
 
 @dataclass(frozen=True)
@@ -169,7 +212,7 @@ class OpsContext:
         calls each layer's operator with one signature every token, and validating it
         again each time cost microseconds of Python per call. ``make`` validates this
         rank's arguments: where it raises, ``(None, the problem)`` (the caller refuses the
-        call on every rank), never cached; inside :func:`plait.ops.agree.refused` the
+        call on every rank), never cached; inside :func:`refused` the
         cache is not read. What every rank must agree on is still compared on every call,
         in the data call's header."""
         plan = None if key is None or refusal_pending() else self._plans.get(key)

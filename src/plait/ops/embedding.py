@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
-from .context import OpsContext, get_context, transport_of
+from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .context import OpsContext, attempt, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
 from .library import group_key, group_of, opaque, opaque_key

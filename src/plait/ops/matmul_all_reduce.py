@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
-from .compute import compute_region, current_region, piece
-from .context import Decision, OpsContext, carries_checks, get_context, signature, transport_of
+from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .context import (Decision, OpsContext, attempt, carries_checks, get_context, signature,
+                      transport_of)
+from .pieces import as_rows, check_float, compute_region, current_region, offsets, piece, tapered
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
-from .pieces import as_rows, check_float, offsets, tapered
 from ..transport.calls import Carried
 from .library import define, group_key, group_of
 

@@ -47,9 +47,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .context import OpsContext, get_context, transport_of
+from .context import OpsContext, attempt, get_context, transport_of
 from ..perf.pieces import Work
-from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
+from .agree import check_chunks, check_same, chunks_code, dtype_code
 from .exchange import start_all_to_all
 from .library import group_key, group_of, opaque, opaque_key
 from .pieces import check_float, offsets, row_parts

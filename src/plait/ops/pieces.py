@@ -1,16 +1,33 @@
-"""How an operator's output is cut into pieces, and the checks every operator shares."""
+"""How an operator's output is cut into pieces, the compute region each piece is timed in,
+and the checks every operator shares.
+
+The compute region: a tensor-parallel layer wants two things around its own compute and nothing
+else: the straggler emulation (a slow rank is slow at compute, not at waiting)
+and the speed monitor's timer (work per second of compute). Around a whole
+fused operator both would also count the time spent waiting for the other
+ranks' pieces, so a fast rank waiting on a slow one would look slow too.
+
+So a layer enters ``compute_region(region)`` around the operator call, and the
+operators wrap each local GEMM piece in ``piece()``, which opens
+``region.piece()`` (a context manager) or nothing when no region is set. An
+operator's autograd Function keeps the region of its forward
+(``current_region()``) and re-enters it in its backward, which autograd runs
+outside the layer's ``with``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from contextvars import ContextVar
+from typing import Iterator, Sequence
 
 import torch
 
 from ..perf.pieces import offsets, split, tapered  # pure: the cost model cuts pieces the same way
 
 __all__ = ["split", "row_parts", "as_rows", "tapered", "offsets", "even_sizes", "check_sizes",
-           "check_float", "FLOATS"]
+           "check_float", "FLOATS", "compute_region", "current_region", "piece"]
 
 FLOATS = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
 """The dtypes the fused operators take."""
@@ -61,3 +78,27 @@ def check_float(op: str, *tensors: torch.Tensor) -> torch.dtype:
     if len(devices) != 1:
         raise ValueError(f"{op}: tensors are on different devices {sorted(map(str, devices))}")
     return dtype
+
+
+# --- the compute region ----------------------------------------------------------
+_REGION: ContextVar = ContextVar("plait_compute_region", default=None)
+
+
+@contextlib.contextmanager
+def compute_region(region) -> Iterator[None]:
+    """Make ``region`` (an object with ``piece()``, or None) the one ``piece()`` enters."""
+    token = _REGION.set(region)
+    try:
+        yield
+    finally:
+        _REGION.reset(token)
+
+
+def current_region():
+    return _REGION.get()
+
+
+def piece():
+    """The current region's piece context, or a no-op."""
+    region = _REGION.get()
+    return contextlib.nullcontext() if region is None else region.piece()

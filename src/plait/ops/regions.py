@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agree import attempt, check_same, dtype_code
-from .context import carries_checks, get_context, signature, transport_of
+from .agree import check_same, dtype_code
+from .context import attempt, carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
 from .library import define, group_key, group_of
 from .pieces import even_sizes, offsets

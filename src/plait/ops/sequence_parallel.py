@@ -44,8 +44,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .agree import attempt, check_chunks, check_same, chunks_code, dtype_code
-from .context import Decision, OpsContext, get_context
+from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .context import Decision, OpsContext, attempt, get_context
 from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
 from .pieces import (as_rows, check_float, check_sizes, even_sizes, offsets,

@@ -39,13 +39,11 @@ import weakref
 
 import torch
 
-from .agree import attempt
-from .compute import compute_region, current_region, piece
-from .context import OpsContext, get_context
+from .context import OpsContext, attempt, get_context
+from .pieces import as_rows, compute_region, current_region, offsets, piece
 from .deferred import accumulate, defer, run_deferred
 from .matmul_all_reduce import (DGRAD, _decide, _dgrad_row, _fused_forward, _local_row,
                                _same_dgrad)
-from .pieces import as_rows, offsets
 from .regions import copy_to_region
 
 __all__ = ["SharedInput"]
