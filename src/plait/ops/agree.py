@@ -13,7 +13,8 @@ peers join, the moment one rank's shapes change alone (the balancer does that).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import fields
+from typing import Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,76 @@ from ..runtime.progress import mark
 from ..transport.base import dist_all_gather
 from ..transport.calls import dtype_code, dtype_named
 
-__all__ = ["check_chunks", "chunks_code", "check_same", "dtype_code", "gather_checked",
-           "start_gather_checked", "meta_device", "raise_together"]
+__all__ = ["Check", "check_chunks", "chunks_code", "check_same", "dtype_code",
+           "gather_checked", "start_gather_checked", "meta_device", "raise_together"]
+
+
+class Check:
+    """An operator's cross-rank check, typed: a subclass is a frozen dataclass of integers,
+    one field each, in the order they cross ranks (a field named in ``PER_RANK`` holds one
+    integer per rank, a tuple). ``row()`` is what this rank sends; ``from_rows`` reads
+    every rank's back; ``AGREED`` names the fields every rank must share (the others may
+    differ: a rank's own shard); ``LABELS`` gives a field's name in an error where it is
+    not the field's own."""
+
+    AGREED: ClassVar[tuple[str, ...]] = ()
+    PER_RANK: ClassVar[frozenset] = frozenset()
+    LABELS: ClassVar[dict] = {}
+
+    def row(self) -> tuple[int, ...]:
+        out: list[int] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out.extend(value) if f.name in self.PER_RANK else out.append(int(value))
+        return tuple(out)
+
+    @classmethod
+    def width(cls, world: int) -> int:
+        """How many integers a row holds on ``world`` ranks (0 where no field is per rank)."""
+        return sum(world if f.name in cls.PER_RANK else 1 for f in fields(cls))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The fields as an error names them."""
+        return tuple(cls.LABELS.get(f.name, f.name) for f in fields(cls))
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[int]]) -> list:
+        """Every rank's check, from every rank's row (as gathered, in rank order)."""
+        world, out = len(rows), []
+        for row in rows:
+            values, at = [], 0
+            for f in fields(cls):
+                if f.name in cls.PER_RANK:
+                    values.append(tuple(int(v) for v in row[at:at + world]))
+                    at += world
+                else:
+                    values.append(int(row[at]))
+                    at += 1
+            out.append(cls(*values))
+        return out
+
+    @classmethod
+    def agree(cls, op: str, rows: Sequence, names: Sequence[str] | None = None,
+              labels: dict | None = None) -> None:
+        """Raise (on every rank alike: ``rows`` are every rank's, as gathered, or their
+        checks) where the fields ``names`` (default ``AGREED``) differ between ranks, named
+        as ``labels`` (over ``LABELS``) say. Reads only those fields' places, so a row cut
+        short after them is judged too."""
+        names = cls.AGREED if names is None else tuple(names)
+        labels = {**cls.LABELS, **(labels or {})}
+        rows = [r.row() if isinstance(r, Check) else r for r in rows]
+        world, where, at = len(rows), {}, 0
+        for f in fields(cls):
+            span = world if f.name in cls.PER_RANK else 1
+            where[f.name] = (at, span, f.name in cls.PER_RANK)
+            at += span
+
+        def value(row, name):
+            start, span, per_rank = where[name]
+            return tuple(int(v) for v in row[start:start + span]) if per_rank else row[start]
+        check_same(op, [labels.get(n, n) for n in names],
+                   [tuple(value(row, n) for n in names) for row in rows])
 
 
 def chunks_code(chunks) -> int:

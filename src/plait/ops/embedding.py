@@ -42,20 +42,20 @@ every index and offset once (one host sync per table on CUDA).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .agree import Check, check_chunks, check_same, chunks_code, dtype_code
 from .context import OpsContext, attempt, get_context, transport_of
 from ..perf.pieces import Work
 from .exchange import start_all_to_all
 from .library import group_key, group_of, opaque, opaque_key
 from .pieces import check_float, even_sizes, offsets, row_parts
 
-__all__ = ["embedding_all_to_all"]
+__all__ = ["embedding_all_to_all", "EmbeddingCheck"]
 
 _MODES = {"sum": 0, "mean": 1}
 _INDEX_DTYPES = {torch.int64: 0, torch.int32: 1}
@@ -155,6 +155,24 @@ def _check_bags(op, tables, indices, offsets_) -> int:
     return batches[0]
 
 
+@dataclass(frozen=True)
+class EmbeddingCheck(Check):
+    """``embedding_all_to_all``'s check: dtype, the embedding dim D, the batch of bags, the
+    pooling mode, chunks, whether a backward follows and every rank's share of the batch
+    must agree; this rank's table count T_r and its lookups may differ."""
+
+    dtype: int
+    D: int
+    batch: int
+    mode: int
+    chunks: int
+    needs_grad: int
+    batch_sizes: tuple
+    T_r: int
+    lookups: int
+    PER_RANK: ClassVar = frozenset({"batch_sizes"})
+
+
 def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     checked, problem = attempt(lambda: _check_local(op, tables, indices, offsets_, batch_sizes,
@@ -163,14 +181,17 @@ def _plan(op, tables, indices, offsets_, group, batch_sizes, mode, chunks, ctx):
     if problem is None:
         dtype, batch, sizes = checked
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
-        row = [dtype_code(dtype), tables[0].shape[1], batch, _MODES[mode], chunks_code(chunks),
-               needs_grad, *sizes, len(tables), sum(len(i) for i in indices)]
-    metas = ctx.gather_meta(op, 8 + world, row, problem)  # shared memory: one header
+        row = EmbeddingCheck(dtype_code(dtype), tables[0].shape[1], batch, _MODES[mode],
+                             chunks_code(chunks), int(needs_grad), tuple(int(s) for s in sizes),
+                             len(tables), sum(len(i) for i in indices)).row()
+    metas = ctx.gather_meta(op, EmbeddingCheck.width(world), row, problem)  # shm: one header
+    checks = EmbeddingCheck.from_rows(metas)
     modes = {code: name for name, code in _MODES.items()}
     check_same(op, ("dtype", "D", "batch", "mode", "chunks", "needs grad", "batch_sizes"),
-               [(*m[:3], modes[m[3]], *m[4:6], tuple(m[6:-2])) for m in metas])  # not T_r, lookups
-    tables_per_rank, dim = [m[-2] for m in metas], metas[0][1]
-    max_nnz = max(m[-1] for m in metas)
+               [(c.dtype, c.D, c.batch, modes[c.mode], c.chunks, c.needs_grad, c.batch_sizes)
+                for c in checks])  # not T_r, lookups: a rank's own
+    tables_per_rank, dim = [c.T_r for c in checks], checks[0].D
+    max_nnz = max(c.lookups for c in checks)
     busiest = max(t * (batch - b) for t, b in zip(tables_per_rank, sizes))  # rows off this rank
     wire = busiest * dim * tables[0].element_size()
     bounds = [torch.cat([off, off.new_tensor([len(idx)])]) for idx, off in zip(indices, offsets_)]

@@ -37,9 +37,12 @@ gradient a ``matmul_all_reduce(wgrad_into=)`` deferred (:mod:`plait.ops.deferred
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .agree import Check, check_chunks, chunks_code, dtype_code
 from .context import (Decision, OpsContext, attempt, carries_checks, get_context, signature,
                       transport_of)
 from .pieces import as_rows, check_float, compute_region, current_region, offsets, piece, tapered
@@ -49,19 +52,43 @@ from ..transport.calls import Carried
 from .library import define, group_key, group_of
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
-           "GEMV_ROWS", "traced_matmul_all_reduce", "traced_column_matmul"]
+           "GEMV_ROWS", "traced_matmul_all_reduce", "traced_column_matmul", "MatmulCheck",
+           "DgradCheck", "local_check", "dgrad_check", "same_dgrad"]
 
 GEMV_ROWS = 8  # at most this many rows: split N instead of M
 OP = "matmul_all_reduce"
-# the check's fields (_local_row), named as agree.check_same names them
-_ROW_NAMES = ("dtype", "M", "N", "chunks", "K_r", "w column-major")
 
 
-def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[int, ...]:
-    """This rank's part of the check: (dtype, M, N, chunks, K_r, w column-major).
+@dataclass(frozen=True)
+class MatmulCheck(Check):
+    """``Σ_ranks x2 [M, K_r] @ w [K_r, N]``'s check: dtype, M, N and chunks fix the wire
+    schedule and must agree; K_r may differ (uneven shards); w's layout must agree only
+    where a GEMV holds its product transposed (``_carried``)."""
 
-    The first four fix the wire schedule and must agree; K_r may differ (uneven shards).
-    """
+    dtype: int
+    M: int
+    N: int
+    chunks: int
+    K_r: int
+    w_column_major: int
+    AGREED: ClassVar = ("dtype", "M", "N", "chunks")
+    LABELS: ClassVar = {"w_column_major": "w column-major"}
+
+
+@dataclass(frozen=True)
+class DgradCheck(MatmulCheck):
+    """``column_parallel_matmul``'s backward, known in the forward: ``dy [M, N_r] @ wᵀ
+    [N_r, K]`` as a :class:`MatmulCheck` (its N the layer's K, its K_r the layer's N_r), and
+    whether this rank will run that all-reduce (its x needs a gradient)."""
+
+    x_needs_grad: int
+    AGREED: ClassVar = ("dtype", "M", "N", "chunks", "x_needs_grad")
+    LABELS: ClassVar = {"N": "K", "x_needs_grad": "x needs grad",
+                        "w_column_major": "w column-major"}
+
+
+def local_check(op: str, x2: torch.Tensor, w: torch.Tensor, chunks) -> MatmulCheck:
+    """This rank's :class:`MatmulCheck`, once its own input passed the local checks."""
     check_chunks(op, chunks)
     if not isinstance(x2, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(f"{op}: x and w must be tensors, got {type(x2).__name__} and "
@@ -72,8 +99,8 @@ def _local_row(op: str, x2: torch.Tensor, w: torch.Tensor, chunks) -> tuple[int,
     if w.dim() != 2 or w.shape[0] != x2.shape[1]:
         raise ValueError(f"{op}: x has K={x2.shape[1]} columns but w is {tuple(w.shape)}; "
                          "w must be [K, N]")
-    return (dtype_code(x2.dtype), x2.shape[0], w.shape[1], chunks_code(chunks), x2.shape[1],
-            int(_column_major(w)))
+    return MatmulCheck(dtype_code(x2.dtype), x2.shape[0], w.shape[1], chunks_code(chunks),
+                       x2.shape[1], int(_column_major(w)))
 
 
 def _column_major(w: torch.Tensor) -> bool:
@@ -86,12 +113,13 @@ def _plan(op: str, x2: torch.Tensor, w: torch.Tensor, chunks, ctx: OpsContext,
     """The decision, and whether a GEMV holds its output transposed: only when every
     rank's w is column-major, since all ranks must reduce buffers of the same layout."""
     def local():
-        row = _local_row(op, x2, w, chunks)
+        check = local_check(op, x2, w, chunks)
         _check_wgrad_into(op, w, wgrad_into)
-        return row
+        return check.row()
     row, problem = attempt(local)
-    metas = ctx.gather_meta(op, 6, row, problem, lambda rows: _same_rows(op, rows))
-    return _decide(op, metas, x2.element_size(), chunks, ctx)
+    rows = ctx.gather_meta(op, MatmulCheck.width(0), row, problem,
+                           lambda rows: MatmulCheck.agree(op, rows))
+    return _decide(op, rows, x2.element_size(), chunks, ctx)
 
 
 def _check_wgrad_into(op: str, w: torch.Tensor, wgrad_into: torch.Tensor | None) -> None:
@@ -100,26 +128,19 @@ def _check_wgrad_into(op: str, w: torch.Tensor, wgrad_into: torch.Tensor | None)
                          f"transposed shape of w {tuple(w.shape)}")
 
 
-def _decide(op: str, metas, itemsize: int, chunks, ctx: OpsContext) -> tuple[Decision, bool]:
-    """``_plan`` from every rank's ``_local_row``, once gathered."""
-    _same_rows(op, metas)
-    world, m, n = len(metas), metas[0][1], metas[0][2]
-    k_max = max(meta[4] for meta in metas)
+def _decide(op: str, rows, itemsize: int, chunks, ctx: OpsContext) -> tuple[Decision, bool]:
+    """``_plan`` from every rank's :class:`MatmulCheck` row (or a :class:`DgradCheck`'s),
+    once gathered."""
+    MatmulCheck.agree(op, rows)
+    checks = MatmulCheck.from_rows([row[:MatmulCheck.width(0)] for row in rows])
+    world, m, n = len(checks), checks[0].M, checks[0].N
+    k_max = max(c.K_r for c in checks)
     wire = 2 * (world - 1) / world * m * n * itemsize
     gemv = m <= GEMV_ROWS  # pieces cut N: [M, N_j] each
     work = Work(flops=2.0 * m * k_max * n, wire_bytes=wire, kind="all_reduce",
                 length=n if gemv else m, width=m if gemv else n, columns=gemv)
-    return ctx.decide(op, chunks, work=work, rows=work.length), all(meta[5] for meta in metas)
-
-
-def _same_rows(op: str, metas) -> None:
-    check_same(op, ("dtype", "M", "N", "chunks"), [meta[:4] for meta in metas])
-
-
-def _same_layout(op: str, metas) -> None:
-    """``_same_rows``, and one layout of w on every rank (a GEMV on shared memory)."""
-    check_same(op, ("dtype", "M", "N", "chunks", "w column-major"),
-               [(*meta[:4], meta[5]) for meta in metas])
+    return ctx.decide(op, chunks, work=work, rows=work.length), \
+        all(c.w_column_major for c in checks)
 
 
 def _fused_forward(x2: torch.Tensor, w: torch.Tensor, group, decision: Decision,
@@ -303,7 +324,7 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
             key = (*key, tuple(wgrad_into.shape))
         plan, problem = ctx.carried_plan(key, lambda: _carried(x2, w, chunks, wgrad_into))
         if problem is not None:
-            ctx.gather_meta(OP, 6, None, problem)  # raises on every rank
+            ctx.gather_meta(OP, MatmulCheck.width(0), None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
         return _started(x, x2, w, group, decision, *plan, wgrad_into)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
@@ -317,11 +338,12 @@ def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
     A GEMV's product (2 to GEMV_ROWS rows) is made transposed where w is column-major
     (BLAS's fast orientation here): every rank's slot must hold one layout, so there the
     layout is one more field every rank must agree on."""
-    row = _local_row(OP, x2, w, chunks)
+    check = local_check(OP, x2, w, chunks)
     _check_wgrad_into(OP, w, wgrad_into)
     flipped = 1 < x2.shape[0] <= GEMV_ROWS  # one row: the same bytes either way
-    agreed = _same_layout if flipped else _same_rows
-    return flipped and bool(row[5]), Carried(OP, _ROW_NAMES, row, lambda rows: agreed(OP, rows))
+    agreed = (*MatmulCheck.AGREED, "w_column_major") if flipped else MatmulCheck.AGREED
+    return flipped and bool(check.w_column_major), Carried(
+        OP, MatmulCheck.names(), check.row(), lambda rows: MatmulCheck.agree(OP, rows, agreed))
 
 
 def _started(x, x2, w, group, decision, transposed, check, wgrad_into) -> InFlight:
@@ -346,7 +368,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             y = x2 @ w
         if agreed is not None:  # it travelled under the GEMM
             ctx.metas = agreed()
-            _same_dgrad(ctx.metas)
+            same_dgrad(ctx.metas)
         return y
 
     @staticmethod
@@ -362,7 +384,7 @@ def _column_backward(x2: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group,
                      ops_ctx: OpsContext, metas, needs_dx: bool, needs_dw: bool):
     """``column_parallel_matmul``'s backward, ``(dx, dw)`` (None where not needed): the dgrad
     ``Σ_ranks dy_r @ w_rᵀ`` fused, the weight's gradient ``x2ᵀ dy`` (and any deferred one)
-    under its last pieces' all-reduce. ``metas``: every rank's ``_dgrad_row``, agreed."""
+    under its last pieces' all-reduce. ``metas``: every rank's :class:`DgradCheck` row, agreed."""
     grads = {}
 
     def wgrad():  # under the dgrad's last all_reduces, with what was deferred
@@ -381,17 +403,16 @@ def _column_backward(x2: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group,
 DGRAD = "column_parallel_matmul.dgrad"
 
 
-def _dgrad_row(x2: torch.Tensor, w: torch.Tensor, chunks, needs_dgrad: bool) -> tuple[int, ...]:
-    """The backward's ``_local_row``, known in the forward: dy [M, N_r] @ wᵀ [N_r, K]; and
-    whether this rank will run that all-reduce (x needs a gradient)."""
-    _local_row("column_parallel_matmul", x2, w, chunks)
-    return (dtype_code(x2.dtype), x2.shape[0], x2.shape[1], chunks_code(chunks), w.shape[1],
-            int(_column_major(w.t())), int(needs_dgrad))
+def dgrad_check(x2: torch.Tensor, w: torch.Tensor, chunks, needs_dgrad: bool) -> DgradCheck:
+    """This rank's :class:`DgradCheck`, once its own input passed the local checks."""
+    local_check("column_parallel_matmul", x2, w, chunks)
+    return DgradCheck(dtype_code(x2.dtype), x2.shape[0], x2.shape[1], chunks_code(chunks),
+                      w.shape[1], int(_column_major(w.t())), int(needs_dgrad))
 
 
-def _same_dgrad(metas) -> None:
-    check_same(DGRAD, ("dtype", "M", "K", "chunks", "x needs grad"),
-               [meta[:4] + meta[6:] for meta in metas])
+def same_dgrad(rows) -> None:
+    """Raise on every rank where the ranks' :class:`DgradCheck` rows differ."""
+    DgradCheck.agree(DGRAD, rows)
 
 
 def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -411,12 +432,12 @@ def column_parallel_matmul(x: torch.Tensor, w: torch.Tensor, group=None, *, chun
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
     agreed = None
     if torch.is_grad_enabled():
-        row, problem = attempt(lambda: _dgrad_row(x2, w, chunks, x.requires_grad))
-        agreed = ctx.start_meta(DGRAD, 7, row, problem)
+        row, problem = attempt(lambda: dgrad_check(x2, w, chunks, x.requires_grad).row())
+        agreed = ctx.start_meta(DGRAD, DgradCheck.width(0), row, problem)
         if problem is not None:
             agreed()  # raises on every rank
     else:
-        _local_row("column_parallel_matmul", x2, w, chunks)  # no backward all-reduce
+        local_check("column_parallel_matmul", x2, w, chunks)  # no backward all-reduce
     out = _ColumnParallelMatmul.apply(x2, w, group, chunks, ctx, agreed)
     return out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out
 
@@ -467,9 +488,9 @@ def _column_grads(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group: str
     g, auto = group_of(group), "auto" if chunks == 0 else chunks
     ctx = get_context(g)
     x2, dy2 = as_rows(x), as_rows(dy)
-    row, problem = attempt(lambda: _dgrad_row(x2, w, auto, True))
-    metas = ctx.gather_meta(DGRAD, 7, row, problem)
-    _same_dgrad(metas)
+    row, problem = attempt(lambda: dgrad_check(x2, w, auto, True).row())
+    metas = ctx.gather_meta(DGRAD, DgradCheck.width(0), row, problem)
+    same_dgrad(metas)
     with torch.no_grad():
         dx, dw = _column_backward(x2, w, dy2, g, auto, ctx, metas, True, True)
     return [dx.reshape(x.shape).contiguous(), dw.contiguous()]

@@ -42,19 +42,19 @@ per-expert counts, so a mismatch raises the same error everywhere. ``ctx.validat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .context import OpsContext, attempt, get_context, transport_of
 from ..perf.pieces import Work
-from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .agree import Check, check_chunks, chunks_code, dtype_code
 from .exchange import start_all_to_all
 from .library import group_key, group_of, opaque, opaque_key
 from .pieces import check_float, offsets, row_parts
 
-__all__ = ["all_to_all_matmul", "matmul_all_to_all"]
+__all__ = ["all_to_all_matmul", "matmul_all_to_all", "RoutesCheck"]
 
 
 @dataclass(frozen=True)
@@ -298,6 +298,29 @@ def _digest(counts: Sequence[int]) -> int:
     return h
 
 
+@dataclass(frozen=True)
+class RoutesCheck(Check):
+    """An expert all-to-all's check: dtype, K, N, chunks and which gradients follow must
+    agree; this rank's expert count may differ; per peer, the tokens it sends and receives
+    and a fingerprint of each count row (:func:`_digest`), so every rank sees that what a
+    sends b is what b expects from a."""
+
+    dtype: int
+    K: int
+    N: int
+    chunks: int
+    x_needs_grad: int
+    w_needs_grad: int
+    experts: int
+    sent: tuple
+    received: tuple
+    sent_digest: tuple
+    received_digest: tuple
+    AGREED: ClassVar = ("dtype", "K", "N", "chunks", "x_needs_grad", "w_needs_grad")
+    PER_RANK: ClassVar = frozenset({"sent", "received", "sent_digest", "received_digest"})
+    LABELS: ClassVar = {"x_needs_grad": "input needs grad", "w_needs_grad": "w needs grad"}
+
+
 def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, combine: bool):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     counts, problem = attempt(lambda: _check_local(op, inp, w, send_counts, recv_counts, world,
@@ -310,20 +333,18 @@ def _plan(op, inp, w, send_counts, recv_counts, group, chunks, ctx: OpsContext, 
     if problem is None:
         send, recv = counts
         grads = torch.is_grad_enabled()
-        row = [dtype_code(inp.dtype), inp.shape[1], w.shape[2], chunks_code(chunks),
-               grads and inp.requires_grad, grads and w.requires_grad, w.shape[0],
-               *map(sum, send), *map(sum, recv), *map(_digest, send), *map(_digest, recv)]
-    metas = ctx.gather_meta(op, 7 + 4 * world, row, problem)  # one per call: counts change
-    check_same(op, ("dtype", "K", "N", "chunks", "input needs grad", "w needs grad"),
-               [m[:6] for m in metas])
-    # per rank: 7 fields, then W send totals, W recv totals, W send digests, W recv digests
-    totals = [(m[7:7 + world], m[7 + world:7 + 2 * world]) for m in metas]
-    digests = [(m[7 + 2 * world:7 + 3 * world], m[7 + 3 * world:]) for m in metas]
-    for a in range(world):
-        for b in range(world):
-            if totals[a][0][b] != totals[b][1][a] or digests[a][0][b] != digests[b][1][a]:
-                _explain_mismatch(op, group, counts, [m[6] for m in metas])
-    rows = [sent for sent, _ in totals]  # rows[a][b]: tokens rank a sends rank b
+        row = RoutesCheck(dtype_code(inp.dtype), inp.shape[1], w.shape[2], chunks_code(chunks),
+                          int(grads and inp.requires_grad), int(grads and w.requires_grad),
+                          w.shape[0], tuple(map(sum, send)), tuple(map(sum, recv)),
+                          tuple(map(_digest, send)), tuple(map(_digest, recv))).row()
+    metas = ctx.gather_meta(op, RoutesCheck.width(world), row, problem)  # counts change: each call
+    RoutesCheck.agree(op, metas)
+    checks = RoutesCheck.from_rows(metas)
+    for a, ca in enumerate(checks):  # what a sends b is what b receives from a
+        for b, cb in enumerate(checks):
+            if ca.sent[b] != cb.received[a] or ca.sent_digest[b] != cb.received_digest[a]:
+                _explain_mismatch(op, group, counts, [c.experts for c in checks])
+    rows = [c.sent for c in checks]  # rows[a][b]: tokens rank a sends rank b
     return _Routes(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)),
                    tuple(map(tuple, rows)))
 

@@ -23,12 +23,13 @@ results are deterministic. One rank: every function is the identity.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .agree import check_same, dtype_code
+from .agree import Check, dtype_code
 from .context import attempt, carries_checks, get_context, signature, transport_of
 from .exchange import start_gather
 from .library import define, group_key, group_of
@@ -36,7 +37,7 @@ from .pieces import even_sizes, offsets
 from ..transport.calls import Carried
 
 __all__ = ["copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
-           "gather_for_matmul", "reduce_scatter_region"]
+           "gather_for_matmul", "reduce_scatter_region", "RegionCheck"]
 
 
 def _world(group) -> int:
@@ -98,6 +99,23 @@ def _split_sizes(x: torch.Tensor, dim: int, sizes, group) -> list[int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class RegionCheck(Check):
+    """A region collective's check (:func:`_agreed`): its dtype, the size of its other dims
+    (of a whole tensor, its elements), whether a backward collective follows, its length
+    along ``dim``, and every rank's share of ``dim`` (-1 each where the shares are as
+    found). All but the length must agree; the length too where x is split."""
+
+    dtype: int
+    others: int
+    needs_grad: int
+    length: int
+    shares: tuple
+    AGREED: ClassVar = ("dtype", "others", "needs_grad", "shares")
+    PER_RANK: ClassVar = frozenset({"shares"})
+    LABELS: ClassVar = {"others": "other dims", "needs_grad": "needs grad", "shares": "sizes"}
+
+
 def _agreed(op: str, x, group, dim: int | None, sizes, *, split: bool,
             needs_grad: bool = False) -> list[int]:
     """Every rank's length along ``dim``, once every rank agrees on all the wire will carry
@@ -110,7 +128,7 @@ def _agreed(op: str, x, group, dim: int | None, sizes, *, split: bool,
     """
     row, problem, shares = _row(op, x, group, dim, sizes, split=split, needs_grad=needs_grad)
     metas = get_context(group).gather_meta(
-        op, 4 + _world(group), row, problem,
+        op, RegionCheck.width(_world(group)), row, problem,
         lambda rows: _verify(op, rows, dim, split, shares))
     return _verify(op, metas, dim, split, shares)
 
@@ -124,7 +142,8 @@ def _row(op: str, x, group, dim: int | None, sizes, *, split: bool, needs_grad: 
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
         if dim is None:
-            return dtype_code(x.dtype), x.numel(), int(needs_grad), 0, *[-1] * world
+            return RegionCheck(dtype_code(x.dtype), x.numel(), int(needs_grad), 0,
+                               (-1,) * world).row()
         if not -x.dim() <= dim < max(1, x.dim()):
             raise ValueError(f"{op}: dim {dim} is not a dim of x {tuple(x.shape)}")
         d = dim % x.dim()
@@ -143,8 +162,8 @@ def _row(op: str, x, group, dim: int | None, sizes, *, split: bool, needs_grad: 
                 raise ValueError(f"{op}: sizes {shares} do not fit dim {d} of x "
                                  f"{tuple(x.shape)} on rank {rank}")
         got["shares"] = shares
-        return (dtype_code(x.dtype), others, int(needs_grad), length,
-                *(shares if shares is not None else [-1] * world))
+        return RegionCheck(dtype_code(x.dtype), others, int(needs_grad), length,
+                           tuple(shares) if shares is not None else (-1,) * world).row()
     row, problem = attempt(local)
     return row, problem, got.get("shares")
 
@@ -152,11 +171,10 @@ def _row(op: str, x, group, dim: int | None, sizes, *, split: bool, needs_grad: 
 def _verify(op: str, metas, dim: int | None, split: bool, shares) -> list[int]:
     """``_agreed``'s verdict on every rank's row (the same on every rank): raises where
     they differ; every rank's length along ``dim``."""
-    check_same(op, ("dtype", "elements" if dim is None else "other dims", "needs grad",
-                    "sizes"), [(*m[:3], tuple(m[4:])) for m in metas])
+    RegionCheck.agree(op, metas, labels={"others": "elements"} if dim is None else None)
     if split:
-        check_same(op, ("length",), [m[3:4] for m in metas])
-    return shares if shares is not None else [m[3] for m in metas]
+        RegionCheck.agree(op, metas, ("length",))
+    return shares if shares is not None else [c.length for c in RegionCheck.from_rows(metas)]
 
 
 def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool, world: int):
@@ -177,7 +195,7 @@ def _carried(op: str, x, group, dim: int | None, sizes, *, split: bool, world: i
         return Carried(op, names, row, lambda metas: _verify(op, metas, dim, split, shares))
     check, problem = ctx.carried_plan(key, make)
     if problem is not None:
-        ctx.gather_meta(op, 4 + world, None, problem)  # raises
+        ctx.gather_meta(op, RegionCheck.width(world), None, problem)  # raises
     return check
 
 

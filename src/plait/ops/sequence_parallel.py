@@ -39,19 +39,20 @@ as an all_reduce, and it accepts uneven rows.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .agree import check_chunks, check_same, chunks_code, dtype_code
+from .agree import Check, check_chunks, chunks_code, dtype_code
 from .context import Decision, OpsContext, attempt, get_context
 from ..perf.pieces import Work
 from .exchange import start_all_to_all, start_gather
 from .pieces import (as_rows, check_float, check_sizes, even_sizes, offsets,
                      tapered)
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "GatherCheck", "ScatterCheck"]
 
 
 def _row_pieces(sizes: Sequence[int], chunks: int) -> list[list[int]]:
@@ -127,6 +128,43 @@ class _Gathered:
         return out
 
 
+@dataclass(frozen=True)
+class GatherCheck(Check):
+    """``all_gather_matmul``'s check: this rank's rows M_r and columns N_r (both may
+    differ), and what fixes the wire schedule: dtype, K, chunks, whether a backward (a
+    reduce-scatter) follows, the rows per index of the gathered dim, every rank's sizes
+    (-1 each where they are as found)."""
+
+    M_r: int
+    N_r: int
+    dtype: int
+    K: int
+    chunks: int
+    x_needs_grad: int
+    unit: int
+    sizes: tuple
+    AGREED: ClassVar = ("dtype", "K", "chunks", "x_needs_grad", "unit", "sizes")
+    PER_RANK: ClassVar = frozenset({"sizes"})
+    LABELS: ClassVar = {"x_needs_grad": "x needs grad", "unit": "rows per index of dim"}
+
+
+@dataclass(frozen=True)
+class ScatterCheck(Check):
+    """``matmul_reduce_scatter``'s check: dtype, M, N, chunks, whether a backward (a
+    gather) follows and every rank's sizes must agree; K_r may differ (uneven shards)."""
+
+    dtype: int
+    M: int
+    N: int
+    chunks: int
+    needs_grad: int
+    K_r: int
+    sizes: tuple
+    AGREED: ClassVar = ("dtype", "M", "N", "chunks", "needs_grad", "sizes")
+    PER_RANK: ClassVar = frozenset({"sizes"})
+    LABELS: ClassVar = {"needs_grad": "needs grad"}
+
+
 def _chain(op: str, x: torch.Tensor, w: torch.Tensor, k_name: str) -> None:
     check_float(op, x, w)
     if x.dim() != 2 or w.dim() != 2 or w.shape[0] != x.shape[1]:
@@ -152,17 +190,18 @@ def _gather_plan(op, group, chunks, ctx, prepare) -> tuple[torch.Tensor, list[in
         _chain(op, x, w, "_r, K")
         if sizes is not None:
             check_sizes(op, "sizes", sizes, world, x.shape[0], rank)
-        # w's width N_r may differ per rank (an uneven column plan): the busiest prices auto
-        return (x.shape[0], w.shape[1], dtype_code(x.dtype), x.shape[1], chunks_code(chunks),
-                int(needs_grad), unit,
-                *([int(v) for v in sizes] if sizes is not None else [-1] * world))
+        return GatherCheck(x.shape[0], w.shape[1], dtype_code(x.dtype), x.shape[1],
+                           chunks_code(chunks), int(needs_grad), unit,
+                           tuple(int(v) for v in sizes) if sizes is not None else (-1,) * world
+                           ).row()
     row, problem = attempt(local)
-    metas = ctx.gather_meta(op, 7 + world, row, problem)
-    check_same(op, ("dtype", "K", "chunks", "x needs grad", "rows per index of dim", "sizes"),
-               [(*m[2:7], tuple(m[7:])) for m in metas])
+    metas = ctx.gather_meta(op, GatherCheck.width(world), row, problem)
+    GatherCheck.agree(op, metas)
+    checks = GatherCheck.from_rows(metas)
     x = got["args"][0]
-    rows = [m[0] for m in metas]
-    m, k, n = sum(rows), x.shape[1], max(meta[1] for meta in metas)
+    rows = [c.M_r for c in checks]
+    # w's width N_r may differ per rank (an uneven column plan): the busiest prices auto
+    m, k, n = sum(rows), x.shape[1], max(c.N_r for c in checks)
     own = min(rows)  # the busiest rank: fewest own rows, most to wait for
     work = Work(flops=2.0 * (m - own) * k * n, lead_flops=2.0 * own * k * n, receive=True,
                 wire_bytes=(world - 1) / world * m * k * x.element_size(), kind="all_gather",
@@ -315,15 +354,15 @@ def _scatter_plan(op, group, chunks, ctx, prepare) -> Decision:
         if sum(sizes) != x.shape[0]:
             raise ValueError(f"{op}: sizes {list(sizes)} sum to {sum(sizes)}, "
                              f"but x has {x.shape[0]} rows")
-        return (dtype_code(x.dtype), x.shape[0], w.shape[1], chunks_code(chunks),
-                int(needs_grad), x.shape[1], *sizes)
+        return ScatterCheck(dtype_code(x.dtype), x.shape[0], w.shape[1], chunks_code(chunks),
+                            int(needs_grad), x.shape[1], tuple(int(v) for v in sizes)).row()
     row, problem = attempt(local)
-    metas = ctx.gather_meta(op, 6 + world, row, problem)
-    check_same(op, ("dtype", "M", "N", "chunks", "needs grad", "sizes"),
-               [(*m[:5], tuple(m[6:])) for m in metas])
+    metas = ctx.gather_meta(op, ScatterCheck.width(world), row, problem)
+    ScatterCheck.agree(op, metas)
+    checks = ScatterCheck.from_rows(metas)
     x, _, sizes, _ = got["args"]
-    m, n = metas[0][1], metas[0][2]
-    k_max = max(meta[5] for meta in metas)
+    m, n = checks[0].M, checks[0].N
+    k_max = max(c.K_r for c in checks)
     own = min(sizes)  # the busiest rank: fewest own rows, most to compute before the wire
     work = Work(flops=2.0 * (m - own) * k_max * n, tail_flops=2.0 * own * k_max * n,
                 wire_bytes=(world - 1) / world * m * n * x.element_size(),

@@ -36,14 +36,15 @@ its gather under the first GEMM, as ``column_parallel_matmul`` does.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 
 from .context import OpsContext, attempt, get_context
 from .pieces import as_rows, compute_region, current_region, offsets, piece
 from .deferred import accumulate, defer, run_deferred
-from .matmul_all_reduce import (DGRAD, _decide, _dgrad_row, _fused_forward, _local_row,
-                               _same_dgrad)
+from .matmul_all_reduce import (DGRAD, DgradCheck, _decide, _fused_forward, dgrad_check,
+                               local_check, same_dgrad)
 from .regions import copy_to_region
 
 __all__ = ["SharedInput"]
@@ -68,7 +69,7 @@ class _Wrap:
         """The backward's schedule, checked on every rank (once, after the first GEMM)."""
         if self.metas is None and self.agreed is not None:
             self.metas = self.agreed()
-            _same_dgrad(self.metas)
+            same_dgrad(self.metas)
 
 
 class _Enter(torch.autograd.Function):
@@ -272,11 +273,11 @@ class SharedInput:
 
         def row():  # the dgrad [M, Σ N_j] @ [Σ N_j, K], row-major
             for p in params:
-                _local_row("column_parallel_matmul", x2, p.t(), self.chunks)
-            own = _dgrad_row(x2, params[0].t(), self.chunks, True)
-            return (*own[:4], sum(p.shape[0] for p in params), 0, own[6])
+                local_check("column_parallel_matmul", x2, p.t(), self.chunks)
+            own = dgrad_check(x2, params[0].t(), self.chunks, True)
+            return replace(own, K_r=sum(p.shape[0] for p in params), w_column_major=0).row()
         mine, problem = attempt(row)
-        agreed = ctx.start_meta(DGRAD, 7, mine, problem)
+        agreed = ctx.start_meta(DGRAD, DgradCheck.width(0), mine, problem)
         if problem is not None:
             agreed()  # raises on every rank
         self._wrap = _Wrap(x, agreed)  # for the agreement only: ``matmul`` wraps anew
@@ -324,10 +325,10 @@ class SharedInput:
             ctx = self._ctx or get_context(self.group)
 
             def row():  # the dgrad [M, Σ N_j] @ [Σ N_j, K], row-major
-                own = _dgrad_row(x2, w, self.chunks, True)
-                return (*own[:4], width, 0, own[6])
+                own = dgrad_check(x2, w, self.chunks, True)
+                return replace(own, K_r=width, w_column_major=0).row()
             mine, problem = attempt(row)
-            agreed = ctx.start_meta(DGRAD, 7, mine, problem)
+            agreed = ctx.start_meta(DGRAD, DgradCheck.width(0), mine, problem)
             if problem is not None:
                 agreed()  # raises on every rank
             self._wrap = _Wrap(x, agreed)
