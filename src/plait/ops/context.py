@@ -126,6 +126,9 @@ class OpsContext:
     # call of a decoding step
     _plans: dict[tuple, object] = field(default_factory=dict)
     _measured_here: bool = False  # the calibration was measured on this group
+    # weight gradients held back until one of this group's collectives can hide them
+    # (plait.ops.deferred), run under it or when the backward ends
+    deferred: list = field(default_factory=list)
 
     @contextlib.contextmanager
     def using(self, transport):
@@ -331,6 +334,11 @@ def get_context(group=None) -> OpsContext:
         if checks is not None:
             prioritize_group(checks)
     return _CONTEXTS[group]
+
+
+def contexts() -> list[OpsContext]:
+    """Every group's context made so far."""
+    return list(_CONTEXTS.values())
 
 
 def transport_of(group=None):

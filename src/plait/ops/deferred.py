@@ -10,6 +10,7 @@ ends runs then (a callback queued on the autograd engine, as DDP queues its
 own). The gradient is added to the parameter's ``.grad`` directly, so it
 counts for ``loss.backward()`` and the optimizer, not for
 ``torch.autograd.grad``, which never sees it: layers defer only where asked.
+The queue is the operator's context's (``OpsContext.deferred``): one per group.
 """
 
 from __future__ import annotations
@@ -18,28 +19,35 @@ from typing import Callable
 
 import torch
 
+from .context import OpsContext, contexts
+
 __all__ = ["accumulate", "defer", "pending", "run_deferred"]
 
-_pending: list[Callable[[], None]] = []
 
-
-def defer(work: Callable[[], None]) -> None:
-    """Run ``work`` later in this backward pass (under a collective, or at its end).
+def defer(ctx: OpsContext, work: Callable[[], None]) -> None:
+    """Run ``work`` later in this backward pass (under one of ``ctx``'s collectives, or at
+    the pass's end).
 
     Each call queues its own end callback (a no-op once the work has run), so a
     backward that failed part-way cannot leave a later one without its callback."""
-    _pending.append(work)
-    torch.autograd.Variable._execution_engine.queue_callback(run_deferred)
+    ctx.deferred.append(work)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: run_deferred(ctx))
 
 
-def run_deferred() -> None:
-    """Run every deferred piece of work now, oldest first."""
-    while _pending:
-        _pending.pop(0)()
+def _held(ctx: OpsContext | None) -> list[OpsContext]:
+    return [ctx] if ctx is not None else contexts()
 
 
-def pending() -> int:
-    return len(_pending)
+def run_deferred(ctx: OpsContext | None = None) -> None:
+    """Run ``ctx``'s deferred work now (None: every group's), oldest first."""
+    for held in _held(ctx):
+        while held.deferred:
+            held.deferred.pop(0)()
+
+
+def pending(ctx: OpsContext | None = None) -> int:
+    """How much work ``ctx`` holds back (None: every group's)."""
+    return sum(len(held.deferred) for held in _held(ctx))
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -261,9 +261,9 @@ class InFlight:
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, group, decision, transposed, wgrad_into, in_flight, check=None):
+    def forward(ctx, x2, w, group, decision, transposed, wgrad_into, in_flight, check, ops_ctx):
         ctx.save_for_backward(x2, w)
-        ctx.region, ctx.wgrad_into = current_region(), wgrad_into
+        ctx.region, ctx.wgrad_into, ctx.ops_ctx = current_region(), wgrad_into, ops_ctx
         out = _fused_forward(x2, w, group, decision, transposed, in_flight=in_flight,
                              check=check)
         # a view (a GEMV's transposed buffer) returned from here could not be modified in
@@ -283,8 +283,8 @@ class _MatmulAllReduce(torch.autograd.Function):
             def wgrad():  # in the parameter's [N, K_r] layout
                 with compute_region(region), piece():
                     accumulate(param, dy.t() @ x2)
-            defer(wgrad)
-        return dx, dw, None, None, None, None, None, None
+            defer(ctx.ops_ctx, wgrad)
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -326,9 +326,9 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         if problem is not None:
             ctx.gather_meta(OP, MatmulCheck.width(0), None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
-        return _started(x, x2, w, group, decision, *plan, wgrad_into)
+        return _started(x, x2, w, group, decision, *plan, wgrad_into, ctx)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
-    return _started(x, x2, w, group, decision, transposed, None, wgrad_into)
+    return _started(x, x2, w, group, decision, transposed, None, wgrad_into, ctx)
 
 
 def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
@@ -346,13 +346,13 @@ def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
         OP, MatmulCheck.names(), check.row(), lambda rows: MatmulCheck.agree(OP, rows, agreed))
 
 
-def _started(x, x2, w, group, decision, transposed, check, wgrad_into) -> InFlight:
+def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx) -> InFlight:
     """The forward, through autograd where a backward follows, else alone (a decoding
     step: nothing to save); in x's leading shape."""
     works: list = []
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
         out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works,
-                                     check)
+                                     check, ops_ctx)
     else:
         out = _fused_forward(x2, w, group, decision, transposed, in_flight=works, check=check)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
@@ -391,7 +391,7 @@ def _column_backward(x2: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group,
         if needs_dw:
             with piece():
                 grads["dw"] = x2.t() @ dy
-        run_deferred()
+        run_deferred(ops_ctx)
     if not needs_dx:
         wgrad()
         return None, grads.get("dw")

@@ -53,8 +53,9 @@ __all__ = ["SharedInput"]
 class _Wrap:
     """One input, wrapped once: the siblings' (dy_j, w_jᵀ) as their backwards leave them."""
 
-    def __init__(self, x: torch.Tensor, agreed=None):
+    def __init__(self, x: torch.Tensor, agreed=None, ops_ctx=None):
         self.x, self.version, self.agreed = weakref.ref(x), x._version, agreed
+        self.ops_ctx = ops_ctx  # where a sibling defers its weight gradient
         self.metas, self.parts, self.done = None, [], False
         self.tensor = lambda: None  # the wrapped input (weakly: autograd's graph holds it)
 
@@ -94,7 +95,7 @@ class _Enter(torch.autograd.Function):
             decision, transposed = _decide(DGRAD, wrap.metas, dy.element_size(), ctx.chunks,
                                            ctx.ops_ctx)
             dx = _fused_forward(dy.contiguous(), w, ctx.group, decision, transposed,
-                                meanwhile=run_deferred)  # [M, K], Σ_r Σ_j dy_j @ w_jᵀ
+                                meanwhile=lambda: run_deferred(ctx.ops_ctx))  # [M, K]
         return dx, None, None, None, None
 
 
@@ -123,7 +124,7 @@ class _Sibling(torch.autograd.Function):
             def wgrad():  # in the parameter's [N_j, K] layout
                 with compute_region(region), piece():
                     accumulate(param, dy.t() @ xs)
-            defer(wgrad)
+            defer(ctx.wrap.ops_ctx, wgrad)  # a sibling's wrap is the fused path's: it has one
         elif ctx.needs_input_grad[1]:
             with compute_region(ctx.region), piece():
                 dw = xs.t() @ dy  # [K, N_j]
@@ -199,7 +200,7 @@ class _Together(torch.autograd.Function):
                 with piece():
                     dw = dy.t() @ x2  # [Σ live N_j, K], each weight's rows in turn
                 dws.update(zip(live, dw.split([ctx.widths[j] for j in live])))
-            run_deferred()
+            run_deferred(ctx.ops_ctx)
         with compute_region(ctx.region):
             if ctx.wrap is None:  # plain: x2 came through copy_to_region, whose backward
                 with piece():    # all-reduces this dx
@@ -280,7 +281,7 @@ class SharedInput:
         agreed = ctx.start_meta(DGRAD, DgradCheck.width(0), mine, problem)
         if problem is not None:
             agreed()  # raises on every rank
-        self._wrap = _Wrap(x, agreed)  # for the agreement only: ``matmul`` wraps anew
+        self._wrap = _Wrap(x, agreed, ctx)  # for the agreement only: ``matmul`` wraps anew
         outs.ys = list(_Together.apply(x2, self._wrap, self.group, self.chunks, ctx,
                                        weakref.ref(outs), *params))
         return outs
@@ -331,7 +332,7 @@ class SharedInput:
             agreed = ctx.start_meta(DGRAD, DgradCheck.width(0), mine, problem)
             if problem is not None:
                 agreed()  # raises on every rank
-            self._wrap = _Wrap(x, agreed)
+            self._wrap = _Wrap(x, agreed, ctx)
             xs = _Enter.apply(x2, self._wrap, self.group, self.chunks, ctx)
         self._wrap.tensor = weakref.ref(xs)
         return xs
