@@ -203,7 +203,7 @@ def test_debug_adds_the_failed_ranks_traceback(runs):
 
 def test_train_through_main_writes_what_the_run_computed(runs):
     """2 ranks, uneven heads: exit 0, log.json holds the flags and every step, its losses are
-    one process's (float32: the ranks sum in another order; tests/nn/test_train.py holds 2 and
+    one process's (float32: the ranks sum in another order; tests/training/test_train.py holds 2 and
     3 ranks to 1e-12 in float64), and the printed figures are the log's."""
     result, folder, _ = runs["train"]
     assert result["rc"] == 0, result

@@ -1,7 +1,7 @@
 """``plait train --model moe|hf-mixtral --balance migrate --slow 1:3`` on 2 ranks: experts
 placed by routed load and rank speed inside the training loop, the losses of the run without.
 
-As tests/nn/test_train_balance.py: float64, every rank a virtual device (timed by its
+As tests/training/test_train_balance.py: float64, every rank a virtual device (timed by its
 products' FLOPs), so the speeds read (1, 1/3) exactly and the run decides the same way each
 time. The MoE GPT and a transformers Mixtral train without a balancer, then under
 ``migrate``: the attention heads migrate by speed and each MoE layer's experts are placed

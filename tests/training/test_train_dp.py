@@ -1,7 +1,7 @@
 """``plait train --dp 2 --tp 2``: the training loop on 4 ranks against one process on the global
 batch, written out here (the same seed, batches, AdamW and schedule; no plait layer).
 
-In float64 (the default dtype on every rank, as tests/nn/test_train.py runs its GPTs), for
+In float64 (the default dtype on every rank, as tests/training/test_train.py runs its GPTs), for
 plait's GPT with tp groups inside a host ([0, 1], [2, 3]) and the transformers Llama with tp
 groups across hosts (``--tp-across-hosts``: [0, 2], [1, 3]), one launch: every step's logged
 loss (the replicas' mean, each replica on half the rows) and the held-out loss equal the one
