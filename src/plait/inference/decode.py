@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transport.base import latency_bound
+
 __all__ = ["decode", "Decoded", "step_figures", "bucket"]
 
 
@@ -138,13 +140,18 @@ class _Steps:
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's forward (not compiled: one shape a prompt); its last logits [B, V]."""
-        out = self.model(input_ids=self._padded(prompt), **self._kw(prompt.shape[1]))
+        with latency_bound():
+            out = self.model(input_ids=self._padded(prompt), **self._kw(prompt.shape[1]))
         if self.cache is None:
             self.cache = _cache_of(out)
         return out.logits[:self.rows, -1]
 
     def step(self, nxt: torch.Tensor) -> torch.Tensor:
         """The forward of each row's chosen token [B]; its logits [B, V]."""
+        with latency_bound():  # small calls, waited for at once: gloo's are exchanges
+            return self._step(nxt)
+
+    def _step(self, nxt: torch.Tensor) -> torch.Tensor:
         self.length += 1
         if self.mask is not None and not self.compiled:  # the mask grows with the cache
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(nxt), 1)], 1)

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from ..ops import all_gather_matmul, column_parallel_matmul, matmul_reduce_scatter
 from ..ops.context import attempt, refused
-from ..ops.matmul_all_reduce import (InFlight, matmul_all_reduce_start, traced_column_matmul,
-                                     traced_matmul_all_reduce)
+from ..ops.matmul_all_reduce import (InFlight, matmul_all_reduce, matmul_all_reduce_start,
+                                     traced_column_matmul, traced_matmul_all_reduce)
 from ..ops.shared_input import SharedInput
 from ..ops.regions import copy_to_region, gather_for_matmul, reduce_from_region, reduce_scatter_region
 from ._shard import _idle, compute_scope, mark_partial_grad, shard_of
@@ -233,7 +233,7 @@ class RowParallelLinear(_ParallelLinear):
                 not self.sequence_parallel and self.info.world > 1 and _idle(self.compute_timer):
             # no backward, nothing timed or slowed (a decoding step): the operator alone
             bias = self.bias
-            y = matmul_all_reduce_start(x, self.weight.t(), self.group, chunks=self.chunks).wait()
+            y = matmul_all_reduce(x, self.weight.t(), self.group, chunks=self.chunks)
             return y if bias is None else y + bias
         return self.start(x).finish()
 

@@ -304,8 +304,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="a
     """
     if torch.compiler.is_compiling():
         return traced_matmul_all_reduce(x, w, group, chunks)
-    return matmul_all_reduce_start(x, w, group, chunks=chunks, ctx=ctx,
-                                   wgrad_into=wgrad_into).wait()
+    return _start(x, w, group, chunks, ctx, wgrad_into, at_once=True).wait()
 
 
 def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -315,6 +314,14 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     ``.wait()`` gives the result. Between the two the caller may compute anything that
     does not read the result, and start other collectives on the group (they queue
     behind these pieces); the backward is the same as ``matmul_all_reduce``'s."""
+    return _start(x, w, group, chunks, ctx, wgrad_into, at_once=False)
+
+
+def _start(x, w, group, chunks, ctx: OpsContext | None, wgrad_into, *, at_once: bool
+           ) -> InFlight:
+    """``matmul_all_reduce_start``; ``at_once``: the caller waits at once (no backward
+    follows: a decoding step), so nothing is left on the wire: synchronous calls, which
+    torch.distributed's transport may make exchanges."""
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
     if chunks == "auto" and carries_checks(ctx):
@@ -327,9 +334,9 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
         if problem is not None:
             ctx.gather_meta(OP, MatmulCheck.width(0), None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
-        return _started(x, x2, w, group, decision, *plan, wgrad_into, ctx)
+        return _started(x, x2, w, group, decision, *plan, wgrad_into, ctx, at_once)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
-    return _started(x, x2, w, group, decision, transposed, None, wgrad_into, ctx)
+    return _started(x, x2, w, group, decision, transposed, None, wgrad_into, ctx, at_once)
 
 
 def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
@@ -347,7 +354,8 @@ def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
         OP, MatmulCheck.names(), check.row(), lambda rows: MatmulCheck.agree(OP, rows, agreed))
 
 
-def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx) -> InFlight:
+def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx,
+             at_once: bool = False) -> InFlight:
     """The forward, through autograd where a backward follows, else alone (a decoding
     step: nothing to save); in x's leading shape."""
     works: list = []
@@ -355,7 +363,8 @@ def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx) 
         out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works,
                                      check, ops_ctx)
     else:
-        out = _fused_forward(x2, w, group, decision, transposed, in_flight=works, check=check)
+        out = _fused_forward(x2, w, group, decision, transposed,
+                             in_flight=None if at_once else works, check=check)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
 
 

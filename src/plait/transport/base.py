@@ -5,8 +5,10 @@ what they do not carry."""
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from ..runtime.compat import all_gather_into
 
 __all__ = ["Choice", "DistTransport", "Done", "EXCHANGE_BYTES", "Transport", "dist_all_gather",
-           "dist_all_reduce"]
+           "dist_all_reduce", "latency_bound"]
 
 # Up to this many bytes, gloo's all-reduce is an exchange (below). Measured on 2 cores (AMD
 # EPYC, torch 2.13, gloo over loopback, float32, 2 and 3 ranks, mean µs a call): the exchange
@@ -138,9 +140,24 @@ class _Exchange:
         return self.done
 
 
-def _exchanges(group, tensor: torch.Tensor) -> bool:
+_LATENCY_BOUND: ContextVar = ContextVar("plait_latency_bound", default=False)
+
+
+@contextlib.contextmanager
+def latency_bound() -> Iterator[None]:
+    """Inside, every rank waits for each small call at once with nothing else to do (a
+    decoding step): gloo's are exchanges there (:func:`dist_all_reduce`)."""
+    token = _LATENCY_BOUND.set(True)
+    try:
+        yield
+    finally:
+        _LATENCY_BOUND.reset(token)
+
+
+def _exchanges(group, tensor: torch.Tensor, async_op: bool) -> bool:
     """Whether a collective of ``tensor`` on ``group`` is an exchange (:func:`dist_all_reduce`)."""
-    return tensor.device.type == "cpu" and tensor.is_contiguous() \
+    return not async_op and _LATENCY_BOUND.get() and tensor.device.type == "cpu" \
+        and tensor.is_contiguous() \
         and tensor.numel() * tensor.element_size() <= EXCHANGE_BYTES \
         and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
 
@@ -155,12 +172,16 @@ def _ended(exchange: _Exchange, async_op: bool):
 def dist_all_reduce(tensor: torch.Tensor, group, async_op: bool = False):
     """``dist.all_reduce(tensor, group=group)``; on gloo, the same sum in every rank's bits.
 
-    Up to :data:`EXCHANGE_BYTES` of a contiguous CPU tensor on gloo, every rank sends the
-    tensor to every other (``isend``/``irecv``) and sums the world's in rank order. gloo's
-    collectives run each call on a worker thread of their own that hands to the link's
-    thread and back: at a few KiB that is 3 to 5 × the exchange's time, and their tail tens
-    of times longer on a busy host. Above it, and elsewhere, torch.distributed's own."""
-    if not _exchanges(group, tensor):
+    Inside :func:`latency_bound` (a decoding step), up to :data:`EXCHANGE_BYTES` of a
+    contiguous CPU tensor on gloo, waited for at once, every rank sends the tensor to every
+    other (``isend``/``irecv``) and sums the world's in rank order. gloo's collectives run
+    each call on a worker thread of their own that hands to the link's thread and back: at
+    a few KiB that is 3 to 5 × the exchange's time, and their tail tens of times longer.
+    But a send waits for its peer to post the receive and for its own link thread to hear
+    so, which a rank that computes makes late: in a training step (pieces in flight, checks
+    waited for at once) exchanges made the step 13 to 19 % longer over a 1 Gbit/s link, so
+    there, and above the size, gloo's own collectives run."""
+    if not _exchanges(group, tensor, async_op):
         return dist.all_reduce(tensor, group=group, async_op=async_op)
     flat = tensor.detach().view(-1)  # in place, outside autograd, as torch.distributed's
     parts = flat.new_empty(dist.get_world_size(group), flat.numel())
@@ -177,7 +198,7 @@ def dist_all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: boo
     """``out`` = every rank's ``piece`` in rank order (equal pieces): torch.distributed's
     all_gather, or on gloo up to :data:`EXCHANGE_BYTES` an exchange (:func:`dist_all_reduce`)."""
     piece = piece.contiguous()
-    if not (_exchanges(group, out) and out.is_contiguous()):
+    if not (_exchanges(group, out, async_op) and out.is_contiguous()):
         return all_gather_into(out, piece, group=group, async_op=async_op)
     parts = out.detach().view(dist.get_world_size(group), -1)
     parts[dist.get_rank(group)].copy_(piece.detach().view(-1))
