@@ -4,8 +4,10 @@ one process:
 
 - an all-reduce up to ``EXCHANGE_BYTES`` is the sum in rank order, the same bits on every
   rank, in place and outside autograd (a tensor that requires grad, as a layer's is);
-- with ``async_op`` (left in flight while the rank computes) and past ``EXCHANGE_BYTES``,
-  gloo's own all-reduce: two in flight keep their order, within the dtype's tolerance;
+- with ``async_op`` nothing is summed until ``wait()``, two in flight keep their order, and
+  a rank that waits at once meets one that does not (how a rank calls never decides it:
+  a slowed rank's timed path is asynchronous where its peer's is not);
+- past ``EXCHANGE_BYTES``, gloo's own all-reduce, within the dtype's tolerance;
 - an all-gather up to it: every rank's piece, in rank order, bit for bit.
 """
 
@@ -43,9 +45,16 @@ def _calls(world: int) -> dict:
         out[f"sum/{dtype}"] = x.detach().clone()
     a, b = _piece(rank, 64, torch.float64), 2 * _piece(rank, 64, torch.float64)
     ha, hb = base.dist_all_reduce(a, None, async_op=True), base.dist_all_reduce(b, None, True)
+    out["untouched"] = torch.equal(a, _piece(rank, 64, torch.float64))
     hb.wait()
     ha.wait()
     out["async"] = (a.clone(), b.clone())
+    c = _piece(rank, 64, torch.float64)
+    if rank == 0:
+        base.dist_all_reduce(c, None, async_op=True).wait()
+    else:
+        base.dist_all_reduce(c, None)
+    out["mixed"] = c
     big = _piece(rank, base.EXCHANGE_BYTES // 4 + 1, torch.float64)
     base.dist_all_reduce(big, None)
     out["big"] = big
@@ -64,8 +73,9 @@ def test_small_collectives_are_exact_exchanges(world):
             assert torch.equal(out[f"sum/{dtype}"], want), dtype
     a = _in_rank_order(world, 64, torch.float64)
     for out in outs:
-        torch.testing.assert_close(out["async"][0], a, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(out["async"][1], 2 * a, rtol=1e-12, atol=1e-12)
+        assert out["untouched"]  # nothing summed before wait()
+        assert torch.equal(out["async"][0], a) and torch.equal(out["async"][1], 2 * a)
+        assert torch.equal(out["mixed"], a)
         n = base.EXCHANGE_BYTES // 4 + 1
         torch.testing.assert_close(out["big"], _in_rank_order(world, n, torch.float64),
                                    rtol=1e-12, atol=1e-12)

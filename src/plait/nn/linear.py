@@ -286,8 +286,7 @@ class RowParallelLinear(_ParallelLinear):
                                          self._seq_sizes(gathered=False))
         if not self.overlap:
             return reduce_from_region(F.linear(x, weight), self.group)
-        into = self.weight if self._kept is None else None  # a resized weight is a copy
-        return traced_matmul_all_reduce(x, weight.t(), self.group, self.chunks, into)
+        return traced_matmul_all_reduce(x, weight.t(), self.group, self.chunks)
 
     def _plain_local(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The plain path's local GEMM, once x is known to fit (a ValueError/TypeError

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -129,6 +130,9 @@ class OpsContext:
     # weight gradients held back until one of this group's collectives can hide them
     # (plait.ops.deferred), run under it or when the backward ends
     deferred: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _MADE.append(weakref.ref(self))  # run_deferred() finds one made by hand too
 
     @contextlib.contextmanager
     def using(self, transport):
@@ -337,9 +341,14 @@ def get_context(group=None) -> OpsContext:
     return _CONTEXTS[group]
 
 
+_MADE: list[weakref.ref] = []  # every context made in this process, weakly
+
+
 def contexts() -> list[OpsContext]:
-    """Every group's context made so far."""
-    return list(_CONTEXTS.values())
+    """Every context alive in this process: each group's and any made by hand."""
+    alive = [ref() for ref in _MADE]
+    _MADE[:] = [ref for ref, ctx in zip(_MADE, alive) if ctx is not None]
+    return [ctx for ctx in alive if ctx is not None]
 
 
 def transport_of(group=None):

@@ -37,7 +37,6 @@ gradient a ``matmul_all_reduce(wgrad_into=)`` deferred (:mod:`plait.ops.deferred
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,7 +49,7 @@ from .pieces import as_rows, check_float, compute_region, current_region, offset
 from ..perf.pieces import Work
 from .deferred import accumulate, defer, run_deferred
 from ..transport.calls import Carried
-from .library import constant_result, define, group_key, group_of
+from .library import define, group_key, group_of
 
 __all__ = ["matmul_all_reduce", "matmul_all_reduce_start", "InFlight", "column_parallel_matmul",
            "GEMV_ROWS", "traced_matmul_all_reduce", "traced_column_matmul", "MatmulCheck",
@@ -304,7 +303,8 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="a
     """
     if torch.compiler.is_compiling():
         return traced_matmul_all_reduce(x, w, group, chunks)
-    return _start(x, w, group, chunks, ctx, wgrad_into, at_once=True).wait()
+    return matmul_all_reduce_start(x, w, group, chunks=chunks, ctx=ctx,
+                                   wgrad_into=wgrad_into).wait()
 
 
 def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chunks="auto",
@@ -314,14 +314,6 @@ def matmul_all_reduce_start(x: torch.Tensor, w: torch.Tensor, group=None, *, chu
     ``.wait()`` gives the result. Between the two the caller may compute anything that
     does not read the result, and start other collectives on the group (they queue
     behind these pieces); the backward is the same as ``matmul_all_reduce``'s."""
-    return _start(x, w, group, chunks, ctx, wgrad_into, at_once=False)
-
-
-def _start(x, w, group, chunks, ctx: OpsContext | None, wgrad_into, *, at_once: bool
-           ) -> InFlight:
-    """``matmul_all_reduce_start``; ``at_once``: the caller waits at once (no backward
-    follows: a decoding step), so nothing is left on the wire: synchronous calls, which
-    torch.distributed's transport may make exchanges."""
     ctx = ctx or get_context(group)
     x2 = as_rows(x) if isinstance(x, torch.Tensor) and x.dim() else x  # [M, K_r]
     if chunks == "auto" and carries_checks(ctx):
@@ -334,9 +326,9 @@ def _start(x, w, group, chunks, ctx: OpsContext | None, wgrad_into, *, at_once: 
         if problem is not None:
             ctx.gather_meta(OP, MatmulCheck.width(0), None, problem)  # raises on every rank
         decision = ctx.decide(OP, chunks, work=None, rows=x2.shape[0])
-        return _started(x, x2, w, group, decision, *plan, wgrad_into, ctx, at_once)
+        return _started(x, x2, w, group, decision, *plan, wgrad_into, ctx)
     decision, transposed = _plan(OP, x2, w, chunks, ctx, wgrad_into)
-    return _started(x, x2, w, group, decision, transposed, None, wgrad_into, ctx, at_once)
+    return _started(x, x2, w, group, decision, transposed, None, wgrad_into, ctx)
 
 
 def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
@@ -354,8 +346,7 @@ def _carried(x2: torch.Tensor, w: torch.Tensor, chunks,
         OP, MatmulCheck.names(), check.row(), lambda rows: MatmulCheck.agree(OP, rows, agreed))
 
 
-def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx,
-             at_once: bool = False) -> InFlight:
+def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx) -> InFlight:
     """The forward, through autograd where a backward follows, else alone (a decoding
     step: nothing to save); in x's leading shape."""
     works: list = []
@@ -363,8 +354,7 @@ def _started(x, x2, w, group, decision, transposed, check, wgrad_into, ops_ctx,
         out = _MatmulAllReduce.apply(x2, w, group, decision, transposed, wgrad_into, works,
                                      check, ops_ctx)
     else:
-        out = _fused_forward(x2, w, group, decision, transposed,
-                             in_flight=None if at_once else works, check=check)
+        out = _fused_forward(x2, w, group, decision, transposed, in_flight=works, check=check)
     return InFlight(out.reshape(*x.shape[:-1], w.shape[1]) if x.dim() != 2 else out, works)
 
 
@@ -484,67 +474,10 @@ class _Traced(torch.autograd.Function):
         return dx, dw, None, None
 
 
-_WGRAD_INTO: dict[str, weakref.ref] = {}  # a key in a graph -> the parameter it names
-
-
-@constant_result
-def param_key(param: torch.Tensor) -> str:
-    """A string naming ``param`` in a graph; the parameter itself is kept (weakly) here for
-    the op to find, as :func:`~plait.ops.library.group_key` keeps a group."""
-    key = f"param{id(param)}"
-    _WGRAD_INTO[key] = weakref.ref(param)
-    return key
-
-
-def _row_grads(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group: str, key: str
-               ) -> torch.Tensor:
-    """The op's kernel: a row-parallel backward for traced code, as eager plait's: dx = dy wᵀ
-    now, the weight's gradient ``dyᵀ x`` deferred (:mod:`plait.ops.deferred`) to run under
-    the group's next fused dgrad's pieces and added to the parameter ``key`` names. It
-    keeps copies of x and dy: the graph may reuse their buffers once this op returns."""
-    param = _WGRAD_INTO[key]()
-    with torch.no_grad():
-        dx = dy @ w.t()
-        x2, dy2 = as_rows(x).clone(), as_rows(dy).clone()
-
-    def wgrad():  # in the parameter's [N, K_r] layout
-        with torch.no_grad():
-            accumulate(param, dy2.t() @ x2)
-    defer(get_context(group_of(group)), wgrad)
-    return dx
-
-
-define("row_grads(Tensor x, Tensor w, Tensor dy, str group, str key) -> Tensor", _row_grads,
-       lambda x, w, dy, group, key: dy.new_empty(*dy.shape[:-1], w.shape[0]))
-
-
-class _TracedInto(_Traced):
-    """``_Traced`` whose weight's gradient is deferred into its parameter
-    (``plait::row_grads``), as eager plait's row-parallel layer defers it: autograd
-    sees none for w."""
-
-    @staticmethod
-    def forward(ctx, x, w, group: str, chunks: int, key: str):
-        ctx.save_for_backward(x, w)
-        ctx.group, ctx.key = group, key
-        return torch.ops.plait.matmul_all_reduce(x, w, group, chunks)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        return torch.ops.plait.row_grads(x, w, dy, ctx.group, ctx.key), None, None, None, None
-
-
-def traced_matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group, chunks,
-                             wgrad_into: torch.Tensor | None = None) -> torch.Tensor:
+def traced_matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group, chunks) -> torch.Tensor:
     """``plait::matmul_all_reduce`` with its gradient, for traced code (``chunks`` an int or
-    ``"auto"``). ``wgrad_into``: the parameter ``w`` is the transpose of, as eager's: its
-    gradient is deferred under the next fused dgrad and added to ``.grad`` directly (only
-    where x needs a gradient: the op that defers it is the one that gives x's)."""
-    chunks = 0 if chunks == "auto" else int(chunks)
-    if wgrad_into is not None and x.requires_grad:
-        return _TracedInto.apply(x, w, group_key(group), chunks, param_key(wgrad_into))
-    return _Traced.apply(x, w, group_key(group), chunks)
+    ``"auto"``)."""
+    return _Traced.apply(x, w, group_key(group), 0 if chunks == "auto" else int(chunks))
 
 
 def _column_grads(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, group: str, chunks: int

@@ -123,8 +123,9 @@ class _Exchange:
     def __init__(self, piece: torch.Tensor, parts: torch.Tensor, group, finish=None):
         rank = dist.get_rank(group)
         peers = [p for p in range(parts.shape[0]) if p != rank]
-        self.sends = [dist.isend(piece, group=group, group_dst=p) for p in peers]
-        self.recvs = [dist.irecv(parts[p], group=group, group_src=p) for p in peers]
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # global ranks
+        self.sends = [dist.isend(piece, ranks[p], group=group) for p in peers]
+        self.recvs = [dist.irecv(parts[p], ranks[p], group=group) for p in peers]
         self.finish, self.done = finish, False
 
     def wait(self, *args, **kwargs) -> bool:
@@ -154,10 +155,11 @@ def latency_bound() -> Iterator[None]:
         _LATENCY_BOUND.reset(token)
 
 
-def _exchanges(group, tensor: torch.Tensor, async_op: bool) -> bool:
-    """Whether a collective of ``tensor`` on ``group`` is an exchange (:func:`dist_all_reduce`)."""
-    return not async_op and _LATENCY_BOUND.get() and tensor.device.type == "cpu" \
-        and tensor.is_contiguous() \
+def _exchanges(group, tensor: torch.Tensor) -> bool:
+    """Whether a collective of ``tensor`` on ``group`` is an exchange (:func:`dist_all_reduce`):
+    the same answer on every rank (what a decoding step is in, the call's size and layout:
+    never how this rank calls it, which a slowed rank's timed path changes)."""
+    return _LATENCY_BOUND.get() and tensor.device.type == "cpu" and tensor.is_contiguous() \
         and tensor.numel() * tensor.element_size() <= EXCHANGE_BYTES \
         and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
 
@@ -173,15 +175,15 @@ def dist_all_reduce(tensor: torch.Tensor, group, async_op: bool = False):
     """``dist.all_reduce(tensor, group=group)``; on gloo, the same sum in every rank's bits.
 
     Inside :func:`latency_bound` (a decoding step), up to :data:`EXCHANGE_BYTES` of a
-    contiguous CPU tensor on gloo, waited for at once, every rank sends the tensor to every
-    other (``isend``/``irecv``) and sums the world's in rank order. gloo's collectives run
+    contiguous CPU tensor on gloo, every rank sends the tensor to every other
+    (``isend``/``irecv``) and sums the world's in rank order. gloo's collectives run
     each call on a worker thread of their own that hands to the link's thread and back: at
     a few KiB that is 3 to 5 × the exchange's time, and their tail tens of times longer.
     But a send waits for its peer to post the receive and for its own link thread to hear
     so, which a rank that computes makes late: in a training step (pieces in flight, checks
     waited for at once) exchanges made the step 13 to 19 % longer over a 1 Gbit/s link, so
-    there, and above the size, gloo's own collectives run."""
-    if not _exchanges(group, tensor, async_op):
+    there, and above the size, gloo's own collectives run. Every rank decides alike."""
+    if not _exchanges(group, tensor):
         return dist.all_reduce(tensor, group=group, async_op=async_op)
     flat = tensor.detach().view(-1)  # in place, outside autograd, as torch.distributed's
     parts = flat.new_empty(dist.get_world_size(group), flat.numel())
@@ -198,7 +200,7 @@ def dist_all_gather(out: torch.Tensor, piece: torch.Tensor, group, async_op: boo
     """``out`` = every rank's ``piece`` in rank order (equal pieces): torch.distributed's
     all_gather, or on gloo up to :data:`EXCHANGE_BYTES` an exchange (:func:`dist_all_reduce`)."""
     piece = piece.contiguous()
-    if not (_exchanges(group, out, async_op) and out.is_contiguous()):
+    if not (_exchanges(group, out) and out.is_contiguous()):
         return all_gather_into(out, piece, group=group, async_op=async_op)
     parts = out.detach().view(dist.get_world_size(group), -1)
     parts[dist.get_rank(group)].copy_(piece.detach().view(-1))
