@@ -164,6 +164,37 @@ def test_row_parallel_weight_gradient_runs_under_the_next_dgrad(world):
                 assert line.startswith(_line(op, chunks, 24)), line
 
 
+def _deferred_after_a_failed_backward_case():
+    """A backward that raises after the row-parallel weight's gradient was deferred (before
+    any dgrad ran it): the next, whole backward's gradient is that step's alone."""
+    from plait.ops import deferred
+
+    r = dist.get_rank()
+    X, W, G = _full(1, 16, 8), _full(2, 8, 6), _full(3, 16, 6)
+    ks = _cut([3, 5], r)
+    p = W[ks].t().contiguous().requires_grad_()
+    x = X[:, ks].clone().requires_grad_()
+
+    def boom(_):
+        raise RuntimeError("a failure mid-backward")
+    x.register_hook(boom)  # after matmul_all_reduce's backward has deferred p's gradient
+    failed = None
+    try:
+        matmul_all_reduce(x, p.t(), chunks=2, wgrad_into=p).backward(G)
+    except RuntimeError as err:
+        failed = str(err)
+    left = deferred.pending()
+    p.grad = None
+    matmul_all_reduce(X[:, ks], p.t(), chunks=2, wgrad_into=p).backward(G)
+    return failed, left, _err(p.grad, (X.T @ G)[ks].t()), deferred.pending()
+
+
+def test_a_failed_backwards_deferred_gradient_never_lands_in_a_later_step():
+    for failed, left, err, pending in run_ranks(_deferred_after_a_failed_backward_case, 2):
+        assert failed and "mid-backward" in failed and left == 1  # it was held, unrun
+        assert err < TOL and pending == 0  # dropped, not added to the next step's
+
+
 def _deferred_alone_case():
     """No fused collective follows: the deferred gradient still lands, at the backward's end."""
     r = dist.get_rank()

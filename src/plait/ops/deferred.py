@@ -10,7 +10,9 @@ ends runs then (a callback queued on the autograd engine, as DDP queues its
 own). The gradient is added to the parameter's ``.grad`` directly, so it
 counts for ``loss.backward()`` and the optimizer, not for
 ``torch.autograd.grad``, which never sees it: layers defer only where asked.
-The queue is the operator's context's (``OpsContext.deferred``): one per group.
+The queue is the operator's context's (``OpsContext.deferred``): one per group. Each
+piece of work belongs to the backward pass that queued it: a pass that raised part-way never
+ran its end callback, and its work is dropped, never added to a later step's gradients.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def defer(ctx: OpsContext, work: Callable[[], None]) -> None:
 
     Each call queues its own end callback (a no-op once the work has run), so a
     backward that failed part-way cannot leave a later one without its callback."""
-    ctx.deferred.append(work)
+    ctx.deferred.append((torch._C._current_graph_task_id(), work))
     torch.autograd.Variable._execution_engine.queue_callback(lambda: run_deferred(ctx))
 
 
@@ -39,10 +41,14 @@ def _held(ctx: OpsContext | None) -> list[OpsContext]:
 
 
 def run_deferred(ctx: OpsContext | None = None) -> None:
-    """Run ``ctx``'s deferred work now (None: every group's), oldest first."""
+    """Run ``ctx``'s deferred work of this backward pass now (None: every group's), oldest
+    first; work another pass queued (one that raised before its end) is dropped."""
+    task = torch._C._current_graph_task_id()  # -1 outside a backward pass
     for held in _held(ctx):
         while held.deferred:
-            held.deferred.pop(0)()
+            queued, work = held.deferred.pop(0)
+            if queued == task:
+                work()
 
 
 def pending(ctx: OpsContext | None = None) -> int:
