@@ -148,11 +148,11 @@ def gather_checked(op: str, group, problem: Exception | None, row: Sequence[int]
                    width: int) -> list[list[int]]:
     """Every rank's ``row`` (``width`` integers; ignored where the rank rejected its input),
     after every rank has raised if any rank rejected its input."""
-    return start_gather_checked(op, group, problem, row, width, at_once=True)()
+    return start_gather_checked(op, group, problem, row, width)()
 
 
 def start_gather_checked(op: str, group, problem: Exception | None, row: Sequence[int],
-                         width: int, *, at_once: bool = False) -> Callable[[], list[list[int]]]:
+                         width: int) -> Callable[[], list[list[int]]]:
     """``gather_checked``, started: the small gather travels while the caller computes
     something local; calling the result waits for it (and raises as ``gather_checked``)."""
     mark(op)  # the launcher's watchdog: this rank reached op's check
@@ -160,11 +160,10 @@ def start_gather_checked(op: str, group, problem: Exception | None, row: Sequenc
     assert len(mine) == width + 1, (op, mine, width)
     mine = torch.tensor(mine, dtype=torch.int64, device=meta_device(group))
     everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
-    work = dist_all_gather(everyone, mine, group, async_op=not at_once)
+    work = dist_all_gather(everyone, mine, group, async_op=True)
 
     def result() -> list[list[int]]:
-        if work is not None:  # None: gathered at once
-            work.wait()
+        work.wait()
         table = everyone.view(-1, mine.numel()).tolist()
         raise_together(op, group, any(r[0] for r in table), problem)
         return [r[1:] for r in table]

@@ -282,22 +282,21 @@ class OpsContext:
         """Every rank's ``row`` of ``width`` integers (dtype code, dims, sizes) before any
         data moves, raising on every rank if any rank's local checks failed
         (``problem``, with ``row`` None there); see :mod:`plait.ops.agree`."""
-        return self.start_meta(op, width, row, problem, verify, at_once=True)()
+        return self.start_meta(op, width, row, problem, verify)()
 
     def start_meta(self, op: str, width: int, row, problem: Exception | None = None,
-                   verify=None, *, at_once: bool = False):
+                   verify=None):
         """``gather_meta``, started: calling the result waits and gives what it gives.
         ``verify(rows)``: the operator's own check of every rank's row, which shared memory
         asks for its error where a peer carries the same check in a data call (a header of
         another width) and refuses the call either way; elsewhere unused (the operator
-        verifies the rows it gets). ``at_once``: the result is asked for at once (a
-        synchronous gather, which torch.distributed's transport may make an exchange)."""
+        verifies the rows it gets)."""
         if carries_checks(self) and width <= self.transport.header_words:
             # the check rides in a slot header (sized for any operator's on this group)
             rows = self.transport.gather_meta(op, row, width, problem, verify)
             return lambda: rows
         group = self.group if self.checks_group is None else self.checks_group
-        done = start_gather_checked(op, group, problem, row, width, at_once=at_once)
+        done = start_gather_checked(op, group, problem, row, width)
         return lambda: [tuple(r) for r in done()]
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..perf.pieces import offsets
-from .base import Done, Transport
+from .base import Done, Transport, sum_in_rank_order as _sum_into
 from .calls import DTYPE_CODES, Call, Carried, Header
 from .shm import ShmSegments
 
@@ -564,13 +564,6 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     last = sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``out = parts[0] + parts[1] + …``, in that order (the same bits on every rank)."""
-    torch.add(parts[0], parts[1], out=out) if len(parts) > 1 else out.copy_(parts[0])
-    for part in parts[2:]:
-        out.add_(part)
 
 
 class ShmTransport(Transport):
